@@ -1,0 +1,1 @@
+"""The ``mpitp`` command: one module per subcommand."""

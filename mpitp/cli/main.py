@@ -1,0 +1,34 @@
+"""``mpitp`` entry point. Run subcommands under ``mpiexec -n N`` for N ranks."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import demo, info
+
+COMMANDS = {"info": info, "demo": demo}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mpitp",
+        description="Large-model parallelism on MPI. Start ranks with your MPI launcher, e.g. "
+                    "'mpiexec -n 4 mpitp demo'; every subcommand also runs as a single process.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name, mod in COMMANDS.items():
+        mod.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    return int(COMMANDS[args.command].run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

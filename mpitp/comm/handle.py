@@ -1,0 +1,115 @@
+"""Driving communication steps: blocking waits, nonblocking handles, the watchdog.
+
+Every collective is written as a generator that posts MPI requests and yields the ones
+it needs finished before its next step; its ``return`` value is the result. The same
+generator runs blocking (:func:`drive`) or nonblocking (:class:`Handle`), and every wait
+goes through :class:`Watchdog`, so a collective that one rank never enters aborts the
+job with a message instead of hanging it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, Generator
+
+from mpi4py import MPI
+
+Steps = Generator[Any, None, Any]   # yields Request | list[Request]; returns the result
+
+
+class Watchdog:
+    """Abort the whole job when one wait exceeds ``timeout`` seconds (None: wait forever)."""
+
+    def __init__(self, timeout: float | None, rank: int):
+        self.timeout = timeout if timeout and timeout > 0 else None
+        self.rank = rank
+
+    @classmethod
+    def from_env(cls, timeout: float | None, rank: int) -> "Watchdog":
+        if timeout is None:
+            env = os.environ.get("MPITP_TIMEOUT", "").strip()
+            timeout = float(env) if env else None
+        return cls(timeout, rank)
+
+    def wait(self, reqs: list, what: str) -> None:
+        if self.timeout is None:
+            MPI.Request.Waitall(reqs)
+            return
+        deadline = time.monotonic() + self.timeout
+        spins = 0
+        while not MPI.Request.Testall(reqs):
+            spins += 1
+            if spins % 64 == 0:
+                if time.monotonic() > deadline:
+                    self.abort(what)
+                time.sleep(0)  # let an oversubscribed peer run
+
+    def abort(self, what: str) -> None:
+        msg = (
+            f"mpitp watchdog: rank {self.rank} waited more than {self.timeout:g} s in {what}; "
+            "another rank never entered it or is stuck. Aborting the job (MPITP_TIMEOUT)."
+        )
+        print(msg, file=sys.stderr, flush=True)
+        MPI.COMM_WORLD.Abort(3)
+
+
+def _as_list(reqs) -> list:
+    if reqs is None:
+        return []
+    return list(reqs) if isinstance(reqs, (list, tuple)) else [reqs]
+
+
+def drive(steps: Steps, watchdog: Watchdog, what: str) -> Any:
+    """Run a collective's steps to completion (blocking)."""
+    try:
+        reqs = next(steps)
+        while True:
+            watchdog.wait(_as_list(reqs), what)
+            reqs = steps.send(None)
+    except StopIteration as stop:
+        return stop.value
+
+
+class Handle:
+    """A collective in flight. ``wait()`` returns its result; ``test()`` polls.
+
+    MPI makes progress on hand-written algorithms only inside ``test``/``wait``: call
+    them from time to time while computing.
+    """
+
+    def __init__(self, steps: Steps, watchdog: Watchdog, what: str):
+        self._steps, self._watchdog, self.what = steps, watchdog, what
+        self._done, self._result, self._pending = False, None, []
+        self._advance(first=True)
+
+    def _advance(self, first: bool = False) -> None:
+        try:
+            reqs = next(self._steps) if first else self._steps.send(None)
+            self._pending = _as_list(reqs)
+        except StopIteration as stop:
+            self._done, self._result, self._pending = True, stop.value, []
+
+    def test(self) -> bool:
+        while not self._done:
+            if not MPI.Request.Testall(self._pending):
+                return False
+            self._advance()
+        return True
+
+    def wait(self) -> Any:
+        while not self._done:
+            self._watchdog.wait(self._pending, self.what)
+            self._advance()
+        return self._result
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+
+class Completed(Handle):
+    """A handle whose result is already there (collectives on one rank, say)."""
+
+    def __init__(self, result: Any, what: str = ""):
+        self._done, self._result, self._pending, self.what = True, result, [], what

@@ -1,0 +1,40 @@
+"""Algorithm choice: which implementation runs a collective.
+
+``algorithm="mpi"`` is MPI's own call; ``"ring"`` the hand-written ring;
+``"auto"`` picks by message size from crossover points (built-in defaults measured on
+a 2-core machine with the mpich wheel; ``mpitp bench allreduce --tune`` writes a
+tuning file for the machine at hand, read from ``MPITP_TUNING``).
+"""
+from __future__ import annotations
+
+from ..errors import UnsupportedOperation
+from .ops import ReduceOp
+
+ALGORITHMS = {
+    "allreduce": ("mpi", "ring"),
+    "allgather": ("mpi", "ring"),
+    "reduce_scatter": ("mpi", "ring"),
+    "reduce": ("mpi",),
+    "broadcast": ("mpi",),
+    "gather": ("mpi",),
+    "scatter": ("mpi",),
+    "alltoall": ("mpi",),
+}
+
+# message size (bytes, whole buffer) from which the ring beats MPI's own call
+DEFAULT_CROSSOVER = {"allreduce": 256 * 1024, "allgather": 1 << 62, "reduce_scatter": 1 << 62}
+
+
+def choose(collective: str, algorithm: str, nbytes: int, size: int, op: ReduceOp | None, topology) -> str:
+    """Resolve ``algorithm`` for one call; the same answer on every rank."""
+    known = ALGORITHMS[collective]
+    if algorithm == "auto":
+        if size == 1 or len(known) == 1:
+            return "mpi"
+        return "ring" if nbytes >= DEFAULT_CROSSOVER.get(collective, 1 << 62) else "mpi"
+    if algorithm not in known:
+        raise UnsupportedOperation(
+            f"{collective} has no algorithm {algorithm!r}; choose from auto, {', '.join(known)}")
+    if algorithm != "mpi" and op is not None and not op.commutative:
+        raise UnsupportedOperation(f"algorithm {algorithm!r} needs a commutative op; use algorithm='mpi'")
+    return algorithm

@@ -1,0 +1,167 @@
+"""All-reduce, MPI's own and the hand-written ring, against MPI (mpi4py called directly)
+and NumPy, as properties over sizes, dtypes, ops and world sizes.
+
+Float tolerance. Any summation order of N terms satisfies |fl(S) - S| <= g * sum|x_i| with
+g = (N-1)u / (1-(N-1)u), u = eps/2 (Higham, Accuracy and Stability, 4.2). Two different
+orders (ring vs MPI's) therefore differ by at most 2g * sum|x_i| element-wise; products
+likewise by 2g * |prod x_i| (relative error of N-1 roundings; inputs in [0.5, 1.5] keep
+clear of under/overflow), with g scaled by 4 for complex products (sqrt(5)u per complex
+multiply, Higham 3.6). max/min and all integer results must be exact.
+"""
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from mpi4py import MPI
+
+import mpitp
+from conftest import agree, rank_inputs
+
+N = MPI.COMM_WORLD.size
+SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=40,
+                    phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+DTYPES = ["float16", "float32", "float64", "int8", "int16", "int32", "int64",
+          "uint8", "uint16", "uint32", "uint64", "bool", "complex64"]
+OPS = ["sum", "prod", "max", "min"]
+SIZES = st.one_of(st.sampled_from([0, 1, 2, 3, 5, 7, 13, 31, 97, max(N - 1, 0), N, N + 1, 3 * N, 5 * N + 1]),
+                  st.integers(0, 5000))
+
+
+def valid(dtype, op):
+    if dtype == "bool":
+        return op in ("max", "min")
+    if dtype.startswith("complex"):
+        return op in ("sum", "prod")
+    return True
+
+
+def bound(inputs, op, dtype):
+    dtype = np.dtype(dtype)
+    if dtype.kind not in "fc" or op in ("max", "min") or N == 1:
+        return 0.0
+    u = np.finfo(dtype).eps / 2
+    g = (N - 1) * u / (1 - (N - 1) * u)
+    stack = np.stack([np.abs(a.astype(np.complex128 if dtype.kind == "c" else np.float64)) for a in inputs])
+    if op == "sum":
+        return 2 * g * stack.sum(axis=0)
+    return 2 * g * (4 if dtype.kind == "c" else 1) * stack.prod(axis=0)
+
+
+def numpy_reference(inputs, op):
+    fn = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}[op]
+    acc = inputs[0].copy()
+    for a in inputs[1:]:
+        acc = fn(acc, a)
+    return acc
+
+
+def mpi_reference(x, op):
+    y = np.empty_like(x)
+    from mpitp.comm.ops import ReduceOp, mpi_datatype, mpi_op
+    dt = mpi_datatype(x.dtype)
+    MPI.COMM_WORLD.Allreduce([x, dt], [y, dt], op=mpi_op(ReduceOp(op), x.dtype))
+    return y
+
+
+def close(a, b, tol):
+    if np.dtype(a.dtype).kind in "fc":
+        diff = np.abs(a.astype(np.complex128) - b.astype(np.complex128))
+        return bool(np.all(diff <= tol * (1 + 1e-6) + np.finfo(a.dtype).tiny))
+    return bool(np.array_equal(a, b))
+
+
+def same_on_all_ranks(y) -> bool:
+    digests = MPI.COMM_WORLD.allgather(zlib.crc32(np.ascontiguousarray(y).tobytes()))
+    return len(set(digests)) == 1
+
+
+def check_allreduce(comm, n, dtype, op, algorithm, seed):
+    inputs = rank_inputs((n,), dtype, op, N, seed)
+    x = inputs[comm.rank]
+    x0 = x.copy()
+    y = comm.allreduce(x, op=op, algorithm=algorithm)
+    ref_mpi = mpi_reference(x, op)
+    ref_np = numpy_reference(inputs, op)
+    tol = bound(inputs, op, dtype)
+    agree(np.array_equal(x, x0), "input was modified")
+    agree(y.shape == x.shape and y.dtype == x.dtype, f"got {y.shape} {y.dtype}")
+    agree(close(y, ref_mpi, tol), f"{algorithm} {dtype} {op} n={n}: differs from MPI's own Allreduce")
+    agree(close(y, ref_np, tol), f"{algorithm} {dtype} {op} n={n}: differs from NumPy")
+    agree(same_on_all_ranks(y), f"{algorithm} {dtype} {op} n={n}: ranks disagree bitwise")
+
+
+@SETTINGS
+@given(n=SIZES, dtype=st.sampled_from(DTYPES), op=st.sampled_from(OPS),
+       algorithm=st.sampled_from(["ring", "mpi", "auto"]), seed=st.integers(0, 2**16))
+def test_allreduce_property(comm, n, dtype, op, algorithm, seed):
+    if valid(dtype, op):
+        check_allreduce(comm, n, dtype, op, algorithm, seed)
+    else:
+        with pytest.raises(mpitp.UnsupportedOperation):
+            comm.allreduce(np.zeros(n, dtype), op=op, algorithm=algorithm)
+
+
+@pytest.mark.parametrize("n", [(3 << 20) // 4 + 1, 1 << 20])
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
+def test_ring_few_mib(comm, n, dtype):
+    """A few MiB: many segments per chunk (segment 256 KiB)."""
+    check_allreduce(comm, n, dtype, "sum", "ring", seed=7)
+
+
+def test_ring_small_segments(comm):
+    old = comm.segment_bytes
+    comm.segment_bytes = 24   # 6 float32 per segment: many segments, ragged last one
+    try:
+        check_allreduce(comm, 1001, "float32", "sum", "ring", seed=3)
+        check_allreduce(comm, 1001, "int64", "max", "ring", seed=4)
+    finally:
+        comm.segment_bytes = old
+
+
+def test_ring_is_reproducible(comm):
+    x = rank_inputs((10007,), "float32", "sum", N, 11)[comm.rank]
+    a = comm.allreduce(x, algorithm="ring")
+    b = comm.allreduce(x, algorithm="ring")
+    agree(np.array_equal(a, b), "two identical ring calls differ")
+
+
+@pytest.mark.parametrize("algorithm", ["mpi", "ring"])
+def test_shapes_outputs_and_inplace(comm, algorithm):
+    inputs = rank_inputs((6, 5, 4), "float64", "sum", N, 5)
+    ref = numpy_reference(inputs, "sum")
+    tol = bound(inputs, "sum", "float64")
+    x = inputs[comm.rank].copy()
+    # non-contiguous input (copied, not rejected)
+    t = np.asfortranarray(x)
+    agree(close(comm.allreduce(t, algorithm=algorithm), ref, tol), "fortran-ordered input")
+    s = np.zeros((12, 5, 4))
+    s[::2] = x
+    agree(close(comm.allreduce(s[::2], algorithm=algorithm), ref, tol), "strided input")
+    # out=
+    out = np.empty_like(x)
+    r = comm.allreduce(x, out=out, algorithm=algorithm)
+    agree(r is out and close(out, ref, tol), "out= form")
+    # non-contiguous out=
+    big = np.zeros((6, 5, 8))
+    r = comm.allreduce(x, out=big[:, :, ::2], algorithm=algorithm)
+    agree(close(big[:, :, ::2], ref, tol) and np.all(big[:, :, 1::2] == 0), "non-contiguous out=")
+    # in place
+    y = x.copy()
+    r = comm.allreduce(y, out=y, algorithm=algorithm)
+    agree(r is y and close(y, ref, tol), "in-place form")
+    # 0-d and zero-size
+    z = comm.allreduce(np.float64(comm.rank + 1), algorithm=algorithm)
+    agree(z.shape == () and z == N * (N + 1) / 2, "0-d input")
+    e = comm.allreduce(np.zeros((0, 3), np.float32), algorithm=algorithm)
+    agree(e.shape == (0, 3), "zero-size input")
+
+
+def test_unknown_op_and_algorithm(comm):
+    with pytest.raises(mpitp.UnsupportedOperation, match="unknown reduction op"):
+        comm.allreduce(np.ones(3), op="avg")
+    with pytest.raises(mpitp.UnsupportedOperation, match="no algorithm"):
+        comm.allreduce(np.ones(3), algorithm="tree")
+    with pytest.raises(mpitp.UnsupportedOperation, match="cannot be carried"):
+        comm.allreduce(np.array(["a"]))

@@ -1,0 +1,36 @@
+"""Run every per-rank suite in tests/mpi/ under a real mpiexec at world sizes 1-4.
+
+Each launch has a time limit (MPIEXEC_TIMEOUT / --timeout, plus a kill of the whole
+process group), and ranks run with the mpitp watchdog on, so a hang fails in seconds
+with a message instead of eating CI's time.
+"""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpitp import launch
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+SUITES = sorted(p.name for p in (HERE / "mpi").glob("test_*.py"))
+FLAVOR = launch.flavor()
+
+
+def run_suite(suite: str, n: int, extra_env: dict | None = None, timeout: int = 420):
+    env = dict(os.environ, MPITP_INNER="1", MPITP_TIMEOUT="60", PYTHONHASHSEED="0", **(extra_env or {}))
+    argv = [sys.executable, "-m", "pytest", "--with-mpi", "-q", "-x", "-p", "no:cacheprovider",
+            "--timeout=0", f"tests/mpi/{suite}"]
+    res = launch.run(n, argv, timeout=timeout, env=env, cwd=str(ROOT))
+    if res.returncode != 0:
+        pytest.fail(f"{suite} at {n} ranks ({FLAVOR}) exited {res.returncode}\n--- stdout\n{res.stdout[-8000:]}"
+                    f"\n--- stderr\n{res.stderr[-4000:]}", pytrace=False)
+    assert " passed" in res.stdout, res.stdout[-2000:]
+    return res
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("suite", SUITES)
+def test_suite(suite, n):
+    run_suite(suite, n)
