@@ -113,7 +113,8 @@ class Communicator:
         return res
 
     def _exchange_check(self, what: str, sig: dict, same: tuple[str, ...], err) -> None:
-        validate.check(what, validate.exchange(self._meta, self.watchdog, what, sig, err), same)
+        sig = {**sig, "seq": self._seq}
+        validate.check(validate.exchange(self._meta, self.watchdog, what, sig, err), same)
 
     @staticmethod
     def _sig(name: str, x: Any, **extra) -> dict:

@@ -91,18 +91,40 @@ def _float16_datatype() -> MPI.Datatype:
     return MPI.UINT16_T
 
 
+def _probe_values(dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Operands that expose wrong integer semantics (saturation instead of wrap-around)."""
+    n = 256   # long enough to take vectorised code paths
+    if dtype == np.bool_:
+        a = np.arange(n) % 2 == 0
+        return a, np.arange(n) % 3 == 0
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        a = np.resize(np.array([info.max, info.min, info.max - 1, 3, 0], dtype), n)
+        return a, np.resize(np.array([info.max, info.min, 2, 5, 1], dtype), n)
+    a = (np.arange(n) % 7 - 3).astype(dtype)
+    return a, (np.arange(n) % 5 - 2).astype(dtype)
+
+
 @lru_cache(maxsize=None)
 def _native_reduction_ok(op: ReduceOp, dtype_char: str) -> bool:
-    """Can MPI's predefined ``op`` reduce this dtype? Probed once on COMM_SELF."""
+    """Does MPI's predefined ``op`` compute this dtype the way NumPy does?
+
+    Probed once per (op, dtype) with ``Op.Reduce_local``: some MPI builds lack an op for a
+    type (MPICH has no bool SUM), and some compute it wrongly (Open MPI 5.0's AVX op
+    component saturates 8- and 16-bit integer sums instead of wrapping). Either way mpitp
+    then uses a user-defined op that applies the NumPy ufunc.
+    """
     dtype = np.dtype(dtype_char)
-    x = np.ones(2, dtype)
-    y = np.empty_like(x)
+    a, b = _probe_values(dtype)
+    want = ufunc(op)(a, b)
     mpi_op = _bool_op(op) if dtype == np.bool_ else _MPI_OP[op]
+    dt = mpi_datatype(dtype)
     try:
-        MPI.COMM_SELF.Allreduce([x, mpi_datatype(dtype)], [y, mpi_datatype(dtype)], op=mpi_op)
+        with np.errstate(all="ignore"):
+            mpi_op.Reduce_local([a, dt], [b, dt])
     except MPI.Exception:
         return False
-    return bool(np.all(y == x))
+    return bool(np.array_equal(b, want))
 
 
 def _bool_op(op: ReduceOp) -> MPI.Op:

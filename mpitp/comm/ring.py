@@ -107,7 +107,7 @@ def all_reduce(
     dtype: MPI.Datatype, itemsize: int, seg: int, tag: int, on_send: OnSend,
 ) -> Steps:
     """Ring all-reduce of flat ``src`` into flat ``dst`` (``dst is src`` for in place)."""
-    counts = chunk_counts(len(dst), comm.size)
+    counts = chunk_counts(dst.size, comm.size)
     kw = dict(dtype=dtype, itemsize=itemsize, tag=tag, on_send=on_send)
     yield from reduce_scatter(comm, src, dst, counts, reduce, tmp, seg=seg, **kw)
     yield from all_gather(comm, dst, counts, **kw)

@@ -37,8 +37,13 @@ def exchange(mpi: MPI.Comm, watchdog: Watchdog, what: str, sig: dict, error: Bas
     return out
 
 
-def check(what: str, gathered: list[tuple[dict, str | None]], same: tuple[str, ...]) -> None:
-    """Raise on every rank if any rank erred or a field in ``same`` differs."""
+def check(gathered: list[tuple[dict, str | None]], same: tuple[str, ...]) -> None:
+    """Raise on every rank if any rank erred or a field in ``same`` differs.
+
+    The message is built from the gathered evidence only (named after rank 0's call),
+    so it is identical on every rank."""
+    first = gathered[0][0]
+    what = f"{first.get('collective')} #{first.get('seq')}"
     errors = [(r, e) for r, (_, e) in enumerate(gathered) if e is not None]
     if errors:
         detail = "; ".join(f"rank {r}: {e}" for r, e in errors)

@@ -1,0 +1,128 @@
+"""Gather, reduce, broadcast, scatter, allgather, reduce_scatter, alltoall: against
+NumPy (every rank computes the reference from every rank's inputs) and MPI's own call."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from mpi4py import MPI
+
+import mpitp
+from conftest import agree, rank_inputs
+
+N = MPI.COMM_WORLD.size
+SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=25,
+                    phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+DTYPES = st.sampled_from(["float16", "float32", "float64", "int8", "int32", "int64", "uint16", "uint64", "bool"])
+
+
+def rows_of(r, seed):
+    """Per-rank first dimension (some ranks contribute nothing)."""
+    return (r * 7 + seed) % 4
+
+
+@SETTINGS
+@given(dtype=DTYPES, trailing=st.sampled_from([(), (3,), (2, 2)]), seed=st.integers(0, 1000),
+       root=st.integers(0, 7))
+def test_gather_allgather(comm, dtype, trailing, seed, root):
+    root %= N
+    pieces = [rank_inputs((rows_of(r, seed),) + trailing, dtype, "sum", 1, seed + r)[0] for r in range(N)]
+    ref = np.concatenate(pieces)
+    g = comm.gather(pieces[comm.rank], root=root)
+    agree((g is None) if comm.rank != root else (g.shape == ref.shape and np.array_equal(g, ref)), "gather")
+    for alg in ("mpi", "ring", "auto"):
+        a = comm.allgather(pieces[comm.rank], algorithm=alg)
+        agree(a.shape == ref.shape and a.dtype == ref.dtype and np.array_equal(a, ref), f"allgather {alg}")
+
+
+def test_gather_scalars_and_mpi_reference(comm):
+    g = comm.allgather(np.int32(comm.rank))
+    agree(g.shape == (N,) and np.array_equal(g, np.arange(N)), "0-d arrays count as one row")
+    x = np.arange(5, dtype=np.float64) + comm.rank
+    ref = np.empty(5 * N)
+    MPI.COMM_WORLD.Allgather(x, ref)
+    agree(np.array_equal(comm.allgather(x), ref), "allgather vs MPI's Allgather")
+
+
+@SETTINGS
+@given(dtype=DTYPES, rows=st.sampled_from([0, 1, N - 1, N, N + 1, 3 * N + 2, 17]),
+       seed=st.integers(0, 1000), root=st.integers(0, 7))
+def test_scatter(comm, dtype, rows, seed, root):
+    root %= N
+    full = rank_inputs((rows, 3), dtype, "sum", 1, seed)[0]
+    got = comm.scatter(full if comm.rank == root else None, root=root)
+    want = np.array_split(full, N)[comm.rank]
+    agree(got.shape == want.shape and got.dtype == want.dtype and np.array_equal(got, want), "scatter")
+
+
+@SETTINGS
+@given(dtype=st.sampled_from(["float32", "float64", "int32", "int64", "uint8"]),
+       op=st.sampled_from(["sum", "max", "min"]), rows=st.sampled_from([1, N - 1, N, N + 1, 2 * N + 1, 50]),
+       seed=st.integers(0, 1000))
+def test_reduce_scatter(comm, dtype, op, rows, seed):
+    inputs = rank_inputs((rows, 2), dtype, op, N, seed)
+    fn = {"sum": np.add, "max": np.maximum, "min": np.minimum}[op]
+    total = inputs[0]
+    for a in inputs[1:]:
+        total = fn(total, a)
+    want = np.array_split(total, N)[comm.rank]
+    for alg in ("mpi", "ring"):
+        got = comm.reduce_scatter(inputs[comm.rank], op=op, algorithm=alg)
+        ok = got.shape == want.shape and (np.allclose(got, want, rtol=1e-5, atol=1e-5) if got.dtype.kind == "f"
+                                          else np.array_equal(got, want))
+        agree(ok, f"reduce_scatter {alg} {dtype} {op} rows={rows}")
+
+
+@pytest.mark.parametrize("root", [0, N - 1])
+def test_reduce(comm, root):
+    inputs = rank_inputs((4, 3), "int64", "sum", N, 3)
+    want = np.sum(inputs, axis=0)
+    got = comm.reduce(inputs[comm.rank], root=root)
+    agree(got is None if comm.rank != root else np.array_equal(got, want), "reduce")
+    # MPI's own, directly
+    ref = np.empty_like(want) if comm.rank == root else None
+    MPI.COMM_WORLD.Reduce(inputs[comm.rank], ref, op=MPI.SUM, root=root)
+    agree(comm.rank != root or np.array_equal(ref, got), "reduce vs MPI's Reduce")
+    # in place on root, out= elsewhere ignored
+    y = inputs[comm.rank].copy()
+    got = comm.reduce(y, op="max", root=root, out=y)
+    agree(comm.rank != root or (got is y and np.array_equal(y, np.max(inputs, axis=0))), "in-place reduce")
+
+
+@pytest.mark.parametrize("root", [0, N - 1])
+@pytest.mark.parametrize("dtype", ["float32", "int16", "bool"])
+def test_broadcast(comm, root, dtype):
+    src = rank_inputs((3, 4), dtype, "sum", 1, 99)[0]
+    buf = src.copy() if comm.rank == root else np.zeros_like(src)
+    got = comm.broadcast(buf, root=root)
+    agree(got is buf and np.array_equal(buf, src), "broadcast fills the buffer in place")
+    # non-contiguous receive buffer
+    big = np.zeros((3, 8), dtype)
+    if comm.rank == root:
+        big[:, ::2] = src
+    got = comm.broadcast(big[:, ::2], root=root)
+    agree(np.array_equal(big[:, ::2], src), "broadcast into a strided view")
+
+
+@pytest.mark.parametrize("dtype", ["float64", "uint32"])
+def test_alltoall(comm, dtype):
+    x = (np.arange(2 * N * 3).reshape(2 * N, 3) + 1000 * comm.rank).astype(dtype)
+    got = comm.alltoall(x)
+    blocks = [(np.arange(2 * N * 3).reshape(2 * N, 3) + 1000 * r).astype(dtype)[2 * comm.rank:2 * comm.rank + 2]
+              for r in range(N)]
+    agree(np.array_equal(got, np.concatenate(blocks)), "alltoall")
+    ref = np.empty_like(x)
+    MPI.COMM_WORLD.Alltoall(x, ref)
+    agree(np.array_equal(got, ref), "alltoall vs MPI's Alltoall")
+    if N > 1:
+        with pytest.raises(ValueError, match="divisible"):
+            comm.alltoall(np.zeros(N + 1))
+
+
+def test_zero_size_everywhere(comm):
+    e = np.zeros((0, 2), np.float32)
+    agree(comm.allgather(e).shape == (0, 2), "allgather of empties")
+    agree(comm.reduce_scatter(e).shape == (0, 2), "reduce_scatter of empty")
+    agree(comm.alltoall(e).shape == (0, 2), "alltoall of empty")
+    agree(comm.broadcast(e).shape == (0, 2), "broadcast of empty")
+    g = comm.gather(e)
+    agree(comm.rank != 0 or g.shape == (0, 2), "gather of empties")

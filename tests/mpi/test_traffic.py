@@ -1,0 +1,78 @@
+"""Byte counters: exact figures for the hand-written ring, per peer class and phase."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpitp
+from conftest import agree
+
+N = MPI.COMM_WORLD.size
+
+
+def split_sizes(n):
+    return [len(c) for c in np.array_split(np.arange(n), N)]
+
+
+@pytest.fixture
+def fresh():
+    c = mpitp.Communicator()
+    yield c
+    c.free()
+
+
+@pytest.mark.parametrize("n", [0, 1, max(N - 1, 1), 1000, 1001, 65537])
+@pytest.mark.parametrize("dtype", ["float32", "int8", "float64"])
+def test_ring_allreduce_bytes(fresh, n, dtype):
+    c, r = fresh.traffic, fresh.rank
+    x = np.ones(n, dtype)
+    fresh.allreduce(x, algorithm="ring")
+    sizes = split_sizes(n)
+    # reduce-scatter sends every chunk but its own, all-gather every chunk but the right neighbour's
+    want = 0 if N == 1 else (2 * n - sizes[r] - sizes[(r + 1) % N]) * np.dtype(dtype).itemsize
+    agree(c.total == want and c.by_collective["allreduce"] == want, f"sent {c.total}, expected {want}")
+    agree(c.by_peer.get("intra", 0) == want and c.by_peer.get("inter", 0) == 0, f"by_peer {dict(c.by_peer)}")
+    agree(c.calls["allreduce"] == 1, "call count")
+
+
+def test_ring_reduce_scatter_and_allgather_bytes(fresh):
+    r, n = fresh.rank, 4 * N + 3
+    sizes = split_sizes(n)
+    fresh.reduce_scatter(np.ones(n, np.float32), algorithm="ring")
+    want_rs = 0 if N == 1 else (n - sizes[r]) * 4
+    agree(fresh.traffic.by_collective["reduce_scatter"] == want_rs, "reduce_scatter bytes")
+    fresh.allgather(np.ones(sizes[r], np.float32), algorithm="ring")
+    want_ag = 0 if N == 1 else (n - sizes[(r + 1) % N]) * 4
+    agree(fresh.traffic.by_collective["allgather"] == want_ag, "allgather bytes")
+
+
+def test_phases_and_mpi_payload(fresh):
+    x = np.ones(1000, np.float64)
+    with fresh.phase("forward"):
+        fresh.allreduce(x, algorithm="ring")
+        with fresh.phase("backward"):
+            fresh.allreduce(x, algorithm="mpi")
+    fresh.allreduce(x, algorithm="mpi")
+    t = fresh.traffic
+    ring_bytes = 0 if N == 1 else (2000 - sum(split_sizes(1000)[i % N] for i in (fresh.rank, fresh.rank + 1))) * 8
+    mpi_bytes = 0 if N == 1 else 8000
+    agree(t.by_phase["forward"] == ring_bytes, f"forward {t.by_phase}")
+    agree(t.by_phase["backward"] == mpi_bytes and t.by_phase[None] == mpi_bytes, f"phases {t.by_phase}")
+    agree(t.by_peer.get("mpi", 0) == 2 * mpi_bytes, "MPI's own calls are counted as payload under 'mpi'")
+    agree(t.calls["allreduce"] == 3, "calls")
+    snap = t.snapshot()
+    t.reset()
+    agree(snap["total"] == ring_bytes + 2 * mpi_bytes and t.total == 0, "snapshot/reset")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_simulated_nodes_classify_peers():
+    c = mpitp.Communicator(ranks_per_node=2)
+    try:
+        r = c.rank
+        c.allreduce(np.ones(12 * N, np.float32), algorithm="ring")
+        right = (r + 1) % N
+        cls = "intra" if right // 2 == r // 2 else "inter"
+        agree(c.traffic.by_peer[cls] == c.traffic.total > 0, f"rank {r}->{right} should be {cls}: {dict(c.traffic.by_peer)}")
+        agree(c.topology.nodes == tuple(tuple(range(i, min(i + 2, N))) for i in range(0, N, 2)), "node layout")
+    finally:
+        c.free()

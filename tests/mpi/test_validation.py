@@ -1,0 +1,85 @@
+"""With validation on, mismatched arguments raise the same CollectiveMismatchError on
+every rank (and the communicator stays usable). Meaningful from 2 ranks up."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpitp
+from conftest import agree
+
+N = MPI.COMM_WORLD.size
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+@pytest.fixture(scope="module")
+def vcomm():
+    c = mpitp.Communicator(validate=True)
+    yield c
+    c.free()
+
+
+def raises_everywhere(fn, *fragments):
+    """fn() must raise CollectiveMismatchError on every rank with an identical message."""
+    try:
+        fn()
+        msg = None
+    except mpitp.CollectiveMismatchError as e:
+        msg = str(e)
+    msgs = MPI.COMM_WORLD.allgather(msg)
+    agree(msg is not None, "no CollectiveMismatchError on this rank")
+    agree(len(set(msgs)) == 1, f"messages differ across ranks: {msgs}")
+    for f in fragments:
+        agree(f in msg, f"{f!r} not in {msg!r}")
+    return msg
+
+
+def test_dtype_mismatch(vcomm):
+    last = N - 1
+    x = np.ones(8, np.float64 if vcomm.rank == last else np.float32)
+    raises_everywhere(lambda: vcomm.allreduce(x), "dtype differs", f"rank {last}: float64", "rank 0: float32")
+    raises_everywhere(lambda: vcomm.allgather(x), "dtype differs")
+
+
+def test_count_and_shape_mismatch(vcomm):
+    x = np.ones(8 + (vcomm.rank == 1), np.float32)
+    raises_everywhere(lambda: vcomm.allreduce(x, algorithm="ring"), "shape differs", "rank 1: (9,)")
+    raises_everywhere(lambda: vcomm.reduce_scatter(x), "shape differs")
+    y = np.ones((2, 3 + (vcomm.rank == 1)))
+    raises_everywhere(lambda: vcomm.allgather(y), "trailing differs")
+    raises_everywhere(lambda: vcomm.broadcast(x), "shape differs")
+
+
+def test_root_op_algorithm_mismatch(vcomm):
+    x = np.ones(4)
+    raises_everywhere(lambda: vcomm.reduce(x, root=vcomm.rank % 2), "root differs")
+    raises_everywhere(lambda: vcomm.broadcast(x, root=vcomm.rank % 2), "root differs")
+    raises_everywhere(lambda: vcomm.allreduce(x, op="max" if vcomm.rank else "sum"), "op differs")
+    raises_everywhere(lambda: vcomm.allreduce(x, algorithm="ring" if vcomm.rank else "mpi"), "algorithm differs")
+
+
+def test_invalid_argument_on_one_rank(vcomm):
+    raises_everywhere(lambda: vcomm.reduce(np.ones(3), root=N if vcomm.rank == 0 else 0),
+                      "invalid arguments", "rank 0", "not a rank")
+    bad = np.array(["x"]) if vcomm.rank == 1 else np.ones(1)
+    raises_everywhere(lambda: vcomm.allreduce(bad), "rank 1", "cannot be carried")
+    raises_everywhere(lambda: vcomm.allreduce(np.ones(2), op="mean" if vcomm.rank == 1 else "sum"),
+                      "unknown reduction op")
+
+
+def test_different_collectives(vcomm):
+    x = np.ones(4)
+    raises_everywhere(lambda: vcomm.allreduce(x) if vcomm.rank else vcomm.allgather(x), "collective differs")
+
+
+def test_still_usable_after_errors(vcomm):
+    y = vcomm.allreduce(np.full(5, vcomm.rank, np.int64))
+    agree(np.all(y == N * (N - 1) // 2), "allreduce after validation errors")
+
+
+def test_env_switch(monkeypatch):
+    monkeypatch.setenv("MPITP_VALIDATE", "1")
+    c = mpitp.Communicator()
+    try:
+        agree(c.validate, "MPITP_VALIDATE=1 did not turn validation on")
+    finally:
+        c.free()

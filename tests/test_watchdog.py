@@ -1,0 +1,35 @@
+"""A collective that one rank never enters must abort the job within MPITP_TIMEOUT plus
+a few seconds, naming the collective, its sequence number and the waiting rank."""
+import sys
+import textwrap
+import time
+
+import pytest
+
+from mpitp import launch
+
+SCRIPT = textwrap.dedent("""
+    import time, numpy as np, mpitp
+    comm = mpitp.Communicator()
+    comm.allreduce(np.ones(4))                      # call #1 completes everywhere
+    if comm.rank == 1:
+        time.sleep(120)                             # rank 1 never enters call #2
+    comm.allreduce(np.ones(1 << 16), algorithm="{alg}")
+    print("unreachable", flush=True)
+""")
+
+
+@pytest.mark.parametrize("n,alg", [(2, "mpi"), (3, "ring"), (4, "mpi")])
+def test_hang_becomes_abort(n, alg, tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(SCRIPT.format(alg=alg))
+    t0 = time.monotonic()
+    res = launch.run(n, [sys.executable, str(script)], timeout=90, env={**__import__("os").environ,
+                                                                         "MPITP_TIMEOUT": "3"})
+    elapsed = time.monotonic() - t0
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out
+    assert "unreachable" not in out
+    assert "mpitp watchdog" in out and "allreduce #2" in out, out[-3000:]
+    assert "rank 0 waited" in out or f"rank {n - 1} waited" in out, out[-3000:]
+    assert elapsed < 80, f"abort took {elapsed:.0f} s: the launcher's limit, not the watchdog, ended it"
