@@ -1,5 +1,6 @@
 """A collective that one rank never enters must abort the job within MPITP_TIMEOUT plus
 a few seconds, naming the collective, its sequence number and the waiting rank."""
+import re
 import sys
 import textwrap
 import time
@@ -31,5 +32,6 @@ def test_hang_becomes_abort(n, alg, tmp_path):
     assert res.returncode != 0, out
     assert "unreachable" not in out
     assert "mpitp watchdog" in out and "allreduce #2" in out, out[-3000:]
-    assert "rank 0 waited" in out or f"rank {n - 1} waited" in out, out[-3000:]
+    waited = re.findall(r"rank (\d+) waited", out)
+    assert waited and "1" not in waited, out[-3000:]    # a rank that did enter names itself
     assert elapsed < 80, f"abort took {elapsed:.0f} s: the launcher's limit, not the watchdog, ended it"

@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import demo, info
+from . import bench, demo, info
 
-COMMANDS = {"info": info, "demo": demo}
+COMMANDS = {"info": info, "demo": demo, "bench": bench}
 
 
 def build_parser() -> argparse.ArgumentParser:

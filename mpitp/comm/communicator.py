@@ -25,7 +25,7 @@ from mpi4py import MPI
 
 from .. import backend
 from ..errors import MpitpError
-from . import native, ring, select, validate
+from . import native, ring, select, tuning, validate
 from .handle import Completed, Handle, Steps, Watchdog, drive
 from .ops import ReduceOp, check_dtype, check_reducible, mpi_datatype, mpi_op, ufunc
 from .topology import Topology
@@ -33,6 +33,7 @@ from .traffic import Traffic
 from .workspace import Workspace
 
 _LOCAL_ERRORS = (MpitpError, ValueError, TypeError)
+RING_DEPTH = int(os.environ.get("MPITP_RING_DEPTH", 4))   # receive segments in flight per ring step
 
 
 def _env_flag(name: str) -> bool:
@@ -57,10 +58,12 @@ class Communicator:
         self.watchdog = Watchdog.from_env(timeout, MPI.COMM_WORLD.rank)
         self.topology = Topology.detect(self.mpi, ranks_per_node)
         self.traffic = Traffic()
-        self.segment_bytes = int(os.environ.get("MPITP_RING_SEGMENT", 256 * 1024))
+        self.segment_bytes = int(os.environ.get("MPITP_RING_SEGMENT", 512 * 1024))
         self._staging = None      # decided on first device array (asks MPI once)
         self._seq = 0
         self._workspace = Workspace()
+        self._fast: dict = {}     # (dtype char, op, algorithm) -> (MPI datatype, MPI op, size limit)
+        self.tuning = self.mpi.bcast(tuning.load() if self.rank == 0 else None, root=0)
 
     # ------------------------------------------------------------------ plumbing
     def phase(self, label: str):
@@ -99,15 +102,16 @@ class Communicator:
             return Handle(steps, self.watchdog, what)
         return drive(steps, self.watchdog, what)
 
-    def _prepare(self, what: str, sig: dict, same: tuple[str, ...], fn):
-        """Run local argument checks; with validation on, compare across ranks first."""
+    def _prepare(self, what: str, sig, same: tuple[str, ...], fn):
+        """Run local argument checks; with validation on, compare across ranks first
+        (``sig()`` builds this rank's signature only then)."""
         err, res = None, None
         try:
             res = fn()
         except _LOCAL_ERRORS as e:
             err = e
         if self.validate:
-            self._exchange_check(what, sig, same, err)
+            self._exchange_check(what, sig(), same, err)
         if err is not None:
             raise err
         return res
@@ -183,17 +187,30 @@ class Communicator:
     def allreduce(self, x, op: "ReduceOp | str" = "sum", *, out=None, algorithm: str = "auto",
                   nonblocking: bool = False):
         """Element-wise reduction over all ranks; every rank gets the (bit-identical) result."""
+        fast = self._fast.get((x.dtype.char, op, algorithm)) if type(x) is np.ndarray else None
+        if fast is not None and x.nbytes < fast[2] and not nonblocking and x.flags.c_contiguous and (
+                out is None or out is x or (type(out) is np.ndarray and out.flags.c_contiguous
+                                            and out.shape == x.shape and out.dtype == x.dtype)):
+            # Hot path for small host messages that go to MPI's own call: the slow path below
+            # has already checked this (dtype, op, algorithm) once and cached the MPI handles.
+            self._seq += 1
+            self.traffic.count_call("allreduce")
+            dst = np.empty_like(x) if out is None else out
+            self.mpi.Allreduce(MPI.IN_PLACE if dst is x else [x, fast[0]], [dst, fast[0]], op=fast[1])
+            self.traffic.record(x.nbytes, "allreduce", "mpi")
+            return dst
         seq, what = self._begin("allreduce")
-        sig = self._sig("allreduce", x, op=str(op), algorithm=algorithm)
+        sig = lambda: self._sig("allreduce", x, op=str(op), algorithm=algorithm)  # noqa: E731
 
         def prep():
             o = ReduceOp.parse(op)
             a = self._array(x)
             check_reducible(o, a.dtype)
-            alg = select.choose("allreduce", algorithm, a.nbytes, self.size, o, self.topology)
+            alg = select.choose("allreduce", algorithm, a.nbytes, self.size, o, self.topology, self.tuning)
             return o, a, alg
         o, a, alg = self._prepare(what, sig, ("collective", "dtype", "shape", "op", "algorithm"), prep)
         what = f"{what} ({alg}, {a.nbytes} bytes)"
+        self._remember_fast(x, op, algorithm, o, a, alg)
         inplace = out is x
         if self._stage(a):
             h = self._to_host(a)
@@ -217,30 +234,41 @@ class Communicator:
             return (yield from native.allreduce(self.mpi, a, dst, dt, mpi_op(op, a.dtype), self._direct(nonblocking)))
         fn = ufunc(op, backend.xp_of(a))
         reduce = lambda p, q, r: fn(p, q, out=r)  # noqa: E731
-        n = a.size
-        with self._workspace.borrow(-(-n // self.size), a.dtype, a) as tmp:
+        with self._workspace.borrow(self._slots(-(-a.size // self.size), a.dtype), a.dtype, a) as tmp:
             yield from ring.all_reduce(
                 self._algo, a.reshape(-1), dst.reshape(-1), reduce, tmp, dtype=dt,
                 itemsize=a.dtype.itemsize, seg=self._segment(a.dtype), tag=seq & 0x7FFF,
                 on_send=self._on_send("allreduce"))
         return dst
 
+    def _remember_fast(self, x, op, algorithm, o: ReduceOp, a, alg: str) -> None:
+        """Cache MPI handles for (dtype, op, algorithm) when small host calls go to MPI."""
+        if (alg != "mpi" or self.validate or self.watchdog.timeout is not None or self.size == 1
+                or type(x) is not np.ndarray or not isinstance(op, (str, ReduceOp))):
+            return
+        limit = 1 << 62 if algorithm == "mpi" else select.crossover("allreduce", self.size, self.tuning)
+        self._fast[(a.dtype.char, op, algorithm)] = (mpi_datatype(a.dtype), mpi_op(o, a.dtype), limit)
+
     def _segment(self, dtype) -> int:
         return max(1, self.segment_bytes // np.dtype(dtype).itemsize)
+
+    def _slots(self, chunk: int, dtype) -> int:
+        """Elements of receive scratch for the ring: RING_DEPTH segments, at most a chunk."""
+        return max(1, min(chunk, RING_DEPTH * self._segment(dtype)))
 
     # ------------------------------------------------------------------ rooted reduce / bcast
     def reduce(self, x, op: "ReduceOp | str" = "sum", root: int = 0, *, out=None,
                algorithm: str = "auto", nonblocking: bool = False):
         """Reduction to ``root``; returns the result there and ``None`` elsewhere."""
         seq, what = self._begin("reduce")
-        sig = self._sig("reduce", x, op=str(op), root=root, algorithm=algorithm)
+        sig = lambda: self._sig("reduce", x, op=str(op), root=root, algorithm=algorithm)  # noqa: E731
 
         def prep():
             o = ReduceOp.parse(op)
             self._check_root(root)
             a = self._array(x)
             check_reducible(o, a.dtype)
-            select.choose("reduce", algorithm, a.nbytes, self.size, o, self.topology)
+            select.choose("reduce", algorithm, a.nbytes, self.size, o, self.topology, self.tuning)
             return o, a
         o, a = self._prepare(what, sig, ("collective", "dtype", "shape", "op", "root", "algorithm"), prep)
         staged = self._stage(a)
@@ -266,7 +294,7 @@ class Communicator:
         """Root's ``x`` to every rank. Non-roots pass a buffer of the same shape and dtype,
         which is filled in place and returned."""
         seq, what = self._begin("broadcast")
-        sig = self._sig("broadcast", x, root=root)
+        sig = lambda: self._sig("broadcast", x, root=root)  # noqa: E731
 
         def prep():
             self._check_root(root)
@@ -313,7 +341,7 @@ class Communicator:
         def prep():
             self._check_root(root)
             return self._array(x)
-        sig = self._sig("gather", x, root=root, trailing=tuple(getattr(x, "shape", ()))[1:])
+        sig = lambda: self._sig("gather", x, root=root, trailing=tuple(getattr(x, "shape", ()))[1:])  # noqa: E731
         a = self._prepare(what, sig, ("collective", "dtype", "trailing", "root"), prep)
         staged = self._stage(a)
         src = self._to_host(a) if staged else a
@@ -330,11 +358,11 @@ class Communicator:
     def allgather(self, x, *, out=None, algorithm: str = "auto", nonblocking: bool = False):
         """Concatenate every rank's ``x`` along axis 0 on every rank."""
         seq, what = self._begin("allgather")
-        sig = self._sig("allgather", x, algorithm=algorithm, trailing=tuple(getattr(x, "shape", ()))[1:])
+        sig = lambda: self._sig("allgather", x, algorithm=algorithm, trailing=tuple(getattr(x, "shape", ()))[1:])  # noqa: E731
 
         def prep():
             a = self._array(x)
-            return a, select.choose("allgather", algorithm, a.nbytes * self.size, self.size, None, self.topology)
+            return a, select.choose("allgather", algorithm, a.nbytes * self.size, self.size, None, self.topology, self.tuning)
         a, alg = self._prepare(what, sig, ("collective", "dtype", "trailing", "algorithm"), prep)
         staged = self._stage(a)
         src = self._to_host(a) if staged else a
@@ -359,14 +387,15 @@ class Communicator:
         lo = sum(elems[:self.rank])
         flat[lo:lo + elems[self.rank]] = src.reshape(-1)
         yield from ring.all_gather(self._algo, flat, elems, dtype=dt, itemsize=src.dtype.itemsize,
-                                   tag=seq & 0x7FFF, on_send=self._on_send("allgather"))
+                                   seg=self._segment(src.dtype), tag=seq & 0x7FFF,
+                                   on_send=self._on_send("allgather"))
         return dst
 
     def scatter(self, x, root: int = 0, *, nonblocking: bool = False):
         """Split root's ``x`` along axis 0 like ``numpy.array_split``; rank r gets piece r.
         Non-roots may pass ``None``."""
         seq, what = self._begin("scatter")
-        sig = {"collective": "scatter", "root": root}
+        sig = lambda: {"collective": "scatter", "root": root}  # noqa: E731
 
         def prep():
             self._check_root(root)
@@ -400,7 +429,7 @@ class Communicator:
         """Reduce ``x`` over ranks, then split axis 0 like ``numpy.array_split``;
         rank r gets piece r."""
         seq, what = self._begin("reduce_scatter")
-        sig = self._sig("reduce_scatter", x, op=str(op), algorithm=algorithm)
+        sig = lambda: self._sig("reduce_scatter", x, op=str(op), algorithm=algorithm)  # noqa: E731
 
         def prep():
             o = ReduceOp.parse(op)
@@ -408,7 +437,7 @@ class Communicator:
             if a.ndim == 0:
                 raise ValueError("reduce_scatter needs an array with at least one dimension")
             check_reducible(o, a.dtype)
-            return o, a, select.choose("reduce_scatter", algorithm, a.nbytes, self.size, o, self.topology)
+            return o, a, select.choose("reduce_scatter", algorithm, a.nbytes, self.size, o, self.topology, self.tuning)
         o, a, alg = self._prepare(what, sig, ("collective", "dtype", "shape", "op", "algorithm"), prep)
         staged = self._stage(a)
         src = self._to_host(a) if staged else a
@@ -435,7 +464,7 @@ class Communicator:
         fn = ufunc(op, backend.xp_of(src))
         lo = sum(elems[:self.rank])
         with self._workspace.borrow(src.size, src.dtype, src) as full, \
-                self._workspace.borrow(max(elems), src.dtype, src) as tmp:
+                self._workspace.borrow(self._slots(max(elems), src.dtype), src.dtype, src) as tmp:
             yield from ring.reduce_scatter(
                 self._algo, src.reshape(-1), full, elems, lambda p, q, r: fn(p, q, out=r), tmp,
                 dtype=dt, itemsize=src.dtype.itemsize, seg=self._segment(src.dtype), tag=seq & 0x7FFF,
@@ -447,7 +476,7 @@ class Communicator:
         """Split axis 0 into ``size`` equal blocks; block j goes to rank j, and the
         result stacks the blocks received from ranks 0..size-1."""
         seq, what = self._begin("alltoall")
-        sig = self._sig("alltoall", x)
+        sig = lambda: self._sig("alltoall", x)  # noqa: E731
 
         def prep():
             a = self._array(x)

@@ -13,8 +13,9 @@ At step ``s`` rank ``r`` sends chunk ``(r-s-1) mod N`` to ``r+1`` and reduces ch
 unchanged for N-1 steps, so every rank ends with bit-identical results. All-reduce is
 the two together: 2(N-1) steps, and each rank sends ``2n - |c_r| - |c_{r+1}|`` elements.
 
-Receives are posted before sends, and each chunk travels in segments so that reducing
-segment k overlaps the transfer of segment k+1. The functions are generators of MPI
+Receives are posted before the data they wait for is sent, and each chunk travels in
+segments so that reducing segment k overlaps the transfer of segment k+1; a reduced
+segment is forwarded at once, while still in cache (:func:`_pipeline`). The functions are generators of MPI
 requests (see :mod:`mpitp.comm.handle`); they only need arrays that slice like NumPy's,
 so CuPy device buffers work the same way when MPI is CUDA-aware.
 """
@@ -49,6 +50,76 @@ def _segments(count: int, seg: int):
         yield lo, min(count, lo + seg)
 
 
+def _pipeline(
+    comm: MPI.Comm, src, dst, counts: list[int], reduce: Reduce | None, tmp, steps: range, *,
+    dtype: MPI.Datatype, itemsize: int, seg: int, tag: int, on_send: OnSend,
+) -> Steps:
+    """Steps ``steps`` of the 2(N-1)-step ring, pipelined segment by segment.
+
+    Steps 0..N-2 are the reduce-scatter, N-1..2N-3 the all-gather. Each segment is
+    forwarded to the right neighbour as soon as it has been reduced (or has arrived), while
+    it is still in cache, so there is no barrier between steps or between the two phases'
+    data. Receives are posted in the order the left neighbour sends (MPI matches one
+    (source, tag) pair in posting order); at most ``depth`` are in flight, reduce-scatter
+    segments landing in ``tmp`` slots that are reused and stay cache-resident. An
+    all-gather receive into a segment is posted only after every pending send that reads
+    that same segment has completed. (Waiting per chunk instead would deadlock: each rank
+    would wait for its forward of segment 0 while the neighbour waits for its own before
+    posting the receive for it.)
+    """
+    N, r = comm.size, comm.rank
+    right, left = (r + 1) % N, (r - 1) % N
+    offs = offsets(counts)
+    rs = N - 1
+
+    def recv_chunk(s):
+        return (r - s - 2) % N if s < rs else (r - (s - rs) - 1) % N
+
+    def send_chunk(s):
+        return (r - s - 1) % N if s < rs else (r - (s - rs)) % N
+
+    incoming = [(s, lo, hi) for s in steps for lo, hi in _segments(counts[recv_chunk(s)], seg)]
+    first_ag = next((j for j, (s, _, _) in enumerate(incoming) if s >= rs), len(incoming))
+    depth = max(1, tmp.size // seg) if tmp is not None else 1
+    sends_of: dict[tuple[int, int], list] = {}   # (chunk, segment start) -> sends reading it
+    all_sends: list = []
+
+    def send(s, lo, hi, buf):
+        c = send_chunk(s)
+        o = offs[c]
+        req = comm.Isend([buf[o + lo:o + hi], dtype], dest=right, tag=tag)
+        on_send((hi - lo) * itemsize, right)
+        sends_of.setdefault((c, lo), []).append(req)
+        all_sends.append(req)
+
+    first = steps.start
+    for lo, hi in _segments(counts[send_chunk(first)], seg):
+        send(first, lo, hi, src if first == 0 else dst)
+
+    reqs: list = []
+    for j, (s, lo, hi) in enumerate(incoming):
+        while len(reqs) < len(incoming) and len(reqs) < j + depth and (len(reqs) < first_ag or j >= first_ag):
+            ps, plo, phi = incoming[len(reqs)]
+            c = recv_chunk(ps)
+            if ps < rs:
+                k = (len(reqs) % depth) * seg
+                buf = tmp[k:k + phi - plo]
+            else:
+                if (c, plo) in sends_of:
+                    yield sends_of.pop((c, plo))   # this segment is still being sent from
+                buf = dst[offs[c] + plo:offs[c] + phi]
+            reqs.append(comm.Irecv([buf, dtype], source=left, tag=tag))
+        yield reqs[j]
+        c = recv_chunk(s)
+        o = offs[c]
+        if s < rs:
+            k = (j % depth) * seg
+            reduce(src[o + lo:o + hi], tmp[k:k + hi - lo], dst[o + lo:o + hi])
+        if s + 1 < steps.stop:
+            send(s + 1, lo, hi, dst)          # send_chunk(s + 1) == c
+    yield all_sends
+
+
 def reduce_scatter(
     comm: MPI.Comm, src, dst, counts: list[int], reduce: Reduce, tmp, *,
     dtype: MPI.Datatype, itemsize: int, seg: int, tag: int, on_send: OnSend,
@@ -56,50 +127,31 @@ def reduce_scatter(
     """Ring reduce-scatter of flat ``src`` into flat ``dst`` (may be the same buffer).
 
     Afterwards ``dst[chunk rank]`` holds the reduction over all ranks; the other chunks of
-    ``dst`` hold partial sums. ``tmp`` must hold ``max(counts)`` elements.
+    ``dst`` hold partial sums. ``tmp`` holds a few receive slots of ``seg`` elements (or
+    the largest chunk, when that is smaller).
     """
-    N, r = comm.size, comm.rank
-    if N == 1:
+    if comm.size == 1:
         if dst is not src:
             dst[:] = src
-        return
-    right, left = (r + 1) % N, (r - 1) % N
-    offs = offsets(counts)
-    for s in range(N - 1):
-        sc, rc = (r - s - 1) % N, (r - s - 2) % N
-        send_from = src if s == 0 else dst
-        so, ro, rn = offs[sc], offs[rc], counts[rc]
-        rreqs = [
-            comm.Irecv([tmp[lo:hi], dtype], source=left, tag=tag)
-            for lo, hi in _segments(rn, seg)
-        ]
-        sreqs = []
-        for lo, hi in _segments(counts[sc], seg):
-            sreqs.append(comm.Isend([send_from[so + lo:so + hi], dtype], dest=right, tag=tag))
-            on_send((hi - lo) * itemsize, right)
-        for req, (lo, hi) in zip(rreqs, _segments(rn, seg)):
-            yield req
-            reduce(src[ro + lo:ro + hi], tmp[lo:hi], dst[ro + lo:ro + hi])
-        yield sreqs
+        return dst
+    yield from _pipeline(comm, src, dst, counts, reduce, tmp, range(0, comm.size - 1), dtype=dtype,
+                         itemsize=itemsize, seg=seg, tag=tag, on_send=on_send)
+    return dst
 
 
 def all_gather(
     comm: MPI.Comm, buf, counts: list[int], *,
-    dtype: MPI.Datatype, itemsize: int, tag: int, on_send: OnSend,
+    dtype: MPI.Datatype, itemsize: int, seg: int, tag: int, on_send: OnSend,
 ) -> Steps:
-    """Ring all-gather, in place: on entry ``buf[chunk rank]`` is this rank's piece."""
-    N, r = comm.size, comm.rank
-    right, left = (r + 1) % N, (r - 1) % N
-    offs = offsets(counts)
-    for s in range(N - 1):
-        sc, rc = (r - s) % N, (r - s - 1) % N
-        reqs = []
-        if counts[rc]:
-            reqs.append(comm.Irecv([buf[offs[rc]:offs[rc] + counts[rc]], dtype], source=left, tag=tag))
-        if counts[sc]:
-            reqs.append(comm.Isend([buf[offs[sc]:offs[sc] + counts[sc]], dtype], dest=right, tag=tag))
-            on_send(counts[sc] * itemsize, right)
-        yield reqs
+    """Ring all-gather, in place: on entry ``buf[chunk rank]`` is this rank's piece.
+
+    Chunks travel in segments: one huge message is several times slower than the same
+    bytes in cache-sized pieces on shared-memory transports."""
+    N = comm.size
+    if N > 1:
+        yield from _pipeline(comm, buf, buf, counts, None, None, range(N - 1, 2 * N - 2), dtype=dtype,
+                             itemsize=itemsize, seg=seg, tag=tag, on_send=on_send)
+    return buf
 
 
 def all_reduce(
@@ -107,8 +159,12 @@ def all_reduce(
     dtype: MPI.Datatype, itemsize: int, seg: int, tag: int, on_send: OnSend,
 ) -> Steps:
     """Ring all-reduce of flat ``src`` into flat ``dst`` (``dst is src`` for in place)."""
-    counts = chunk_counts(dst.size, comm.size)
-    kw = dict(dtype=dtype, itemsize=itemsize, tag=tag, on_send=on_send)
-    yield from reduce_scatter(comm, src, dst, counts, reduce, tmp, seg=seg, **kw)
-    yield from all_gather(comm, dst, counts, **kw)
+    N = comm.size
+    counts = chunk_counts(dst.size, N)
+    if N == 1:
+        if dst is not src:
+            dst[:] = src
+        return dst
+    yield from _pipeline(comm, src, dst, counts, reduce, tmp, range(0, 2 * N - 2), dtype=dtype,
+                         itemsize=itemsize, seg=seg, tag=tag, on_send=on_send)
     return dst

@@ -8,6 +8,7 @@ tuning file for the machine at hand, read from ``MPITP_TUNING``).
 from __future__ import annotations
 
 from ..errors import UnsupportedOperation
+from . import tuning
 from .ops import ReduceOp
 
 ALGORITHMS = {
@@ -22,16 +23,24 @@ ALGORITHMS = {
 }
 
 # message size (bytes, whole buffer) from which the ring beats MPI's own call
-DEFAULT_CROSSOVER = {"allreduce": 256 * 1024, "allgather": 1 << 62, "reduce_scatter": 1 << 62}
+DEFAULT_CROSSOVER = {"allreduce": 1 << 20, "allgather": 1 << 62, "reduce_scatter": 1 << 62}
 
 
-def choose(collective: str, algorithm: str, nbytes: int, size: int, op: ReduceOp | None, topology) -> str:
-    """Resolve ``algorithm`` for one call; the same answer on every rank."""
+def crossover(collective: str, size: int, table: dict | None) -> int:
+    """Bytes from which ``auto`` picks the ring: the tuning file's figure, else the default."""
+    cross = tuning.crossover(table or {}, collective, size)
+    return DEFAULT_CROSSOVER.get(collective, 1 << 62) if cross is None else cross
+
+
+def choose(collective: str, algorithm: str, nbytes: int, size: int, op: ReduceOp | None, topology,
+           table: dict | None = None) -> str:
+    """Resolve ``algorithm`` for one call; the same answer on every rank (``table`` is the
+    tuning file's content, identical everywhere because rank 0 broadcasts it)."""
     known = ALGORITHMS[collective]
     if algorithm == "auto":
         if size == 1 or len(known) == 1:
             return "mpi"
-        return "ring" if nbytes >= DEFAULT_CROSSOVER.get(collective, 1 << 62) else "mpi"
+        return "ring" if nbytes >= crossover(collective, size, table) else "mpi"
     if algorithm not in known:
         raise UnsupportedOperation(
             f"{collective} has no algorithm {algorithm!r}; choose from auto, {', '.join(known)}")

@@ -43,12 +43,11 @@ class Traffic:
         self.calls[collective] += 1
 
     def record(self, nbytes: int, collective: str, peer: str) -> None:
-        nbytes = int(nbytes)
         self.total += nbytes
         self.messages += 1
         self.by_collective[collective] += nbytes
         self.by_peer[peer] += nbytes
-        self.by_phase[self.current_phase] += nbytes
+        self.by_phase[self._phases[-1] if self._phases else None] += nbytes
 
     def reset(self) -> None:
         self.total = 0

@@ -165,3 +165,38 @@ def test_unknown_op_and_algorithm(comm):
         comm.allreduce(np.ones(3), algorithm="tree")
     with pytest.raises(mpitp.UnsupportedOperation, match="cannot be carried"):
         comm.allreduce(np.array(["a"]))
+
+
+@SETTINGS
+@given(n=st.integers(0, 3000), seg=st.sampled_from([4, 8, 24, 100, 1000, 4096]),
+       depth_slots=st.sampled_from([1, 2, 3, 4]), seed=st.integers(0, 2**16))
+def test_ring_pipeline_segments(comm, n, seg, depth_slots, seed):
+    """Many segments per chunk and every window depth: the pipelined ring must neither
+    deadlock (the watchdog would abort) nor mix up segments."""
+    from mpitp.comm import communicator as cm
+    old_seg, old_depth = comm.segment_bytes, cm.RING_DEPTH
+    comm.segment_bytes, cm.RING_DEPTH = seg, depth_slots
+    try:
+        check_allreduce(comm, n, "int32", "sum", "ring", seed)
+        x = np.arange(n, dtype=np.int64) + comm.rank
+        rs = comm.reduce_scatter(x, algorithm="ring")
+        want = np.array_split(N * np.arange(n) + N * (N - 1) // 2, N)[comm.rank]
+        agree(np.array_equal(rs, want), f"ring reduce_scatter n={n} seg={seg}")
+        ag = comm.allgather(x[: n // N], algorithm="ring")
+        agree(np.array_equal(ag, np.concatenate([np.arange(n // N) + q for q in range(N)])), "ring allgather")
+    finally:
+        comm.segment_bytes, cm.RING_DEPTH = old_seg, old_depth
+
+
+@pytest.mark.parametrize("depth_slots", [1, 2, 4])
+@pytest.mark.parametrize("segs_per_chunk", [2.5, 3])
+def test_ring_pipeline_rendezvous(comm, depth_slots, segs_per_chunk):
+    """Segments above MPI's eager limit (sends complete only when the peer receives), and
+    several per chunk: the case where waiting on a whole chunk's sends would deadlock."""
+    from mpitp.comm import communicator as cm
+    old_seg, old_depth = comm.segment_bytes, cm.RING_DEPTH
+    comm.segment_bytes, cm.RING_DEPTH = 256 * 1024, depth_slots
+    try:
+        check_allreduce(comm, int(N * segs_per_chunk * 65536) + 1, "float32", "sum", "ring", seed=depth_slots)
+    finally:
+        comm.segment_bytes, cm.RING_DEPTH = old_seg, old_depth

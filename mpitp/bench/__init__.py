@@ -1,0 +1,1 @@
+"""Benchmarks that users run on their own machines (``mpitp bench``)."""

@@ -1,0 +1,209 @@
+"""Collective benchmark in the nccl-tests / OSU style, every algorithm side by side.
+
+For each size and algorithm: ``warmup`` untimed calls, then ``iters`` timed calls between
+barriers; the time of one call is the per-rank average, reported as avg/min/max over
+ranks (OSU) and as algbw = bytes / time, busbw = algbw x factor (nccl-tests):
+
+    allreduce 2(n-1)/n    reduce_scatter, allgather, alltoall (n-1)/n
+    broadcast, reduce, gather, scatter 1
+
+``size`` is the per-rank buffer for allreduce/reduce/broadcast, the full (gathered or
+scattered) buffer otherwise, as in nccl-tests. Inputs are small integers so every sum
+is exact and ``--check`` can count wrong elements without tolerance.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ..comm.select import ALGORITHMS
+
+BUSBW = {
+    "allreduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "allgather": lambda n: (n - 1) / n,
+    "alltoall": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "gather": lambda n: 1.0,
+    "scatter": lambda n: 1.0,
+}
+COLLECTIVES = tuple(BUSBW)
+REDUCING = ("allreduce", "reduce_scatter", "reduce")
+
+
+@dataclass
+class Row:
+    collective: str
+    algorithm: str
+    size_bytes: int
+    count: int
+    dtype: str
+    op: str
+    ranks: int
+    time_us: float
+    min_us: float
+    max_us: float
+    algbw_gbs: float
+    busbw_gbs: float
+    wrong: int | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def parse_size(text: str) -> int:
+    """'4', '1K', '64M', '1G' (powers of 1024), '512B'."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if t and t[-1] in mult:
+        return int(float(t[:-1]) * mult[t[-1]])
+    return int(t)
+
+
+def sizes(lo: int, hi: int, factor: float) -> list[int]:
+    out, s = [], max(lo, 1)
+    while s <= hi:
+        out.append(int(s))
+        s = s * factor if factor > 1 else hi + 1
+    return out
+
+
+def human(n: float) -> str:
+    for unit, mult in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= mult:
+            return f"{n / mult:g} {unit}"
+    return f"{int(n)} B"
+
+
+class Case:
+    """Buffers and one call of a collective at one size, reused across iterations."""
+
+    def __init__(self, comm, collective: str, nbytes: int, dtype, op: str, algorithm: str,
+                 inplace: bool, xp=np):
+        self.comm, self.coll, self.op, self.alg, self.inplace = comm, collective, op, algorithm, inplace
+        n, r = comm.size, comm.rank
+        dtype = np.dtype(dtype)
+        count = max(nbytes // dtype.itemsize, 0)
+        if collective in ("allgather", "gather"):      # size = the gathered whole
+            per_rank = count // n
+            count = per_rank * n
+        elif collective == "alltoall":                  # equal blocks per peer
+            count -= count % n
+            per_rank = count
+        else:                                           # size = each rank's input
+            per_rank = count
+        self.count = count
+        self.x = xp.asarray(((np.arange(per_rank) + r) % 7).astype(dtype))
+        self.out = xp.empty_like(self.x) if collective == "allreduce" and not inplace else None
+
+    def __call__(self):
+        c, alg = self.comm, self.alg
+        if self.coll == "allreduce":
+            return c.allreduce(self.x, op=self.op, out=self.x if self.inplace else self.out, algorithm=alg)
+        if self.coll == "reduce_scatter":
+            return c.reduce_scatter(self.x, op=self.op, algorithm=alg)
+        if self.coll == "allgather":
+            return c.allgather(self.x, algorithm=alg)
+        if self.coll == "reduce":
+            return c.reduce(self.x, op=self.op, root=0, out=self.x if self.inplace else None, algorithm=alg)
+        if self.coll == "broadcast":
+            return c.broadcast(self.x, root=0)
+        if self.coll == "gather":
+            return c.gather(self.x, root=0)
+        if self.coll == "scatter":
+            return c.scatter(self.x if c.rank == 0 else None, root=0)
+        return c.alltoall(self.x)
+
+    def expected(self):
+        """What a correct result holds on this rank (None: nothing to check here)."""
+        n, r = self.comm.size, self.comm.rank
+        per = self.x.size
+        base = [((np.arange(per) + q) % 7) for q in range(n)]
+        if self.coll in REDUCING:
+            fn = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}[self.op]
+            total = base[0]
+            for b in base[1:]:
+                total = fn(total, b)
+            if self.coll == "reduce_scatter":
+                return np.array_split(total, n)[r]
+            return total if (self.coll == "allreduce" or r == 0) else None
+        if self.coll == "broadcast":
+            return base[0]
+        if self.coll in ("gather", "allgather"):
+            return np.concatenate(base) if (self.coll == "allgather" or r == 0) else None
+        if self.coll == "scatter":
+            return np.array_split(base[0], n)[r]
+        blocks = [np.split(b, n)[r] for b in base]          # alltoall
+        return np.concatenate(blocks)
+
+
+def count_wrong(case: Case, result) -> int:
+    want = case.expected()
+    if want is None or result is None:
+        return 0
+    got = result.get() if hasattr(result, "get") and not isinstance(result, np.ndarray) else np.asarray(result)
+    want = want.astype(got.dtype)
+    if got.shape != want.shape:
+        return int(want.size)
+    return int(np.count_nonzero(got.reshape(-1) != want.reshape(-1)))
+
+
+def time_case(case: Case, iters: int, warmup: int) -> float:
+    """Seconds per call on this rank (calls between two barriers)."""
+    for _ in range(warmup):
+        case()
+    case.comm.mpi.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        case()
+    case.comm.mpi.Barrier()
+    return (time.perf_counter() - t0) / iters
+
+
+def iterations(nbytes: int, iters: int | None) -> int:
+    """Fewer repetitions for big messages, so a sweep stays in seconds."""
+    if iters:
+        return iters
+    return int(min(200, max(5, (256 << 20) // max(nbytes, 1) // 8)))
+
+
+def measure(comm, collective: str, nbytes: int, algorithm: str, *, dtype="float32", op="sum",
+            iters: int | None = None, warmup: int = 2, check: bool = False, inplace: bool = False,
+            xp=np) -> Row:
+    case = Case(comm, collective, nbytes, dtype, op, algorithm, inplace, xp)
+    wrong = None
+    if check:   # one fresh call, checked, before timing (in place modifies the input)
+        keep = case.x.copy()
+        wrong = count_wrong(case, case())
+        case.x[...] = keep
+        wrong = int(comm.mpi.allreduce(wrong))
+    t = time_case(case, iterations(nbytes, iters), warmup)
+    ts = comm.mpi.allgather(t)
+    avg, lo, hi = float(np.mean(ts)), min(ts), max(ts)
+    data = case.count * np.dtype(dtype).itemsize
+    algbw = data / avg / 1e9 if avg > 0 else 0.0
+    return Row(collective, algorithm, data, case.count, np.dtype(dtype).name, op if collective in REDUCING else "none",
+               comm.size, avg * 1e6, lo * 1e6, hi * 1e6, algbw, algbw * BUSBW[collective](comm.size), wrong)
+
+
+def memcpy_bandwidth(nbytes: int = 64 << 20, reps: int = 5) -> float:
+    """Single-core copy bandwidth (GB/s: bytes copied per second), best of ``reps``."""
+    a = np.ones(nbytes, np.uint8)
+    b = np.empty_like(a)
+    np.copyto(b, a)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def algorithms_for(collective: str, requested: list[str]) -> list[str]:
+    """The requested algorithms this collective has (always including MPI's own)."""
+    have = ("auto",) + ALGORITHMS[collective]
+    out = [a for a in requested if a in have]
+    return out or ["mpi"]

@@ -1,0 +1,168 @@
+"""``mpitp bench COLLECTIVE``: nccl-tests / OSU style rows for every algorithm, side by side."""
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+from ..bench import collectives as bc
+
+EPILOG = """\
+columns: size and count of the buffer, dtype, reduction op, algorithm, time of one call
+(average over ranks; min/max over ranks as in OSU), algbw = size/time, busbw = algbw x
+factor (allreduce 2(n-1)/n; reduce_scatter, allgather, alltoall (n-1)/n; others 1) as in
+nccl-tests, #wrong elements (with --check), and the speed relative to MPI's own call
+(mpi4py called directly, measured in the same run).
+
+examples:
+  mpiexec -n 2 mpitp bench allreduce --algorithms mpi,ring,auto --check
+  mpiexec -n 4 mpitp bench allgather --min-bytes 1K --max-bytes 64M --json ag.json --plot ag.png
+  mpiexec -n 2 mpitp bench allreduce --tune          # measure crossovers for algorithm='auto'
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark a collective for every algorithm (nccl-tests/OSU style)",
+                       description="Benchmark one collective across message sizes for every algorithm "
+                                   "mpitp has, against MPI's own call, in one run.",
+                       epilog=EPILOG, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    p.add_argument("collective", choices=bc.COLLECTIVES)
+    p.add_argument("--min-bytes", default="4", help="smallest message (4, 1K, 64M ...; default 4)")
+    p.add_argument("--max-bytes", default="64M", help="largest message (default 64M)")
+    p.add_argument("--factor", type=float, default=4.0, help="size multiplier between rows (default 4)")
+    p.add_argument("--iters", type=int, default=None, help="timed calls per row (default: by size, 5-200)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls per row (default 2)")
+    p.add_argument("--dtype", default="float32", help="element type (default float32)")
+    p.add_argument("--op", default="sum", choices=["sum", "prod", "max", "min"], help="reduction (default sum)")
+    p.add_argument("--algorithms", default="mpi,ring,auto",
+                   help="comma list among mpi, ring, auto (those the collective has; default mpi,ring,auto)")
+    p.add_argument("--check", action="store_true", help="count wrong elements in each row")
+    p.add_argument("--inplace", action="store_true", help="in-place allreduce/reduce")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="buffers on the host or on a GPU (CuPy)")
+    p.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
+    p.add_argument("--plot", metavar="FILE.png", help="plot busbw against size (needs matplotlib)")
+    p.add_argument("--tune", action="store_true",
+                   help="allreduce only: measure where the ring overtakes MPI and write the tuning file "
+                        "that algorithm='auto' reads")
+    p.add_argument("--tune-file", default=None, help="where --tune writes (default: MPITP_TUNING or "
+                                                     "~/.config/mpitp/tuning.json)")
+
+
+def _available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_memory(comm, collective: str, max_bytes: int) -> str | None:
+    """Refuse before allocating when the largest row cannot fit on this node."""
+    per_rank = max_bytes * (4 if collective in ("allgather", "gather", "alltoall") else 3)
+    need = per_rank * comm.topology.local_size
+    avail = _available_bytes()
+    if avail is not None and need > 0.8 * avail:
+        return (f"--max-bytes {bc.human(max_bytes)} needs about {bc.human(need)} on this node "
+                f"({comm.topology.local_size} rank(s) x {bc.human(per_rank)}) but only {bc.human(avail)} is "
+                "available; lower --max-bytes")
+    return None
+
+
+def _xp(device: str):
+    if device == "cpu":
+        return np
+    try:
+        import cupy
+    except ImportError:
+        raise SystemExit("mpitp bench: --device cuda needs CuPy (pip install 'mpitp[cuda12]')")
+    return cupy
+
+
+def _mpi4py_reference(comm, collective, nbytes, dtype, op, iters, warmup):
+    """MPI's own call, through mpi4py directly (no mpitp in the path)."""
+    if collective != "allreduce" or comm.size == 1:
+        return None
+    from ..comm.ops import ReduceOp, mpi_datatype, mpi_op
+    dt = np.dtype(dtype)
+    x = (np.arange(nbytes // dt.itemsize) % 7).astype(dt)
+    y = np.empty_like(x)
+    mdt, mop = mpi_datatype(dt), mpi_op(ReduceOp(op), dt)
+
+    class Raw:
+        def __init__(self):
+            self.comm = comm
+
+        def __call__(self):
+            comm.mpi.Allreduce([x, mdt], [y, mdt], op=mop)
+    t = bc.time_case(Raw(), bc.iterations(nbytes, iters), warmup)
+    return float(np.mean(comm.mpi.allgather(t)))
+
+
+def run(args) -> int:
+    from mpi4py import MPI
+
+    from ..comm import Communicator
+
+    comm = Communicator()
+    r0 = comm.rank == 0
+    say = (lambda *a, **k: print(*a, **k, flush=True)) if r0 else (lambda *a, **k: None)
+    lo, hi = bc.parse_size(args.min_bytes), bc.parse_size(args.max_bytes)
+    if args.tune and args.collective != "allreduce":
+        say("mpitp bench: --tune applies to allreduce", file=sys.stderr)
+        return 2
+    problem = _check_memory(comm, args.collective, hi)
+    if problem:
+        say(f"mpitp bench: {problem}", file=sys.stderr)
+        return 2
+    xp = _xp(args.device)
+    algs = ["mpi", "ring"] if args.tune else bc.algorithms_for(args.collective, args.algorithms.split(","))
+    sz = bc.sizes(lo, hi, args.factor)
+    memcpy = bc.memcpy_bandwidth(min(max(hi, 1 << 20), 64 << 20))
+    memcpy = float(np.mean(comm.mpi.allgather(memcpy)))
+    lib = MPI.Get_library_version().strip().splitlines()[0].strip()
+    say(f"# mpitp bench {args.collective}: {comm.size} rank(s), {args.dtype}, {lib}")
+    say(f"# single-core memcpy bandwidth (same run, all ranks copying): {memcpy:.2f} GB/s  <- ceiling")
+    say(f"# {'size':>10} {'count':>10} {'type':>8} {'redop':>6} {'algorithm':>10} {'time(us)':>10} "
+        f"{'min(us)':>9} {'max(us)':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'vs MPI':>7}")
+    rows: list[bc.Row] = []
+    for i, nbytes in enumerate(sz):
+        ref = _mpi4py_reference(comm, args.collective, nbytes, args.dtype, args.op, args.iters, args.warmup)
+        for alg in algs:
+            row = bc.measure(comm, args.collective, nbytes, alg, dtype=args.dtype, op=args.op, iters=args.iters,
+                             warmup=args.warmup, check=args.check, inplace=args.inplace, xp=xp)
+            rows.append(row)
+            rel = f"{ref / (row.time_us * 1e-6):6.2f}x" if ref else "      -"
+            wrong = "-" if row.wrong is None else str(row.wrong)
+            say(f"  {bc.human(row.size_bytes):>10} {row.count:>10} {row.dtype:>8} {row.op:>6} {alg:>10} "
+                f"{row.time_us:10.1f} {row.min_us:9.1f} {row.max_us:9.1f} {row.algbw_gbs:7.3f} "
+                f"{row.busbw_gbs:7.3f} {wrong:>6} {rel:>7}")
+        if ref:
+            rows.append(bc.Row(args.collective, "mpi4py", nbytes, nbytes // np.dtype(args.dtype).itemsize,
+                               args.dtype, args.op, comm.size, ref * 1e6, ref * 1e6, ref * 1e6,
+                               nbytes / ref / 1e9, nbytes / ref / 1e9 * bc.BUSBW[args.collective](comm.size), None))
+        if r0 and nbytes >= (1 << 20):
+            print(f"[mpitp bench] {i + 1}/{len(sz)} sizes done ({bc.human(nbytes)})", file=sys.stderr, flush=True)
+    for alg in algs:
+        mine = [r.busbw_gbs for r in rows if r.algorithm == alg]
+        say(f"# Avg bus bandwidth ({alg}): {np.mean(mine):.3f} GB/s")
+    if any(r.wrong for r in rows):
+        say("# WRONG RESULTS: see the #wrong column", file=sys.stderr)
+    if r0:
+        data = [dict(r.to_dict(), memcpy_gbs=memcpy) for r in rows]
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(data, f, indent=1)
+        if args.plot:
+            from ..bench.plot import busbw_plot
+            busbw_plot(data, memcpy, args.plot, f"{args.collective}, {comm.size} ranks, {lib}")
+    if args.tune:
+        from ..comm import tuning
+        path = tuning.write_crossover(args.tune_file, "allreduce", comm.size, rows) if r0 else None
+        say(f"# tuning written to {path}")
+    bad = comm.mpi.allreduce(sum(r.wrong or 0 for r in rows))
+    comm.free()
+    return 1 if bad else 0

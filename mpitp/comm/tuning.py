@@ -1,0 +1,73 @@
+"""Tuning file for ``algorithm="auto"``: where the ring overtakes MPI's own call.
+
+Written by ``mpitp bench allreduce --tune`` (in the spirit of MPICH's JSON collective
+selection files), read from ``MPITP_TUNING`` or ``~/.config/mpitp/tuning.json``::
+
+    {"version": 1, "mpi_library": "MPICH Version: 5.0.2",
+     "allreduce": {"2": 262144, "4": 1048576}}      # world size -> crossover bytes
+
+Rank 0 reads it and broadcasts it, so every rank makes the same choice.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def default_path() -> Path:
+    env = os.environ.get("MPITP_TUNING")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "mpitp" / "tuning.json"
+
+
+def load(path: str | Path | None = None) -> dict:
+    p = Path(path) if path else default_path()
+    try:
+        with open(p) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def crossover(table: dict, collective: str, size: int) -> int | None:
+    """Crossover bytes for this world size: exact entry, else the nearest smaller size measured."""
+    entries = table.get(collective) or {}
+    known = sorted((int(k), v) for k, v in entries.items() if str(k).isdigit())
+    if not known:
+        return None
+    best = [v for k, v in known if k <= size] or [known[0][1]]
+    return int(best[-1])
+
+
+def fit_crossover(rows) -> int:
+    """Smallest measured size from which the ring is faster than MPI at every larger size."""
+    by = {}
+    for r in rows:
+        by.setdefault(r.size_bytes, {})[r.algorithm] = r.time_us
+    sizes = sorted(s for s, t in by.items() if "mpi" in t and "ring" in t)
+    cross = 1 << 62
+    for s in reversed(sizes):
+        if by[s]["ring"] < by[s]["mpi"]:
+            cross = s
+        else:
+            break
+    return cross
+
+
+def write_crossover(path, collective: str, size: int, rows) -> Path:
+    from mpi4py import MPI
+
+    p = Path(path) if path else default_path()
+    data = load(p)
+    data["version"] = 1
+    data["mpi_library"] = MPI.Get_library_version().strip().splitlines()[0].strip()
+    data.setdefault(collective, {})[str(size)] = fit_crossover(rows)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, p)   # atomic: a concurrent reader sees the old file or the new one
+    return p

@@ -1,0 +1,70 @@
+"""mpitp bench as a user runs it: rows present, nothing wrong, JSON schema, plot written,
+tuning file written and read back. No timing assertions."""
+import json
+import os
+import sys
+
+import pytest
+
+from mpitp import launch
+
+MPITP = [sys.executable, "-m", "mpitp.cli.main"]
+KEYS = {"collective", "algorithm", "size_bytes", "count", "dtype", "ranks", "time_us", "algbw_gbs",
+        "busbw_gbs", "wrong"}
+
+
+def bench(n, *args, env=None, timeout=240):
+    res = launch.run(n, MPITP + ["bench", *args], timeout=timeout, env=env or dict(os.environ))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
+@pytest.mark.parametrize("collective", ["allreduce", "allgather", "reduce_scatter", "broadcast", "reduce",
+                                        "gather", "scatter", "alltoall"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_rows_and_json(collective, n, tmp_path):
+    out = tmp_path / "rows.json"
+    res = bench(n, collective, "--min-bytes", "4", "--max-bytes", "64K", "--factor", "16", "--iters", "3",
+                "--check", "--json", str(out))
+    rows = json.loads(out.read_text())
+    algs = {r["algorithm"] for r in rows}
+    assert "mpi" in algs
+    if collective in ("allreduce", "allgather", "reduce_scatter"):
+        assert {"ring", "auto"} <= algs
+    for r in rows:
+        assert KEYS <= set(r), set(r) ^ KEYS
+        assert r["ranks"] == n and r["collective"] == collective
+        if r["algorithm"] != "mpi4py":
+            assert r["wrong"] == 0, r
+    assert "Avg bus bandwidth (mpi)" in res.stdout and "memcpy" in res.stdout
+    assert "#wrong" in res.stdout and "busbw" in res.stdout
+    sizes = sorted({r["size_bytes"] for r in rows if r["algorithm"] == "mpi"})
+    assert len(sizes) == 4   # 4, 64, 1K, 16K (64K in bytes rounded to whole elements per rank)
+
+
+def test_plot_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bw.png"
+    bench(2, "allreduce", "--max-bytes", "256K", "--factor", "64", "--iters", "2", "--plot", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tune_writes_file_that_auto_reads(tmp_path):
+    path = tmp_path / "tuning.json"
+    env = dict(os.environ, MPITP_TUNING=str(path))
+    bench(2, "allreduce", "--tune", "--min-bytes", "1K", "--max-bytes", "1M", "--factor", "32", "--iters", "3", env=env)
+    data = json.loads(path.read_text())
+    assert data["version"] == 1 and "2" in data["allreduce"]
+    # a file that says "always ring" must make auto choose the ring, identically on every rank
+    path.write_text(json.dumps({"version": 1, "allreduce": {"2": 0}}))
+    script = ("import numpy as np, mpitp; c = mpitp.Communicator(); c.allreduce(np.ones(8));"
+              "t = c.mpi.gather(c.traffic.by_peer.get('intra', 0)); c.rank or print('ring bytes', t)")
+    res = launch.run(2, [sys.executable, "-c", script], timeout=60, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "ring bytes [64, 64]" in res.stdout   # 8 float64: each rank sends 2*8 - 4 - 4 elements of 8 B
+
+
+def test_refuses_sizes_that_do_not_fit():
+    res = launch.run(2, MPITP + ["bench", "allreduce", "--max-bytes", "1024G"], timeout=60)
+    assert res.returncode == 2
+    assert "lower --max-bytes" in res.stderr
