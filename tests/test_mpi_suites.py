@@ -17,6 +17,7 @@ ROOT = HERE.parent
 SUITES = sorted(p.name for p in (HERE / "mpi").glob("test_*.py"))
 FLAVOR = launch.flavor()
 MIN_RANKS = {"test_validation.py": 2}   # a mismatch needs two ranks to disagree
+EXTRA_SIZES = [(s, n) for s in ("test_hierarchical.py",) for n in (5, 6, 7, 8)]   # 3 nodes need room
 
 
 def run_suite(suite: str, n: int, extra_env: dict | None = None, timeout: int = 420):
@@ -36,4 +37,9 @@ def run_suite(suite: str, n: int, extra_env: dict | None = None, timeout: int = 
 def test_suite(suite, n):
     if n < MIN_RANKS.get(suite, 1):
         pytest.skip(f"{suite} needs at least {MIN_RANKS[suite]} ranks")
+    run_suite(suite, n)
+
+
+@pytest.mark.parametrize("suite,n", EXTRA_SIZES)
+def test_suite_large(suite, n):
     run_suite(suite, n)

@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, demo, info
+from . import bench, demo, info, plan
 
-COMMANDS = {"info": info, "demo": demo, "bench": bench}
+COMMANDS = {"info": info, "demo": demo, "bench": bench, "plan": plan}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,7 +25,7 @@ from mpi4py import MPI
 
 from .. import backend
 from ..errors import MpitpError
-from . import native, ring, select, tuning, validate
+from . import hierarchical, native, ring, select, tuning, validate
 from .handle import Completed, Handle, Steps, Watchdog, drive
 from .ops import ReduceOp, check_dtype, check_reducible, mpi_datatype, mpi_op, ufunc
 from .topology import Topology
@@ -62,6 +62,7 @@ class Communicator:
         self._staging = None      # decided on first device array (asks MPI once)
         self._seq = 0
         self._workspace = Workspace()
+        self._node_comms: hierarchical.NodeComms | None = None
         self._fast: dict = {}     # (dtype char, op, algorithm) -> (MPI datatype, MPI op, size limit)
         self.tuning = self.mpi.bcast(tuning.load() if self.rank == 0 else None, root=0)
 
@@ -71,6 +72,8 @@ class Communicator:
         return self.traffic.phase(label)
 
     def free(self) -> None:
+        if self._node_comms is not None:
+            self._node_comms.free()
         for c in (self._meta, self._algo, self.mpi):
             if c != MPI.COMM_NULL:
                 c.Free()
@@ -234,12 +237,23 @@ class Communicator:
             return (yield from native.allreduce(self.mpi, a, dst, dt, mpi_op(op, a.dtype), self._direct(nonblocking)))
         fn = ufunc(op, backend.xp_of(a))
         reduce = lambda p, q, r: fn(p, q, out=r)  # noqa: E731
-        with self._workspace.borrow(self._slots(-(-a.size // self.size), a.dtype), a.dtype, a) as tmp:
-            yield from ring.all_reduce(
-                self._algo, a.reshape(-1), dst.reshape(-1), reduce, tmp, dtype=dt,
-                itemsize=a.dtype.itemsize, seg=self._segment(a.dtype), tag=seq & 0x7FFF,
-                on_send=self._on_send("allreduce"))
+        kw = dict(dtype=dt, itemsize=a.dtype.itemsize, seg=self._segment(a.dtype), tag=seq & 0x7FFF,
+                  on_send=self._on_send("allreduce"))
+        with self._workspace.borrow(self._slots(a.size, a.dtype), a.dtype, a) as tmp:
+            if alg == "ring":
+                yield from ring.all_reduce(self._algo, a.reshape(-1), dst.reshape(-1), reduce, tmp, **kw)
+            else:   # two-level; uneven nodes have no common shard layout: leader variant
+                sharded = alg == "hierarchical" and self.topology.uniform
+                yield from hierarchical.all_reduce(self.node_comms, a.reshape(-1), dst.reshape(-1), reduce,
+                                                   tmp, sharded=sharded, **kw)
         return dst
+
+    @property
+    def node_comms(self) -> hierarchical.NodeComms:
+        """Intra-node, inter-node and leader communicators (created on first use: collective)."""
+        if self._node_comms is None:
+            self._node_comms = hierarchical.NodeComms(self._algo, self.topology)
+        return self._node_comms
 
     def _remember_fast(self, x, op, algorithm, o: ReduceOp, a, alg: str) -> None:
         """Cache MPI handles for (dtype, op, algorithm) when small host calls go to MPI."""
@@ -253,7 +267,8 @@ class Communicator:
         return max(1, self.segment_bytes // np.dtype(dtype).itemsize)
 
     def _slots(self, chunk: int, dtype) -> int:
-        """Elements of receive scratch for the ring: RING_DEPTH segments, at most a chunk."""
+        """Elements of receive scratch for the ring: RING_DEPTH segments, at most ``chunk``
+        (pass an upper bound of every chunk the algorithm will receive)."""
         return max(1, min(chunk, RING_DEPTH * self._segment(dtype)))
 
     # ------------------------------------------------------------------ rooted reduce / bcast

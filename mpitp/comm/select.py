@@ -1,6 +1,7 @@
 """Algorithm choice: which implementation runs a collective.
 
 ``algorithm="mpi"`` is MPI's own call; ``"ring"`` the hand-written ring;
+``"hierarchical"``/``"hierarchical_leader"`` the two-level all-reduce (more than one node);
 ``"auto"`` picks by message size from crossover points (built-in defaults measured on
 a 2-core machine with the mpich wheel; ``mpitp bench allreduce --tune`` writes a
 tuning file for the machine at hand, read from ``MPITP_TUNING``).
@@ -12,7 +13,7 @@ from . import tuning
 from .ops import ReduceOp
 
 ALGORITHMS = {
-    "allreduce": ("mpi", "ring"),
+    "allreduce": ("mpi", "ring", "hierarchical", "hierarchical_leader"),
     "allgather": ("mpi", "ring"),
     "reduce_scatter": ("mpi", "ring"),
     "reduce": ("mpi",),
@@ -40,7 +41,11 @@ def choose(collective: str, algorithm: str, nbytes: int, size: int, op: ReduceOp
     if algorithm == "auto":
         if size == 1 or len(known) == 1:
             return "mpi"
-        return "ring" if nbytes >= crossover(collective, size, table) else "mpi"
+        if nbytes < crossover(collective, size, table):
+            return "mpi"
+        if collective == "allreduce" and topology is not None and topology.num_nodes > 1:
+            return "hierarchical"   # sharded; uneven nodes fall back to the leader variant
+        return "ring"
     if algorithm not in known:
         raise UnsupportedOperation(
             f"{collective} has no algorithm {algorithm!r}; choose from auto, {', '.join(known)}")

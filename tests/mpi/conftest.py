@@ -1,6 +1,8 @@
-"""Per-rank fixtures. These tests run on every rank at once under mpiexec, so every
+"""Per-rank fixtures and reference helpers. These tests run on every rank at once under mpiexec, so every
 assertion is collective: :func:`agree` fails on all ranks together, which keeps the
 ranks in step (and hypothesis shrinking in step) instead of leaving some blocked."""
+import zlib
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -43,3 +45,37 @@ def rank_inputs(shape, dtype, op, size, seed):
             a = rng.standard_normal(shape).astype(dtype)
         out.append(a)
     return out
+
+
+def bound(inputs, op, dtype):
+    dtype = np.dtype(dtype)
+    if dtype.kind not in "fc" or op in ("max", "min") or MPI.COMM_WORLD.size == 1:
+        return 0.0
+    u = np.finfo(dtype).eps / 2
+    g = (MPI.COMM_WORLD.size - 1) * u / (1 - (MPI.COMM_WORLD.size - 1) * u)
+    stack = np.stack([np.abs(a.astype(np.complex128 if dtype.kind == "c" else np.float64)) for a in inputs])
+    if op == "sum":
+        return 2 * g * stack.sum(axis=0)
+    return 2 * g * (4 if dtype.kind == "c" else 1) * stack.prod(axis=0)
+
+
+def numpy_reference(inputs, op):
+    fn = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}[op]
+    acc = inputs[0].copy()
+    for a in inputs[1:]:
+        acc = fn(acc, a)
+    return acc
+
+
+def close(a, b, tol):
+    if np.dtype(a.dtype).kind in "fc":
+        diff = np.abs(a.astype(np.complex128) - b.astype(np.complex128))
+        return bool(np.all(diff <= tol * (1 + 1e-6) + np.finfo(a.dtype).tiny))
+    return bool(np.array_equal(a, b))
+
+
+def same_on_all_ranks(y) -> bool:
+    digests = MPI.COMM_WORLD.allgather(zlib.crc32(np.ascontiguousarray(y).tobytes()))
+    return len(set(digests)) == 1
+
+

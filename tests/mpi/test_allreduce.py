@@ -8,8 +8,6 @@ likewise by 2g * |prod x_i| (relative error of N-1 roundings; inputs in [0.5, 1.
 clear of under/overflow), with g scaled by 4 for complex products (sqrt(5)u per complex
 multiply, Higham 3.6). max/min and all integer results must be exact.
 """
-import zlib
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
@@ -17,7 +15,7 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 import mpitp
-from conftest import agree, rank_inputs
+from conftest import agree, bound, close, numpy_reference, rank_inputs, same_on_all_ranks
 
 N = MPI.COMM_WORLD.size
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=40,
@@ -37,44 +35,12 @@ def valid(dtype, op):
     return True
 
 
-def bound(inputs, op, dtype):
-    dtype = np.dtype(dtype)
-    if dtype.kind not in "fc" or op in ("max", "min") or N == 1:
-        return 0.0
-    u = np.finfo(dtype).eps / 2
-    g = (N - 1) * u / (1 - (N - 1) * u)
-    stack = np.stack([np.abs(a.astype(np.complex128 if dtype.kind == "c" else np.float64)) for a in inputs])
-    if op == "sum":
-        return 2 * g * stack.sum(axis=0)
-    return 2 * g * (4 if dtype.kind == "c" else 1) * stack.prod(axis=0)
-
-
-def numpy_reference(inputs, op):
-    fn = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}[op]
-    acc = inputs[0].copy()
-    for a in inputs[1:]:
-        acc = fn(acc, a)
-    return acc
-
-
 def mpi_reference(x, op):
     y = np.empty_like(x)
     from mpitp.comm.ops import ReduceOp, mpi_datatype, mpi_op
     dt = mpi_datatype(x.dtype)
     MPI.COMM_WORLD.Allreduce([x, dt], [y, dt], op=mpi_op(ReduceOp(op), x.dtype))
     return y
-
-
-def close(a, b, tol):
-    if np.dtype(a.dtype).kind in "fc":
-        diff = np.abs(a.astype(np.complex128) - b.astype(np.complex128))
-        return bool(np.all(diff <= tol * (1 + 1e-6) + np.finfo(a.dtype).tiny))
-    return bool(np.array_equal(a, b))
-
-
-def same_on_all_ranks(y) -> bool:
-    digests = MPI.COMM_WORLD.allgather(zlib.crc32(np.ascontiguousarray(y).tobytes()))
-    return len(set(digests)) == 1
 
 
 def check_allreduce(comm, n, dtype, op, algorithm, seed):

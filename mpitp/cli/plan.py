@@ -1,0 +1,146 @@
+"""``mpitp plan``: bytes, shapes, memory and predicted time, without running a job."""
+from __future__ import annotations
+
+import json
+
+from ..plan import allreduce as par
+from ..plan import fsdp as pfsdp
+from ..plan import profiles
+from ..plan import tp as ptp
+
+
+def _size(text: str) -> int:
+    """'8MB' (10^6), '8MiB' or '8M' (2^20), '4K', '1GB', plain bytes."""
+    t = text.strip().upper()
+    dec = {"KB": 10**3, "MB": 10**6, "GB": 10**9}
+    bin_ = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    for suffix, mult in sorted({**dec, **bin_}.items(), key=lambda kv: -len(kv[0])):
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * mult)
+    return int(t.removesuffix("B"))
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.2f} MB" if n < 1e9 else f"{n / 1e9:,.3f} GB"
+
+
+def _time(s: float) -> str:
+    return f"{s * 1e6:,.1f} us" if s < 1e-3 else f"{s * 1e3:,.3f} ms"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="predict bytes, shapes, memory and time (alpha-beta model)",
+                       description="Plans from the alpha-beta cost model; nothing is launched. Profiles: "
+                                   + ", ".join(f"{k} ({v.note})" for k, v in profiles.PROFILES.items())
+                                   + ", local (fitted with 'mpiexec -n 2 mpitp plan fit').")
+    ps = p.add_subparsers(dest="plan", metavar="WHAT", required=True)
+
+    def common(q):
+        q.add_argument("--profile", default=profiles.SEED, help=f"link profile (default {profiles.SEED})")
+        for f in ("alpha-intra", "beta-intra", "alpha-inter", "beta-inter"):
+            q.add_argument(f"--{f}", type=float, default=None,
+                           help=f"override {f.replace('-', ' ')} ({'seconds' if 'alpha' in f else 'bytes/s'})")
+        q.add_argument("--json", action="store_true", help="print JSON")
+
+    a = ps.add_parser("allreduce", help="bytes per link class and time per all-reduce algorithm")
+    a.add_argument("--nodes", type=int, default=2)
+    a.add_argument("--ranks-per-node", type=int, default=4)
+    a.add_argument("--size", default="8MB", help="bytes per rank (8MB = 8e6, 8MiB = 2^23; default 8MB)")
+    common(a)
+    t = ps.add_parser("tp", help="tensor-parallel shard shapes, all-reduces, bytes and time for a LLaMA model")
+    t.add_argument("--model", default="llama2-7b", help=f"preset ({', '.join(ptp.PRESETS)}) or config.json path")
+    t.add_argument("--tp", type=int, default=2)
+    t.add_argument("--batch", type=int, default=1)
+    t.add_argument("--seq", type=int, default=2048)
+    t.add_argument("--dtype", default="fp16", choices=sorted(ptp.DTYPE_BYTES))
+    common(t)
+    f = ps.add_parser("fsdp", help="ZeRO-1/2/3 memory per rank and bytes per step")
+    f.add_argument("--model", default=None, help="preset or config.json (or give --params)")
+    f.add_argument("--params", type=float, default=None, help="parameter count, e.g. 7.5e9 (ZeRO paper)")
+    f.add_argument("--ranks", type=int, default=64)
+    f.add_argument("--k", type=int, default=12, help="optimizer bytes per parameter (12: mixed-precision Adam)")
+    f.add_argument("--json", action="store_true")
+    fit = ps.add_parser("fit", help="fit the 'local' profile by ping-pong (run under mpiexec -n 2)")
+    fit.add_argument("--json", action="store_true")
+
+
+def _profile(args) -> profiles.Profile:
+    return profiles.get(args.profile, args.alpha_intra, args.beta_intra, args.alpha_inter, args.beta_inter)
+
+
+def run(args) -> int:
+    out = {"allreduce": _allreduce, "tp": _tp, "fsdp": _fsdp, "fit": _fit}[args.plan](args)
+    return 0 if out is None else out
+
+
+def _allreduce(args):
+    prof = _profile(args)
+    res = par.plan(args.nodes, args.ranks_per_node, _size(args.size), prof)
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return
+    B = res["bytes_per_rank"]
+    print(f"all-reduce of {_mb(B)} per rank on {args.nodes} node(s) x {args.ranks_per_node} rank(s), "
+          f"profile {prof.name}: intra {prof.intra.beta / 1e9:g} GB/s, inter {prof.inter.beta / 1e9:g} GB/s")
+    print(f"{'algorithm':<21} {'intra/node':>14} {'inter/node':>14} {'vs naive':>9} {'time':>12}  model")
+    for r in res["algorithms"]:
+        red = f"{r['inter_reduction_vs_naive']:.2f}x" if r["inter_reduction_vs_naive"] else "-"
+        tag = "" if r["runnable"] else "   (model only)"
+        print(f"{r['algorithm']:<21} {_mb(r['intra_bytes_per_node']):>14} {_mb(r['inter_bytes_per_node']):>14} "
+              f"{red:>9} {_time(r['time_s']):>12}  {r['formula']}{tag}")
+    print("bytes are what each node's ranks send (intra: to the same node, inter: across nodes)")
+
+
+def _tp(args):
+    prof = _profile(args)
+    m = ptp.load_model(args.model)
+    res = ptp.plan(m, args.tp, args.batch, args.seq, args.dtype, prof)
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return
+    s, pre, dec = res["shards"], res["prefill"], res["decode_step"]
+    print(f"{m.name}: hidden {m.hidden}, {m.layers} layers, {m.heads} heads ({m.kv_heads} KV), "
+          f"intermediate {m.intermediate}, vocab {m.vocab}; {res['params'] / 1e9:.2f}B parameters")
+    print(f"TP={args.tp}, {args.dtype}; per-rank shard shapes [in, out] (HF stores [out, in]):")
+    for k in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head"):
+        print(f"  {k:<13} {tuple(s[k])}")
+    o = s["qkv_local_offsets"]
+    print(f"  merged qkv_proj local rows: q at {o['q']}, k at {o['k']}, v at {o['v']} "
+          f"(shard k starts at sum(output_sizes[:k]) / tp); KV heads per rank {s['kv_heads_per_rank']}, "
+          f"each replicated on {s['kv_replication']} rank(s)")
+    print(f"  merged gate_up_proj local rows: gate at 0, up at {s['gate_up_local_offsets']['up']}")
+    print(f"weights: {_mb(res['weights_total_bytes'])} in all, {_mb(res['weights_per_rank_bytes'])} per rank")
+    for label, c, shape in (("forward", pre, f"batch {args.batch} x seq {args.seq}"), ("decode step", dec, f"batch {args.batch} x 1")):
+        print(f"{label} ({shape}): {c['allreduces']} all-reduces (2 per layer x {m.layers}) of "
+              f"{c['bytes_each'] / 2**20:,.4g} MiB = {c['bytes_total'] / 2**30:,.4g} GiB; "
+              f"{_time(c['time_volume_s'])} at {prof.intra.beta / 1e9:g} GB/s (volume/bandwidth), "
+              f"{_time(c['time_ring_s'])} as {args.tp}-rank rings (alpha-beta)")
+
+
+def _fsdp(args):
+    if args.params is not None:
+        params, name = args.params, f"{args.params:g} parameters"
+    else:
+        m = ptp.load_model(args.model or "llama2-7b")
+        params, name = m.params(), m.name
+    res = pfsdp.plan(params, args.ranks, args.k)
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return
+    print(f"{name} ({params / 1e9:.2f}B), {args.ranks} ranks, K={args.k} (ZeRO paper Table 1 units: GB = 1e9 B)")
+    print(f"{'stage':<7} {'memory/rank':>14} {'volume/step':>12} {'sent/rank/step':>16}")
+    for r in res["stages"]:
+        print(f"{r['stage']:<7} {r['memory_bytes'] / 1e9:>11.2f} GB {r['volume_psi']:>10} Psi "
+              f"{_mb(r['sent_per_rank_bytes']):>16}")
+
+
+def _fit(args):
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    if comm.size < 2:
+        raise SystemExit("mpitp plan fit needs 2 ranks: mpiexec -n 2 mpitp plan fit")
+    prof = profiles.fit(comm)
+    if comm.rank == 0:
+        path = profiles.save_local(prof)
+        print(json.dumps(prof.to_dict(), indent=2) if args.json else f"{prof.note}\nwritten to {path}")

@@ -1,0 +1,92 @@
+"""Two-level all-reduce on simulated nodes (1, 2 and 3 of them, uneven ones included):
+results against MPI's own call, and traffic counters against mpitp.plan's exact bytes."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpitp
+from conftest import agree, bound, close, rank_inputs, same_on_all_ranks
+from mpitp.plan.allreduce import per_rank_elements
+
+N = MPI.COMM_WORLD.size
+LAYOUTS = sorted({-(-N // nodes) for nodes in (1, 2, 3)})      # ranks per node giving 1, 2, 3 nodes
+ALGS = ["hierarchical", "hierarchical_leader"]
+
+
+@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda k: f"{k}-per-node")
+def ncomm(request):
+    c = mpitp.Communicator(ranks_per_node=request.param)
+    yield c
+    c.free()
+
+
+def mpi_allreduce(x, op):
+    from mpitp.comm.ops import ReduceOp, mpi_datatype, mpi_op
+    y = np.empty_like(x)
+    dt = mpi_datatype(x.dtype)
+    MPI.COMM_WORLD.Allreduce([x, dt], [y, dt], op=mpi_op(ReduceOp(op), x.dtype))
+    return y
+
+
+@pytest.mark.parametrize("alg", ALGS)
+@pytest.mark.parametrize("dtype,op", [("int64", "sum"), ("int32", "max"), ("float32", "sum"),
+                                      ("float64", "prod"), ("uint8", "sum"), ("float16", "min")])
+@pytest.mark.parametrize("n", [0, 1, max(N - 1, 1), N + 1, 1000, 65537])
+def test_matches_mpi(ncomm, alg, dtype, op, n):
+    inputs = rank_inputs((n,), dtype, op, N, seed=n + len(dtype))
+    x = inputs[ncomm.rank]
+    y = ncomm.allreduce(x, op=op, algorithm=alg)
+    ref = mpi_allreduce(x, op)
+    agree(close(y, ref, bound(inputs, op, dtype)), f"{alg} {dtype} {op} n={n} nodes={ncomm.topology.nodes}")
+    agree(same_on_all_ranks(y), f"{alg}: ranks disagree bitwise")
+
+
+@pytest.mark.parametrize("alg", ALGS)
+def test_inplace_and_shapes(ncomm, alg):
+    x = np.full((5, 7), ncomm.rank + 1, np.float64)
+    r = ncomm.allreduce(x, out=x, algorithm=alg)
+    agree(r is x and np.all(x == N * (N + 1) / 2), "in place")
+
+
+@pytest.mark.parametrize("alg", ["ring"] + ALGS)
+@pytest.mark.parametrize("n", [1, 999, 40000])
+def test_bytes_equal_the_plan(ncomm, alg, n):
+    """Every rank's intra- and inter-node bytes equal mpitp.plan's exact prediction."""
+    ncomm.traffic.reset()
+    ncomm.allreduce(np.ones(n, np.float32), algorithm=alg)
+    sizes = [len(r) for r in ncomm.topology.nodes]
+    intra, inter = per_rank_elements(alg, sizes, n)[ncomm.rank]
+    t = ncomm.traffic.by_peer
+    agree((t.get("intra", 0), t.get("inter", 0)) == (intra * 4, inter * 4),
+          f"{alg} n={n} nodes={sizes}: sent {dict(t)}, plan says intra {intra * 4} inter {inter * 4}")
+
+
+@pytest.mark.mpi(min_size=8)
+def test_seed_example_two_nodes_of_four():
+    """Seed 000: 2 nodes x 4 ranks, 8 MiB per rank. Inter-node bytes per node: flat ring
+    (node-ordered ranks) 2(N-1)/N * B = 14 MiB, sent by the one rank at the node boundary;
+    both two-level variants 2(M-1)/M * B = 8 MiB = B (naive would be 4 x 8 = 32 MiB)."""
+    if N != 8:
+        pytest.skip("the seed's example has exactly 8 ranks")
+    c = mpitp.Communicator(ranks_per_node=4)
+    try:
+        x = np.ones(2 * 1024 * 1024, np.float32)                    # 8 MiB
+        per_node = {}
+        for alg in ["ring"] + ALGS:
+            c.traffic.reset()
+            y = c.allreduce(x, algorithm=alg)
+            agree(np.all(y == 8), f"{alg} values")
+            inter = c.mpi.allgather(c.traffic.by_peer.get("inter", 0))
+            per_node[alg] = [sum(inter[:4]), sum(inter[4:])]
+        MiB = 1 << 20
+        agree(per_node == {"ring": [14 * MiB, 14 * MiB], "hierarchical": [8 * MiB, 8 * MiB],
+                           "hierarchical_leader": [8 * MiB, 8 * MiB]}, f"inter bytes per node {per_node}")
+    finally:
+        c.free()
+
+
+def test_auto_picks_two_level_across_nodes(ncomm):
+    from mpitp.comm import select
+    alg = select.choose("allreduce", "auto", 64 << 20, N, mpitp.ReduceOp.SUM, ncomm.topology, {})
+    want = "mpi" if N == 1 else ("hierarchical" if ncomm.topology.num_nodes > 1 else "ring")
+    agree(alg == want, f"auto chose {alg}, expected {want}")
