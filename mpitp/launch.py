@@ -85,3 +85,62 @@ def run(n: int, argv: list[str], *, timeout: int = 120, env: dict | None = None,
         os.killpg(proc.pid, signal.SIGKILL)   # mpiexec and every rank it started
         out, err = proc.communicate()
         return subprocess.CompletedProcess(cmd, 124, out, err + f"\n[mpitp.launch] killed after {timeout + 15} s")
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM's compressed host list, expanded: ``"n[01-03,07],gpu1"`` -> n01 n02 n03 n07 gpu1.
+
+    (What ``scontrol show hostnames`` prints, without needing SLURM installed.) Zero
+    padding is kept; several bracket groups in one name expand as a product."""
+    out: list[str] = []
+    for item in _split_top(nodelist):
+        out.extend(_expand_one(item))
+    return out
+
+
+def _split_top(text: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for ch in text.strip():
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if depth:
+        raise ValueError(f"unbalanced brackets in node list {text!r}")
+    return [p for p in parts + [cur] if p]
+
+
+def _expand_one(item: str) -> list[str]:
+    lo = item.find("[")
+    if lo < 0:
+        return [item]
+    hi = item.index("]", lo)
+    head, body, tail = item[:lo], item[lo + 1:hi], item[hi + 1:]
+    names = []
+    for rng in body.split(","):
+        a, _, b = rng.partition("-")
+        width = len(a)
+        for i in range(int(a), int(b or a) + 1):
+            names.append(f"{head}{i:0{width}d}")
+    return [n + t for n in names for t in _expand_one(tail)] if tail else names
+
+
+def check_not_singleton(world_size: int, environ: dict | None = None) -> str | None:
+    """The message to fail with when a launcher started N unconnected singleton ranks.
+
+    A plain ``srun -n N`` without ``--mpi`` (and ``MpiDefault=none``) starts N processes
+    that each see MPI_COMM_WORLD of size 1: every "rank" would silently do all the work."""
+    env = os.environ if environ is None else environ
+    expected = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
+    if env.get("SLURM_PROCID") is None or not expected or not expected.isdigit():
+        return None
+    if int(expected) > 1 and world_size == 1:
+        return (f"mpitp: srun started {expected} tasks but MPI sees a world of size 1 on each: they are "
+                "unconnected singletons. Add --mpi=pmi2 to srun for MPICH (or Intel MPI), --mpi=pmix for "
+                "Open MPI, or start the job with bin/mpitp-run, which picks the right one.")
+    return None

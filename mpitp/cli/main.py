@@ -27,6 +27,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    if args.command != "plan" or getattr(args, "plan", None) == "fit":
+        from mpi4py import MPI
+
+        from ..launch import check_not_singleton
+        problem = check_not_singleton(MPI.COMM_WORLD.size)
+        if problem:
+            print(problem, file=sys.stderr, flush=True)
+            return 2
     return int(COMMANDS[args.command].run(args) or 0)
 
 

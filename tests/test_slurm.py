@@ -1,0 +1,101 @@
+"""The sbatch scripts in slurm/, run for real with sbatch --wait against a live
+slurmctld/slurmd (.ci/run starts one with slurm/testbed.sh; elsewhere these skip).
+Each job's output is kept in $MPITP_SLURM_DIR/out for the CI log."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SLURM_DIR = Path(os.environ.get("MPITP_SLURM_DIR", "/tmp/mpitp-slurm"))
+CONF = os.environ.get("SLURM_CONF") or str(SLURM_DIR / "slurm.conf")
+OMPI_VENV = Path(os.environ.get("MPITP_OMPI_VENV", ROOT / ".venv-ompi"))
+
+
+def slurm_up() -> bool:
+    if not shutil.which("sbatch") or not Path(CONF).exists():
+        return False
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10,
+                             env=dict(os.environ, SLURM_CONF=CONF))
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and any(s in out.stdout for s in ("idle", "mixed", "allocated"))
+
+
+pytestmark = pytest.mark.skipif(not slurm_up(), reason="no SLURM controller answering (slurm/testbed.sh up starts one)")
+
+
+def sbatch(script: str, tmp_path: Path, *opts: str, venv: str | None = None, **env):
+    e = dict(os.environ, SLURM_CONF=CONF, MPITP_HOME=str(ROOT), MPITP_VENV=venv or sys.prefix, **env)
+    for k in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID"):
+        e.pop(k, None)
+    out = tmp_path / "job.out"
+    res = subprocess.run(["sbatch", "--wait", f"--output={out}", f"--chdir={tmp_path}", *opts,
+                          str(ROOT / "slurm" / script)], capture_output=True, text=True, env=e, cwd=ROOT,
+                         timeout=600)
+    text = out.read_text() if out.exists() else ""
+    keep = SLURM_DIR / "out"
+    keep.mkdir(parents=True, exist_ok=True)
+    (keep / f"{script}-{tmp_path.name}.out").write_text(text)
+    return res, text
+
+
+def test_demo_job(tmp_path):
+    res, out = sbatch("demo.sbatch", tmp_path)
+    assert res.returncode == 0, res.stderr + out
+    assert "mpitp: world of 2 rank(s) on 1 node(s): OK" in out
+    assert "== allreduce(x, 'sum'" in out and "[12 14]" in out            # (1+11, 2+12) on both ranks
+    assert "world size:     2" in out
+
+
+def test_bench_job_numbers_are_right(tmp_path):
+    res, out = sbatch("bench.sbatch", tmp_path, MPITP_MAX_BYTES="256K", MPITP_ALGORITHMS="mpi,ring,auto")
+    assert res.returncode == 0, res.stderr + out
+    assert "Avg bus bandwidth (ring)" in out
+    rows = json.loads(next(tmp_path.glob("mpitp-bench-*.json")).read_text())
+    assert rows and all(r["ranks"] == 2 for r in rows)
+    assert all(r["wrong"] == 0 for r in rows if r["algorithm"] != "mpi4py")
+
+
+def test_three_ranks_overcommitted_through_the_launcher(tmp_path):
+    """An odd world size on a 2-CPU node: --ntasks=3 --overcommit, ranks started by
+    bin/mpitp-run inside the allocation (srun --mpi=pmi2 for the mpich wheel)."""
+    e = dict(os.environ, SLURM_CONF=CONF, PYTHON=sys.executable,
+             PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    out = tmp_path / "job.out"
+    res = subprocess.run(["sbatch", "--wait", "--ntasks=3", "--overcommit", f"--output={out}",
+                          f"--wrap={ROOT / 'bin' / 'mpitp-run'} -- mpitp demo"],
+                         capture_output=True, text=True, env=e, timeout=300)
+    text = out.read_text()
+    (SLURM_DIR / "out").mkdir(parents=True, exist_ok=True)
+    (SLURM_DIR / "out" / "mpitp-run-3-ranks.out").write_text(text)
+    assert res.returncode == 0, res.stderr + text
+    assert "mpitp demo: 3 rank(s)" in text and "[33 36 39]" in text
+
+
+def test_plain_srun_singletons_are_refused(tmp_path):
+    res, out = sbatch("singleton-check.sbatch", tmp_path)
+    assert res.returncode != 0
+    assert out.count("unconnected singletons") == 2 and "--mpi=pmi2" in out
+
+
+def test_hostfile_from_allocation(tmp_path):
+    e = dict(os.environ, SLURM_CONF=CONF, PYTHON=sys.executable)
+    res = subprocess.run(["sbatch", "--wait", "--ntasks-per-node=2", f"--output={tmp_path / 'h.out'}",
+                          f"--wrap={ROOT / 'bin' / 'mpitp-hostfile'} --format mpich"],
+                         capture_output=True, text=True, env=e, timeout=300)
+    assert res.returncode == 0, res.stderr
+    host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
+    assert (tmp_path / "h.out").read_text() == f"{host}:2\n"
+
+
+@pytest.mark.skipif(not (OMPI_VENV / "bin" / "python").exists(), reason="no Open MPI venv (.venv-ompi)")
+def test_demo_job_with_open_mpi_over_pmix(tmp_path):
+    res, out = sbatch("demo.sbatch", tmp_path, venv=str(OMPI_VENV))
+    assert res.returncode == 0, res.stderr + out
+    assert "world of 2 rank(s)" in out and "Open MPI" in out
