@@ -67,6 +67,10 @@ EOF
 }
 
 up() {
+  if [ -f "$D/slurm.conf" ] && SLURM_CONF=$D/slurm.conf sinfo -h -o %T 2>/dev/null | grep -qE '^(idle|mixed|allocated)'; then
+    echo "slurm testbed already up: SLURM_CONF=$D/slurm.conf"
+    return 0
+  fi
   install
   pmix_link
   write_conf
