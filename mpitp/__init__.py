@@ -6,9 +6,17 @@ two-level algorithms, tensor-parallel LLaMA and FSDP/ZeRO-3 — all under ``mpie
 from .comm import Communicator, Handle, ReduceOp, Topology, Traffic
 from .errors import CollectiveMismatchError, MpitpError, UnsupportedOperation
 
+
+def __getattr__(name):
+    # the model pulls in safetensors/tokenizers; load it only when asked for
+    if name == "LlamaForCausalLM":
+        from .models.llama import LlamaForCausalLM
+        return LlamaForCausalLM
+    raise AttributeError(f"module 'mpitp' has no attribute {name!r}")
+
 __version__ = "0.1.0"
 
 __all__ = [
     "Communicator", "Handle", "ReduceOp", "Topology", "Traffic",
-    "MpitpError", "CollectiveMismatchError", "UnsupportedOperation", "__version__",
+    "MpitpError", "CollectiveMismatchError", "UnsupportedOperation", "LlamaForCausalLM", "__version__",
 ]

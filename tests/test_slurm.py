@@ -99,3 +99,12 @@ def test_demo_job_with_open_mpi_over_pmix(tmp_path):
     res, out = sbatch("demo.sbatch", tmp_path, venv=str(OMPI_VENV))
     assert res.returncode == 0, res.stderr + out
     assert "world of 2 rank(s)" in out and "Open MPI" in out
+
+
+def test_generate_job(tmp_path):
+    model = ROOT / "tests" / "fixtures" / "mha"
+    res, out = sbatch("generate.sbatch", tmp_path, MPITP_MODEL=str(model), MPITP_PROMPT="the quick brown",
+                      MPITP_MAX_NEW_TOKENS="8")
+    assert res.returncode == 0, res.stderr + out
+    assert "world of 2 rank(s)" in out and out.count("the quick brown") == 1
+    assert "TP=2: prefill" in out and "tokens/s" in out

@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, demo, info, plan
+from . import bench, demo, generate, info, plan
 
-COMMANDS = {"info": info, "demo": demo, "bench": bench, "plan": plan}
+COMMANDS = {"info": info, "demo": demo, "generate": generate, "bench": bench, "plan": plan}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    if args.command != "plan" or getattr(args, "plan", None) == "fit":
+    if (args.command != "plan" or getattr(args, "plan", None) == "fit") and not (
+            args.command == "generate" and not args.model):
         from mpi4py import MPI
 
         from ..launch import check_not_singleton

@@ -139,9 +139,8 @@ def test_unknown_op_and_algorithm(comm):
 def test_ring_pipeline_segments(comm, n, seg, depth_slots, seed):
     """Many segments per chunk and every window depth: the pipelined ring must neither
     deadlock (the watchdog would abort) nor mix up segments."""
-    from mpitp.comm import communicator as cm
-    old_seg, old_depth = comm.segment_bytes, cm.RING_DEPTH
-    comm.segment_bytes, cm.RING_DEPTH = seg, depth_slots
+    old_seg, old_depth = comm.segment_bytes, comm.ring_depth
+    comm.segment_bytes, comm.ring_depth = seg, depth_slots
     try:
         check_allreduce(comm, n, "int32", "sum", "ring", seed)
         x = np.arange(n, dtype=np.int64) + comm.rank
@@ -151,7 +150,7 @@ def test_ring_pipeline_segments(comm, n, seg, depth_slots, seed):
         ag = comm.allgather(x[: n // N], algorithm="ring")
         agree(np.array_equal(ag, np.concatenate([np.arange(n // N) + q for q in range(N)])), "ring allgather")
     finally:
-        comm.segment_bytes, cm.RING_DEPTH = old_seg, old_depth
+        comm.segment_bytes, comm.ring_depth = old_seg, old_depth
 
 
 @pytest.mark.parametrize("depth_slots", [1, 2, 4])
@@ -159,10 +158,9 @@ def test_ring_pipeline_segments(comm, n, seg, depth_slots, seed):
 def test_ring_pipeline_rendezvous(comm, depth_slots, segs_per_chunk):
     """Segments above MPI's eager limit (sends complete only when the peer receives), and
     several per chunk: the case where waiting on a whole chunk's sends would deadlock."""
-    from mpitp.comm import communicator as cm
-    old_seg, old_depth = comm.segment_bytes, cm.RING_DEPTH
-    comm.segment_bytes, cm.RING_DEPTH = 256 * 1024, depth_slots
+    old_seg, old_depth = comm.segment_bytes, comm.ring_depth
+    comm.segment_bytes, comm.ring_depth = 256 * 1024, depth_slots
     try:
         check_allreduce(comm, int(N * segs_per_chunk * 65536) + 1, "float32", "sum", "ring", seed=depth_slots)
     finally:
-        comm.segment_bytes, cm.RING_DEPTH = old_seg, old_depth
+        comm.segment_bytes, comm.ring_depth = old_seg, old_depth

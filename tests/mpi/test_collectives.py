@@ -6,7 +6,6 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 
-import mpitp
 from conftest import agree, rank_inputs
 
 N = MPI.COMM_WORLD.size

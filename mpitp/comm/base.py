@@ -1,0 +1,193 @@
+"""What every collective of :class:`mpitp.Communicator` stands on: the duplicated MPI
+communicators, validation, the watchdog, host staging of device arrays, counters."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import backend
+from ..errors import MpitpError
+from . import hierarchical, tuning, validate
+from .handle import Handle, Steps, Watchdog, drive
+from .ops import check_dtype
+from .topology import Topology
+from .traffic import Traffic
+from .workspace import Workspace
+
+_LOCAL_ERRORS = (MpitpError, ValueError, TypeError)
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class CommunicatorBase:
+    """Setup and the helpers every collective uses (see :class:`mpitp.Communicator`)."""
+
+    def __init__(self, comm: "MPI.Comm | CommunicatorBase | None" = None, *, validate: bool | None = None,
+                 timeout: float | None = None, ranks_per_node: int | None = None):
+        base = comm.mpi if isinstance(comm, CommunicatorBase) else (comm or MPI.COMM_WORLD)
+        self.mpi: MPI.Comm = base.Dup()            # user-visible traffic (collectives, p2p)
+        self._algo: MPI.Comm = self.mpi.Dup()      # hand-written algorithms' messages
+        self._meta: MPI.Comm = self.mpi.Dup()      # validation exchange
+        self.rank, self.size = self.mpi.rank, self.mpi.size
+        self.validate = _env_flag("MPITP_VALIDATE") if validate is None else bool(validate)
+        self.watchdog = Watchdog.from_env(timeout, MPI.COMM_WORLD.rank)
+        self.topology = Topology.detect(self.mpi, ranks_per_node)
+        self.traffic = Traffic()
+        self.segment_bytes = int(os.environ.get("MPITP_RING_SEGMENT", 512 * 1024))
+        self.ring_depth = int(os.environ.get("MPITP_RING_DEPTH", 4))   # receive segments in flight
+        self._staging = None      # decided on first device array (asks MPI once)
+        self._seq = 0
+        self._workspace = Workspace()
+        self._node_comms: hierarchical.NodeComms | None = None
+        self._fast: dict = {}     # (dtype char, op, algorithm) -> (MPI datatype, MPI op, size limit)
+        self.tuning = self.mpi.bcast(tuning.load() if self.rank == 0 else None, root=0)
+
+    # ------------------------------------------------------------------ plumbing
+    def phase(self, label: str):
+        """``with comm.phase("forward"): ...`` labels the bytes sent inside it."""
+        return self.traffic.phase(label)
+
+    def free(self) -> None:
+        if self._node_comms is not None:
+            self._node_comms.free()
+        for c in (self._meta, self._algo, self.mpi):
+            if c != MPI.COMM_NULL:
+                c.Free()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
+
+    def split(self, color: int, key: int = 0):
+        """A new Communicator over the ranks that pass the same ``color``."""
+        sub = self.mpi.Split(color, key)
+        try:
+            return type(self)(sub, validate=self.validate, timeout=self.watchdog.timeout)
+        finally:
+            sub.Free()
+
+    def _begin(self, name: str) -> tuple[int, str]:
+        self._seq += 1
+        self.traffic.count_call(name)
+        return self._seq, f"{name} #{self._seq}"
+
+    def _direct(self, nonblocking: bool) -> bool:
+        return not nonblocking and self.watchdog.timeout is None
+
+    def _run(self, steps: Steps, what: str, nonblocking: bool):
+        if nonblocking:
+            return Handle(steps, self.watchdog, what)
+        return drive(steps, self.watchdog, what)
+
+    def _prepare(self, what: str, sig, same: tuple[str, ...], fn):
+        """Run local argument checks; with validation on, compare across ranks first
+        (``sig()`` builds this rank's signature only then)."""
+        err, res = None, None
+        try:
+            res = fn()
+        except _LOCAL_ERRORS as e:
+            err = e
+        if self.validate:
+            self._exchange_check(what, sig(), same, err)
+        if err is not None:
+            raise err
+        return res
+
+    def _exchange_check(self, what: str, sig: dict, same: tuple[str, ...], err) -> None:
+        sig = {**sig, "seq": self._seq}
+        validate.check(validate.exchange(self._meta, self.watchdog, what, sig, err), same)
+
+    @staticmethod
+    def _sig(name: str, x: Any, **extra) -> dict:
+        return {"collective": name, "dtype": str(getattr(x, "dtype", type(x).__name__)),
+                "shape": tuple(getattr(x, "shape", ())), **extra}
+
+    def _array(self, x: Any):
+        """Contiguous array of a supported dtype (lists and scalars become NumPy arrays)."""
+        if not backend.is_device(x) and not isinstance(x, np.ndarray):
+            x = np.asarray(x)
+        check_dtype(x.dtype)
+        return backend.as_contiguous(x)
+
+    def _stage(self, x) -> bool:
+        """Whether this (device) array must travel through host memory."""
+        if not backend.is_device(x):
+            return False
+        backend.synchronize(x)
+        if self._staging is None:
+            self._staging = not backend.cuda_aware_mpi()
+        return self._staging
+
+    def _to_host(self, a):
+        return backend.device_ops(a).to_host(a)
+
+    def _staged(self, steps: Steps, like, out) -> Steps:
+        """Run host ``steps``, then copy the result to ``out`` (or a new device array)."""
+        res = yield from steps
+        if res is None:
+            return None
+        dev = out if out is not None and out.shape == res.shape else backend.empty(res.shape, res.dtype, like)
+        backend.device_ops(like).from_host(dev, res)
+        return dev
+
+    @staticmethod
+    def _finish(res, out):
+        """Copy into a caller's ``out`` when the algorithm worked elsewhere (non-contiguous out)."""
+        if out is None or res is None or res is out:
+            return res
+        out[...] = res.reshape(out.shape)
+        return out
+
+    def _record_mpi(self, name: str, nbytes: int) -> None:
+        if nbytes:
+            self.traffic.record(nbytes, name, "mpi")
+
+    def _on_send(self, name: str):
+        topo, traffic = self.topology, self.traffic
+
+        def on_send(nbytes: int, peer: int) -> None:
+            traffic.record(nbytes, name, topo.peer_class(peer))
+        return on_send
+
+    def _out_buffer(self, out, a, shape):
+        """The contiguous buffer results land in: ``out`` itself when possible."""
+        if out is None:
+            return backend.empty(shape, a.dtype, a)
+        if tuple(out.shape) != tuple(shape) or out.dtype != a.dtype:
+            raise ValueError(f"out has shape {tuple(out.shape)} dtype {out.dtype}; "
+                             f"expected {tuple(shape)} {a.dtype}")
+        if backend.is_device(out) or out.flags.c_contiguous:
+            return out
+        return np.empty(shape, a.dtype)
+
+    def _check_root(self, root: int) -> None:
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            raise ValueError(f"root {root!r} is not a rank of this communicator (size {self.size})")
+
+    def _segment(self, dtype) -> int:
+        return max(1, self.segment_bytes // np.dtype(dtype).itemsize)
+
+    def _slots(self, chunk: int, dtype) -> int:
+        """Elements of receive scratch for the ring: ``ring_depth`` segments, at most ``chunk``
+        (pass an upper bound of every chunk the algorithm will receive)."""
+        return max(1, min(chunk, self.ring_depth * self._segment(dtype)))
+
+    @property
+    def node_comms(self) -> hierarchical.NodeComms:
+        """Intra-node, inter-node and leader communicators (created on first use: collective)."""
+        if self._node_comms is None:
+            self._node_comms = hierarchical.NodeComms(self._algo, self.topology)
+        return self._node_comms
+
+
+def _value(v) -> Steps:
+    """Steps that communicate nothing and return ``v``."""
+    return v
+    yield  # pragma: no cover  (makes this a generator)

@@ -1,0 +1,143 @@
+"""Gather, all-gather, scatter and all-to-all: axis-0 concatenation and
+``numpy.array_split`` pieces, per-rank first dimensions allowed to differ."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import backend
+from . import native, ring, select
+from .handle import Steps
+from .ops import mpi_datatype
+
+
+class Gathers:
+    def _rows(self, a) -> tuple[int, tuple, int]:
+        """(rows, trailing shape, elements per row) for axis-0 concatenation."""
+        shape = tuple(a.shape) or (1,)
+        row = int(np.prod(shape[1:], dtype=np.int64))
+        return shape[0], shape[1:], row
+
+    def _row_counts(self, rows: int, root: int | None) -> list[int] | None:
+        mine = np.array([rows], np.int64)
+        every = np.empty(self.size, np.int64)
+        if root is None:
+            self.watchdog.wait([self.mpi.Iallgather(mine, every)], "allgather of row counts")
+            return every.tolist()
+        self.watchdog.wait([self.mpi.Igather(mine, every if self.rank == root else None, root=root)],
+                           "gather of row counts")
+        return every.tolist() if self.rank == root else None
+
+    def gather(self, x, root: int = 0, *, nonblocking: bool = False):
+        """Concatenate every rank's ``x`` along axis 0 on ``root`` (``None`` elsewhere)."""
+        seq, what = self._begin("gather")
+
+        def prep():
+            self._check_root(root)
+            return self._array(x)
+        sig = lambda: self._sig("gather", x, root=root, trailing=tuple(getattr(x, "shape", ()))[1:])  # noqa: E731
+        a = self._prepare(what, sig, ("collective", "dtype", "trailing", "root"), prep)
+        staged = self._stage(a)
+        src = self._to_host(a) if staged else a
+        rows, trailing, row = self._rows(src)
+        counts = self._row_counts(rows, root)
+        dst = None
+        if self.rank == root:
+            dst = (np.empty if staged else lambda s, d: backend.empty(s, d, a))((sum(counts),) + trailing, a.dtype)
+        self._record_mpi("gather", 0 if self.rank == root else src.nbytes)
+        elems = None if counts is None else [c * row for c in counts]
+        steps = native.gatherv(self.mpi, src, dst, elems, mpi_datatype(a.dtype), root, self._direct(nonblocking))
+        return self._run(self._staged(steps, x, None) if staged else steps, what, nonblocking)
+
+    def allgather(self, x, *, out=None, algorithm: str = "auto", nonblocking: bool = False):
+        """Concatenate every rank's ``x`` along axis 0 on every rank."""
+        seq, what = self._begin("allgather")
+        sig = lambda: self._sig("allgather", x, algorithm=algorithm, trailing=tuple(getattr(x, "shape", ()))[1:])  # noqa: E731
+
+        def prep():
+            a = self._array(x)
+            return a, select.choose("allgather", algorithm, a.nbytes * self.size, self.size, None, self.topology, self.tuning)
+        a, alg = self._prepare(what, sig, ("collective", "dtype", "trailing", "algorithm"), prep)
+        staged = self._stage(a)
+        src = self._to_host(a) if staged else a
+        rows, trailing, row = self._rows(src)
+        if out is not None and tuple(out.shape) == (rows * self.size,) + trailing and not self.validate:
+            counts = [rows] * self.size      # out's shape says every rank has ``rows``: no count exchange
+        else:
+            counts = self._row_counts(rows, None)
+        shape = (sum(counts),) + trailing
+        dst = np.empty(shape, a.dtype) if staged else self._out_buffer(out, a, shape)
+        elems = [c * row for c in counts]
+        dt = mpi_datatype(a.dtype)
+        if alg == "ring" and self.size > 1:
+            steps = self._ring_allgather(src, dst, elems, dt, seq)
+        else:
+            self._record_mpi("allgather", src.nbytes if self.size > 1 else 0)
+            steps = native.allgatherv(self.mpi, src, dst, elems, dt, self._direct(nonblocking))
+        if staged:
+            steps = self._staged(steps, x, out)
+        res = self._run(steps, f"{what} ({alg})", nonblocking)
+        return res if nonblocking or staged else self._finish(res, out)
+
+    def _ring_allgather(self, src, dst, elems, dt, seq) -> Steps:
+        flat = dst.reshape(-1)
+        lo = sum(elems[:self.rank])
+        flat[lo:lo + elems[self.rank]] = src.reshape(-1)
+        yield from ring.all_gather(self._algo, flat, elems, dtype=dt, itemsize=src.dtype.itemsize,
+                                   seg=self._segment(src.dtype), tag=seq & 0x7FFF,
+                                   on_send=self._on_send("allgather"))
+        return dst
+
+    def scatter(self, x, root: int = 0, *, nonblocking: bool = False):
+        """Split root's ``x`` along axis 0 like ``numpy.array_split``; rank r gets piece r.
+        Non-roots may pass ``None``."""
+        seq, what = self._begin("scatter")
+        sig = lambda: {"collective": "scatter", "root": root}  # noqa: E731
+
+        def prep():
+            self._check_root(root)
+            if self.rank == root:
+                a = self._array(x)
+                if a.ndim == 0:
+                    raise ValueError("scatter needs an array with at least one dimension")
+                return a
+            return None
+        a = self._prepare(what, sig, ("collective", "root"), prep)
+        staged = a is not None and self._stage(a)
+        src = self._to_host(a) if staged else a
+        meta = (tuple(src.shape), src.dtype.str, staged) if self.rank == root else None
+        shape, dtype, staged_root = self.mpi.bcast(meta, root=root)
+        dtype = np.dtype(dtype)
+        counts = ring.chunk_counts(shape[0], self.size)
+        row = int(np.prod(shape[1:], dtype=np.int64))
+        like = x if (self.rank == root and not staged) else None
+        dst = backend.empty((counts[self.rank],) + tuple(shape[1:]), dtype, like) if like is not None \
+            else np.empty((counts[self.rank],) + tuple(shape[1:]), dtype)
+        if self.rank == root:
+            self._record_mpi("scatter", src.nbytes - counts[root] * row * dtype.itemsize)
+        steps = native.scatterv(self.mpi, src, dst, [c * row for c in counts], mpi_datatype(dtype), root,
+                                self._direct(nonblocking))
+        if staged:
+            steps = self._staged(steps, x, None)
+        return self._run(steps, what, nonblocking)
+
+    def alltoall(self, x, *, nonblocking: bool = False):
+        """Split axis 0 into ``size`` equal blocks; block j goes to rank j, and the
+        result stacks the blocks received from ranks 0..size-1."""
+        seq, what = self._begin("alltoall")
+        sig = lambda: self._sig("alltoall", x)  # noqa: E731
+
+        def prep():
+            a = self._array(x)
+            if a.ndim == 0 or a.shape[0] % self.size:
+                raise ValueError(f"alltoall needs axis 0 divisible by the communicator size {self.size}; "
+                                 f"got shape {tuple(a.shape)}")
+            return a
+        a = self._prepare(what, sig, ("collective", "dtype", "shape"), prep)
+        staged = self._stage(a)
+        src = self._to_host(a) if staged else a
+        dst = np.empty_like(src) if staged else backend.empty(src.shape, src.dtype, a)
+        self._record_mpi("alltoall", src.nbytes - src.nbytes // self.size)
+        steps = native.alltoall(self.mpi, src, dst, mpi_datatype(a.dtype), self._direct(nonblocking))
+        if staged:
+            steps = self._staged(steps, x, None)
+        return self._run(steps, what, nonblocking)

@@ -1,0 +1,67 @@
+"""Barrier and point-to-point calls, counted by peer class like everything else."""
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import backend
+from . import native
+from .ops import mpi_datatype
+
+
+class PointToPoint:
+    def barrier(self, *, nonblocking: bool = False):
+        seq, what = self._begin("barrier")
+        if self.validate:
+            self._exchange_check(what, {"collective": "barrier"}, ("collective",), None)
+        return self._run(native.barrier(self.mpi, self._direct(nonblocking)), what, nonblocking)
+
+    def send(self, x, dest: int, tag: int = 0) -> None:
+        a = self._array(x)
+        if self._stage(a):
+            a = self._to_host(a)
+        self.traffic.record(a.nbytes, "send", self.topology.peer_class(dest))
+        self.mpi.Send([a, mpi_datatype(a.dtype)], dest=dest, tag=tag)
+
+    def recv(self, source: int = MPI.ANY_SOURCE, *, out=None, shape=None, dtype=None,
+             tag: int = MPI.ANY_TAG):
+        """Receive into ``out``, or into a new array of ``shape``/``dtype``; with only
+        ``dtype`` the message length decides (a 1-D array)."""
+        if out is None:
+            if dtype is None:
+                raise TypeError("recv needs out=, or dtype= (and optionally shape=)")
+            dtype = np.dtype(dtype)
+            if shape is None:
+                status = MPI.Status()
+                self.mpi.Probe(source, tag, status)
+                shape = (status.Get_count(mpi_datatype(dtype)),)
+                source, tag = status.Get_source(), status.Get_tag()
+            out = np.empty(shape, dtype)
+        if backend.is_device(out) and self._stage(out):
+            host = np.empty(out.shape, out.dtype)
+            self.mpi.Recv([host, mpi_datatype(out.dtype)], source=source, tag=tag)
+            backend.device_ops(out).from_host(out, host)
+            return out
+        buf = out if backend.is_device(out) or out.flags.c_contiguous else np.empty(out.shape, out.dtype)
+        self.mpi.Recv([buf, mpi_datatype(out.dtype)], source=source, tag=tag)
+        return self._finish(buf, out)
+
+    def sendrecv(self, x, dest: int, source: int | None = None, *, out=None, sendtag: int = 0,
+                 recvtag: int = MPI.ANY_TAG):
+        """Send ``x`` to ``dest`` while receiving a same-shaped array from ``source``."""
+        a = self._array(x)
+        source = dest if source is None else source
+        if self._stage(a):
+            h = self._to_host(a)
+            r = np.empty_like(h)
+            self.traffic.record(h.nbytes, "sendrecv", self.topology.peer_class(dest))
+            dt = mpi_datatype(h.dtype)
+            self.mpi.Sendrecv([h, dt], dest, sendtag, [r, dt], source, recvtag)
+            dev = out if out is not None else backend.empty(r.shape, r.dtype, x)
+            backend.device_ops(x).from_host(dev, r)
+            return dev
+        buf = self._out_buffer(out, a, a.shape)
+        self.traffic.record(a.nbytes, "sendrecv", self.topology.peer_class(dest))
+        dt = mpi_datatype(a.dtype)
+        self.mpi.Sendrecv([a, dt], dest, sendtag, [buf, dt], source, recvtag)
+        return self._finish(buf, out)

@@ -1,0 +1,193 @@
+"""All-reduce, reduce, broadcast and reduce-scatter: MPI's own call, the ring, or the
+two-level algorithm, chosen per call (:mod:`mpitp.comm.select`)."""
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import backend
+from . import hierarchical, native, ring, select
+from .base import _value
+from .handle import Steps
+from .ops import ReduceOp, check_reducible, mpi_datatype, mpi_op, ufunc
+
+
+class Reductions:
+    # ------------------------------------------------------------------ all-reduce
+    def allreduce(self, x, op: "ReduceOp | str" = "sum", *, out=None, algorithm: str = "auto",
+                  nonblocking: bool = False):
+        """Element-wise reduction over all ranks; every rank gets the (bit-identical) result."""
+        fast = self._fast.get((x.dtype.char, op, algorithm)) if type(x) is np.ndarray else None
+        if fast is not None and x.nbytes < fast[2] and not nonblocking and x.flags.c_contiguous and (
+                out is None or out is x or (type(out) is np.ndarray and out.flags.c_contiguous
+                                            and out.shape == x.shape and out.dtype == x.dtype)):
+            # Hot path for small host messages that go to MPI's own call: the slow path below
+            # has already checked this (dtype, op, algorithm) once and cached the MPI handles.
+            self._seq += 1
+            self.traffic.count_call("allreduce")
+            dst = np.empty_like(x) if out is None else out
+            self.mpi.Allreduce(MPI.IN_PLACE if dst is x else [x, fast[0]], [dst, fast[0]], op=fast[1])
+            self.traffic.record(x.nbytes, "allreduce", "mpi")
+            return dst
+        seq, what = self._begin("allreduce")
+        sig = lambda: self._sig("allreduce", x, op=str(op), algorithm=algorithm)  # noqa: E731
+
+        def prep():
+            o = ReduceOp.parse(op)
+            a = self._array(x)
+            check_reducible(o, a.dtype)
+            alg = select.choose("allreduce", algorithm, a.nbytes, self.size, o, self.topology, self.tuning)
+            return o, a, alg
+        o, a, alg = self._prepare(what, sig, ("collective", "dtype", "shape", "op", "algorithm"), prep)
+        what = f"{what} ({alg}, {a.nbytes} bytes)"
+        self._remember_fast(x, op, algorithm, o, a, alg)
+        inplace = out is x
+        if self._stage(a):
+            h = self._to_host(a)
+            steps = self._staged(self._allreduce(h, h, o, alg, seq, nonblocking), x, x if inplace else out)
+            return self._run(steps, what, nonblocking)
+        target = a if inplace and a is x else self._out_buffer(None if inplace else out, a, a.shape)
+        steps = self._allreduce(a, target, o, alg, seq, nonblocking)
+        res = self._run(steps, what, nonblocking)
+        if nonblocking:
+            return res
+        return self._finish(res, x if inplace else out)
+
+    def _allreduce(self, a, dst, op: ReduceOp, alg: str, seq: int, nonblocking: bool) -> Steps:
+        if self.size == 1:
+            if dst is not a:
+                dst[...] = a
+            return dst
+        dt = mpi_datatype(a.dtype)
+        if alg == "mpi":
+            self._record_mpi("allreduce", a.nbytes)
+            return (yield from native.allreduce(self.mpi, a, dst, dt, mpi_op(op, a.dtype), self._direct(nonblocking)))
+        fn = ufunc(op, backend.xp_of(a))
+        reduce = lambda p, q, r: fn(p, q, out=r)  # noqa: E731
+        kw = dict(dtype=dt, itemsize=a.dtype.itemsize, seg=self._segment(a.dtype), tag=seq & 0x7FFF,
+                  on_send=self._on_send("allreduce"))
+        with self._workspace.borrow(self._slots(a.size, a.dtype), a.dtype, a) as tmp:
+            if alg == "ring":
+                yield from ring.all_reduce(self._algo, a.reshape(-1), dst.reshape(-1), reduce, tmp, **kw)
+            else:   # two-level; uneven nodes have no common shard layout: leader variant
+                sharded = alg == "hierarchical" and self.topology.uniform
+                yield from hierarchical.all_reduce(self.node_comms, a.reshape(-1), dst.reshape(-1), reduce,
+                                                   tmp, sharded=sharded, **kw)
+        return dst
+
+    def _remember_fast(self, x, op, algorithm, o: ReduceOp, a, alg: str) -> None:
+        """Cache MPI handles for (dtype, op, algorithm) when small host calls go to MPI."""
+        if (alg != "mpi" or self.validate or self.watchdog.timeout is not None or self.size == 1
+                or type(x) is not np.ndarray or not isinstance(op, (str, ReduceOp))):
+            return
+        limit = 1 << 62 if algorithm == "mpi" else select.crossover("allreduce", self.size, self.tuning)
+        self._fast[(a.dtype.char, op, algorithm)] = (mpi_datatype(a.dtype), mpi_op(o, a.dtype), limit)
+
+#END
+
+    # ------------------------------------------------------------------ rooted reduce / bcast
+    def reduce(self, x, op: "ReduceOp | str" = "sum", root: int = 0, *, out=None,
+               algorithm: str = "auto", nonblocking: bool = False):
+        """Reduction to ``root``; returns the result there and ``None`` elsewhere."""
+        seq, what = self._begin("reduce")
+        sig = lambda: self._sig("reduce", x, op=str(op), root=root, algorithm=algorithm)  # noqa: E731
+
+        def prep():
+            o = ReduceOp.parse(op)
+            self._check_root(root)
+            a = self._array(x)
+            check_reducible(o, a.dtype)
+            select.choose("reduce", algorithm, a.nbytes, self.size, o, self.topology, self.tuning)
+            return o, a
+        o, a = self._prepare(what, sig, ("collective", "dtype", "shape", "op", "root", "algorithm"), prep)
+        staged = self._stage(a)
+        src = self._to_host(a) if staged else a
+        is_root = self.rank == root
+        dst = None
+        if is_root:
+            dst = src if (out is x and src is x) else (np.empty_like(src) if staged else self._out_buffer(out, a, a.shape))
+        if self.size == 1:
+            if dst is not src:
+                dst[...] = src
+            steps = _value(dst)
+        else:
+            self._record_mpi("reduce", 0 if is_root else a.nbytes)
+            steps = native.reduce(self.mpi, src, dst, mpi_datatype(a.dtype), mpi_op(o, a.dtype), root,
+                                  self._direct(nonblocking))
+        if staged:
+            steps = self._staged(steps, x, out)
+        res = self._run(steps, what, nonblocking)
+        return res if nonblocking or staged else self._finish(res, out)
+
+    def broadcast(self, x, root: int = 0, *, nonblocking: bool = False):
+        """Root's ``x`` to every rank. Non-roots pass a buffer of the same shape and dtype,
+        which is filled in place and returned."""
+        seq, what = self._begin("broadcast")
+        sig = lambda: self._sig("broadcast", x, root=root)  # noqa: E731
+
+        def prep():
+            self._check_root(root)
+            return self._array(x)
+        a = self._prepare(what, sig, ("collective", "dtype", "shape", "root"), prep)
+        staged = self._stage(a)
+        buf = self._to_host(a) if staged else a
+        if self.size == 1:
+            steps = _value(buf)
+        else:
+            self._record_mpi("broadcast", buf.nbytes if self.rank == root else 0)
+            steps = native.bcast(self.mpi, buf, mpi_datatype(a.dtype), root, self._direct(nonblocking))
+        target = x if (backend.is_device(x) or isinstance(x, np.ndarray)) else None
+        if staged:
+            steps = self._staged(steps, x, target)
+        res = self._run(steps, what, nonblocking)
+        return res if nonblocking or staged else self._finish(res, target)
+
+#END
+
+    def reduce_scatter(self, x, op: "ReduceOp | str" = "sum", *, algorithm: str = "auto",
+                       nonblocking: bool = False):
+        """Reduce ``x`` over ranks, then split axis 0 like ``numpy.array_split``;
+        rank r gets piece r."""
+        seq, what = self._begin("reduce_scatter")
+        sig = lambda: self._sig("reduce_scatter", x, op=str(op), algorithm=algorithm)  # noqa: E731
+
+        def prep():
+            o = ReduceOp.parse(op)
+            a = self._array(x)
+            if a.ndim == 0:
+                raise ValueError("reduce_scatter needs an array with at least one dimension")
+            check_reducible(o, a.dtype)
+            return o, a, select.choose("reduce_scatter", algorithm, a.nbytes, self.size, o, self.topology, self.tuning)
+        o, a, alg = self._prepare(what, sig, ("collective", "dtype", "shape", "op", "algorithm"), prep)
+        staged = self._stage(a)
+        src = self._to_host(a) if staged else a
+        rows = ring.chunk_counts(src.shape[0], self.size)
+        row = int(np.prod(src.shape[1:], dtype=np.int64))
+        elems = [c * row for c in rows]
+        shape = (rows[self.rank],) + tuple(src.shape[1:])
+        dst = np.empty(shape, a.dtype) if staged else backend.empty(shape, a.dtype, a)
+        dt = mpi_datatype(a.dtype)
+        if self.size == 1:
+            dst[...] = src
+            steps = _value(dst)
+        elif alg == "ring":
+            steps = self._ring_reduce_scatter(src, dst, elems, o, dt, seq)
+        else:
+            self._record_mpi("reduce_scatter", src.nbytes - elems[self.rank] * a.dtype.itemsize)
+            steps = native.reduce_scatter(self.mpi, src, dst, elems, dt, mpi_op(o, a.dtype),
+                                          self._direct(nonblocking))
+        if staged:
+            steps = self._staged(steps, x, None)
+        return self._run(steps, f"{what} ({alg})", nonblocking)
+
+    def _ring_reduce_scatter(self, src, dst, elems, op, dt, seq) -> Steps:
+        fn = ufunc(op, backend.xp_of(src))
+        lo = sum(elems[:self.rank])
+        with self._workspace.borrow(src.size, src.dtype, src) as full, \
+                self._workspace.borrow(self._slots(max(elems), src.dtype), src.dtype, src) as tmp:
+            yield from ring.reduce_scatter(
+                self._algo, src.reshape(-1), full, elems, lambda p, q, r: fn(p, q, out=r), tmp,
+                dtype=dt, itemsize=src.dtype.itemsize, seg=self._segment(src.dtype), tag=seq & 0x7FFF,
+                on_send=self._on_send("reduce_scatter"))
+            dst.reshape(-1)[...] = full[lo:lo + elems[self.rank]]
+        return dst

@@ -1,0 +1,1 @@
+"""Models built from the tensor-parallel layers."""

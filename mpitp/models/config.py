@@ -1,0 +1,93 @@
+"""LLaMA-family configuration from a Hugging Face ``config.json``.
+
+Reads both config styles: transformers 4 (``rope_theta`` and ``rope_scaling`` at the top
+level) and transformers 5 (``rope_parameters = {"rope_type": ..., "rope_theta": ...}``).
+Qwen2 differs from LLaMA only by biases on q/k/v, so it loads as the same model.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import MpitpError
+
+ARCHITECTURES = {"LlamaForCausalLM": False, "Qwen2ForCausalLM": True, "MistralForCausalLM": False}
+
+
+class ConfigError(MpitpError, ValueError):
+    """The checkpoint's config cannot be served by mpitp's LLaMA model."""
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict = field(default_factory=dict)     # {"rope_type": "llama3", "factor": ...} or {}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+    architecture: str = "LlamaForCausalLM"
+    torch_dtype: str = "float32"
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "LlamaConfig":
+        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(f"unknown architecture {archs}; mpitp serves {', '.join(ARCHITECTURES)}")
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            out = cls(
+                vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]), num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=heads, num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json has no {e.args[0]!r}") from None
+        rope = cfg.get("rope_parameters")
+        if isinstance(rope, dict):                       # transformers 5
+            out.rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        else:                                             # transformers 4
+            out.rope_theta = float(cfg.get("rope_theta", 10000.0))
+            scaling = dict(cfg.get("rope_scaling") or {})
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in ("default", "llama3", "linear"):
+            raise ConfigError(f"rope scaling type {kind!r} is not supported (default, linear, llama3 are)")
+        out.rope_scaling = {} if kind == "default" else {**scaling, "rope_type": kind}
+        out.rms_norm_eps = float(cfg.get("rms_norm_eps", 1e-6))
+        out.max_position_embeddings = int(cfg.get("max_position_embeddings", 2048))
+        out.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        out.qkv_bias = ARCHITECTURES[arch] or bool(cfg.get("attention_bias", False))
+        out.o_bias = bool(cfg.get("attention_bias", False))
+        out.mlp_bias = bool(cfg.get("mlp_bias", False))
+        out.bos_token_id = cfg.get("bos_token_id")
+        eos = cfg.get("eos_token_id")
+        out.eos_token_id = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        out.architecture = arch
+        out.torch_dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+        if out.head_dim * heads != hidden and "head_dim" not in cfg:
+            raise ConfigError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads}")
+        return out
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> "LlamaConfig":
+        p = Path(path)
+        f = p / "config.json" if p.is_dir() else p
+        if not f.exists():
+            raise ConfigError(f"no config.json in {p}")
+        return cls.from_dict(json.loads(f.read_text()))

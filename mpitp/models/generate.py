@@ -1,0 +1,87 @@
+"""Sampling and the decode loop: prefill once, then one token at a time.
+
+Prompts of different lengths are left-padded onto one timeline; pads are masked out of
+attention and positions count only real tokens. Rank 0 samples and broadcasts the new
+tokens, so every rank continues with the same ids whatever the sampler does.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 0.0, top_k: int = 0,
+           top_p: float = 1.0) -> np.ndarray:
+    """Next token per row of ``logits`` [B, V]: greedy when temperature is 0."""
+    logits = np.asarray(logits, np.float64)
+    if temperature <= 0:
+        return logits.argmax(axis=-1)
+    z = logits / temperature
+    if top_k and top_k < z.shape[-1]:
+        kth = np.partition(z, -top_k, axis=-1)[:, -top_k][:, None]
+        z = np.where(z < kth, -np.inf, z)
+    p = np.exp(z - z.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    if top_p < 1.0:
+        order = np.argsort(-p, axis=-1)
+        sorted_p = np.take_along_axis(p, order, axis=-1)
+        keep_sorted = np.cumsum(sorted_p, axis=-1) - sorted_p < top_p     # always keeps the top token
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        p = np.where(keep, p, 0.0)
+        p /= p.sum(axis=-1, keepdims=True)
+    return np.array([rng.choice(p.shape[-1], p=row) for row in p])
+
+
+def generate(model, input_ids, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int = 0, stop_tokens=None, on_token=None) -> list[list[int]]:
+    """Prompt + new tokens for every sequence (a list of lists; stops at a stop token)."""
+    xp, comm = model.xp, model.comm
+    prompts = [list(map(int, p)) for p in (input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids)]
+    if prompts and isinstance(prompts[0], int):
+        prompts = [prompts]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    for p in prompts:
+        model.check_ids(p)
+    stops = set(model.config.eos_token_id if stop_tokens is None else stop_tokens)
+    B, T = len(prompts), max(len(p) for p in prompts)
+    ids = np.zeros((B, T), np.int64)
+    valid = np.zeros((B, T), bool)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p):] = p
+        valid[b, T - len(p):] = True
+    cache = model.new_cache(B, T + max_new_tokens)
+    cache.valid[:, :T] = xp.asarray(valid)
+    positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0)
+    rng = np.random.default_rng(seed)
+    out = [list(p) for p in prompts]
+    done = np.zeros(B, bool)
+    t0 = time.perf_counter()
+    logits = model.forward(xp.asarray(ids), xp.asarray(positions), cache, last_only=True)[:, -1]
+    prefill = time.perf_counter() - t0
+    next_pos = positions[:, -1] + 1
+    new = 0
+    t1 = time.perf_counter()
+    for step in range(max_new_tokens):
+        host = logits.get() if hasattr(logits, "get") else np.asarray(logits)
+        tok = sample(host, rng, temperature, top_k, top_p).astype(np.int64)
+        if comm is not None and comm.size > 1:
+            tok = comm.broadcast(tok, root=0)
+        for b in range(B):
+            if not done[b]:
+                out[b].append(int(tok[b]))
+                done[b] = int(tok[b]) in stops
+        new += 1
+        if on_token is not None:
+            on_token(step, tok, done.copy())
+        if done.all() or step == max_new_tokens - 1:
+            break
+        cache.valid[:, cache.length] = True
+        logits = model.forward(xp.asarray(tok[:, None]), xp.asarray(next_pos[:, None]), cache, last_only=True)[:, -1]
+        next_pos = next_pos + 1
+    decode = time.perf_counter() - t1
+    model.last_stats = {"prefill_s": prefill, "prompt_tokens": int(valid.sum()), "new_tokens": new,
+                        "decode_s": decode, "decode_tokens_per_s": (new - 1) / decode if new > 1 and decode > 0 else 0.0}
+    return out

@@ -1,0 +1,195 @@
+"""Tensor-parallel LLaMA (and Qwen2) inference in NumPy / CuPy.
+
+The Megatron cut, per decoder layer on ``p`` ranks::
+
+    x ─ RMSNorm ─ qkv_proj (column: heads/p) ─ RoPE ─ attention over own heads ─ o_proj (row) ─ all-reduce ─ + x
+      ─ RMSNorm ─ gate_up_proj (column: inter/p) ─ SiLU(gate)*up ─ down_proj (row) ─ all-reduce ─ + h
+
+Exactly two all-reduces per layer, plus one for the vocab-parallel embedding and an
+all-gather of the logits in the head. Every rank ends with the full logits.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..tp import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
+                  VocabParallelEmbedding)
+from .config import LlamaConfig
+from .rope import Rotary
+
+
+class RMSNorm:
+    def __init__(self, hidden: int, eps: float, dtype=np.float32, xp=np):
+        self.eps, self.xp = eps, xp
+        self.weight = xp.ones(hidden, dtype)
+
+    def weight_loader(self, param, src, shard_id=None) -> None:
+        if tuple(src.shape) != tuple(self.weight.shape):
+            from ..tp import ShardingError
+            raise ShardingError(f"{src.name}: checkpoint shape {tuple(src.shape)}, model expects {self.weight.shape}")
+        self.weight[...] = self.xp.asarray(src.read(), self.weight.dtype)
+
+    def __call__(self, x):
+        xp = self.xp
+        x32 = x.astype(np.float32, copy=False)
+        var = (x32 * x32).mean(axis=-1, keepdims=True)
+        return (x32 / xp.sqrt(var + self.eps)).astype(x.dtype, copy=False) * self.weight
+
+
+class KVCache:
+    """Preallocated keys and values: [batch, max_len, local kv heads, head_dim] per layer.
+    Sequences are left-padded so that all share one timeline; ``valid`` masks the pads."""
+
+    def __init__(self, layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype, xp=np):
+        shape = (batch, max_len, kv_heads, head_dim)
+        self.k = [xp.zeros(shape, dtype) for _ in range(layers)]
+        self.v = [xp.zeros(shape, dtype) for _ in range(layers)]
+        self.valid = xp.zeros((batch, max_len), bool)
+        self.length = 0
+        self.max_len = max_len
+
+
+class Attention:
+    def __init__(self, cfg: LlamaConfig, comm, rotary: Rotary, dtype, xp):
+        self.xp, self.rotary, self.head_dim = xp, rotary, cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, bias=cfg.qkv_bias, comm=comm, dtype=dtype, xp=xp)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias,
+                                        comm=comm, dtype=dtype, xp=xp)
+        self.nh, self.nkv = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+
+    def __call__(self, x, positions, cache: KVCache, layer: int):
+        xp, d = self.xp, self.head_dim
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = self.rotary(q.reshape(B, T, self.nh, d), positions)
+        k = self.rotary(k.reshape(B, T, self.nkv, d), positions)
+        s = cache.length
+        cache.k[layer][:, s:s + T] = k
+        cache.v[layer][:, s:s + T] = v.reshape(B, T, self.nkv, d)
+        S = s + T
+        keys = cache.k[layer][:, :S].transpose(0, 2, 3, 1)                 # [B, kv, d, S]
+        vals = cache.v[layer][:, :S].transpose(0, 2, 1, 3)                 # [B, kv, S, d]
+        g = self.nh // self.nkv
+        qh = q.reshape(B, T, self.nkv, g, d).transpose(0, 2, 3, 1, 4)     # [B, kv, g, T, d]
+        scores = (qh @ keys[:, :, None]) * (1.0 / np.sqrt(d))              # [B, kv, g, T, S]
+        causal = xp.arange(S)[None, :] <= (s + xp.arange(T))[:, None]      # [T, S]
+        allowed = causal[None] & cache.valid[:, None, :S]                  # [B, T, S]
+        scores = xp.where(allowed[:, None, None], scores, np.finfo(np.float32).min)
+        scores = scores - scores.max(axis=-1, keepdims=True)
+        probs = xp.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out = (probs.astype(vals.dtype, copy=False) @ vals[:, :, None])   # [B, kv, g, T, d]
+        out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, self.nh * d)
+        return self.o_proj(out)
+
+
+class MLP:
+    def __init__(self, cfg: LlamaConfig, comm, dtype, xp):
+        self.xp = xp
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                                       bias=cfg.mlp_bias, comm=comm, dtype=dtype, xp=xp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, comm=comm,
+                                           dtype=dtype, xp=xp)
+
+    def __call__(self, x):
+        gu = self.gate_up_proj(x)
+        half = gu.shape[-1] // 2
+        gate, up = gu[..., :half], gu[..., half:]
+        return self.down_proj(gate / (1.0 + self.xp.exp(-gate)) * up)
+
+
+class DecoderLayer:
+    def __init__(self, cfg: LlamaConfig, comm, rotary: Rotary, dtype, xp):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, xp)
+        self.self_attn = Attention(cfg, comm, rotary, dtype, xp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, xp)
+        self.mlp = MLP(cfg, comm, dtype, xp)
+
+    def __call__(self, x, positions, cache, layer):
+        h = x + self.self_attn(self.input_layernorm(x), positions, cache, layer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM:
+    """``model(ids)`` gives full-vocabulary logits on every rank; ``generate`` decodes."""
+
+    def __init__(self, config: LlamaConfig, comm=None, dtype="float32", xp=np):
+        self.config, self.comm, self.xp, self.dtype = config, comm, xp, np.dtype(dtype)
+        c = config
+        self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, min(c.max_position_embeddings, 4096),
+                             xp=xp, dtype=np.float32)
+        self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, comm=comm, dtype=self.dtype, xp=xp)
+        self.layers = [DecoderLayer(c, comm, self.rotary, self.dtype, xp) for _ in range(c.num_hidden_layers)]
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, xp)
+        self.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size, comm=comm, dtype=self.dtype, xp=xp)
+        if c.tie_word_embeddings:
+            self.lm_head.tie(self.embed_tokens)
+        self.last_stats: dict = {}
+
+    @classmethod
+    def from_pretrained(cls, path, comm=None, dtype: str = "float32", device: str = "cpu") -> "LlamaForCausalLM":
+        from .loader import load_pretrained
+        return load_pretrained(cls, path, comm=comm, dtype=dtype, device=device)
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        a = self.layers[0].self_attn
+        return KVCache(len(self.layers), batch, max_len, a.nkv, self.config.head_dim, self.dtype, self.xp)
+
+    def check_ids(self, ids) -> None:
+        ids = np.asarray(ids)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+            bad = int(ids.max() if ids.max() >= self.config.vocab_size else ids.min())
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
+
+    def forward(self, ids, positions, cache: KVCache, last_only: bool = False):
+        """Logits [B, T, vocab] for ``ids`` [B, T] appended to ``cache`` at ``cache.length``
+        (``last_only``: just the last position's, [B, 1, vocab], as decoding needs)."""
+        h = self.embed_tokens(ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, positions, cache, i)
+        cache.length += ids.shape[1]
+        if last_only:
+            h = h[:, -1:]
+        return self.lm_head(self.norm(h))
+
+    def __call__(self, input_ids):
+        ids = self.xp.asarray(np.asarray(input_ids, dtype=np.int64))
+        if ids.ndim == 1:
+            ids = ids[None]
+        self.check_ids(np.asarray(input_ids))
+        B, T = ids.shape
+        cache = self.new_cache(B, T)
+        cache.valid[:, :T] = True
+        positions = self.xp.broadcast_to(self.xp.arange(T), (B, T))
+        return self.forward(ids, positions, cache)
+
+    def generate(self, input_ids, max_new_tokens: int = 32, **sampling):
+        from .generate import generate
+        return generate(self, input_ids, max_new_tokens=max_new_tokens, **sampling)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights this rank holds (a tied head counted once)."""
+        seen, total = set(), 0
+        for arr in self._weights():
+            if id(arr) not in seen:
+                seen.add(id(arr))
+                total += arr.nbytes
+        return total
+
+    def streamed_bytes(self) -> int:
+        """Bytes of weights one decode step reads on this rank: all but the embedding table
+        (one row of it is looked up), unless the head shares it."""
+        return self.weight_bytes() - (0 if self.lm_head.tied else self.embed_tokens.weight.nbytes)
+
+    def _weights(self):
+        yield self.embed_tokens.weight
+        yield self.norm.weight
+        yield self.lm_head.weight
+        for L in self.layers:
+            for mod in (L.self_attn.qkv_proj, L.self_attn.o_proj, L.mlp.gate_up_proj, L.mlp.down_proj):
+                yield mod.weight
+                if mod.bias is not None:
+                    yield mod.bias
+            yield L.input_layernorm.weight
+            yield L.post_attention_layernorm.weight

@@ -1,0 +1,135 @@
+"""Hugging Face checkpoint → tensor-parallel model. Each rank reads only its slices.
+
+Accepts a directory with ``config.json`` and ``model.safetensors``, or sharded
+``*.safetensors`` with ``model.safetensors.index.json``. Every tensor name maps to a
+layer's ``weight_loader`` (q/k/v into the merged qkv_proj, gate/up into gate_up_proj);
+bf16 and fp16 tensors are upcast. Problems are reported at load time, naming the tensor
+or config field and the numbers.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import MpitpError
+from ..tp import SafetensorsSource
+from .config import ConfigError, LlamaConfig
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+PACKED = {"q_proj": ("self_attn.qkv_proj", "q"), "k_proj": ("self_attn.qkv_proj", "k"),
+          "v_proj": ("self_attn.qkv_proj", "v"), "gate_proj": ("mlp.gate_up_proj", 0),
+          "up_proj": ("mlp.gate_up_proj", 1)}
+IGNORED = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(MpitpError, ValueError):
+    """The checkpoint does not match the model it claims to be."""
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (path / n).exists()]
+        if missing:
+            raise CheckpointError(f"{index} names files that are not there: {', '.join(missing)}")
+        return [path / n for n in names]
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
+        raise CheckpointError(f"no *.safetensors in {path} (mpitp loads safetensors checkpoints)")
+    return found
+
+
+def locate(model, name: str):
+    """(module, param, shard_id) for a checkpoint tensor name, or None to skip it."""
+    if name.endswith(IGNORED):
+        return None
+    if name == "model.embed_tokens.weight":
+        return model.embed_tokens, "weight", None
+    if name == "model.norm.weight":
+        return model.norm, "weight", None
+    if name == "lm_head.weight":
+        return None if model.config.tie_word_embeddings else (model.lm_head, "weight", None)
+    m = _LAYER.match(name)
+    if not m:
+        return None
+    i, path, param = int(m.group(1)), m.group(2), m.group(3)
+    if i >= len(model.layers):
+        raise CheckpointError(f"{name}: layer {i}, but config has num_hidden_layers = {len(model.layers)}")
+    leaf = path.rsplit(".", 1)[-1]
+    shard = None
+    if leaf in PACKED:
+        path, shard = PACKED[leaf]
+    obj = model.layers[i]
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    if param == "bias" and getattr(obj, "bias", None) is None:
+        raise CheckpointError(f"{name}: the checkpoint has a bias the config does not declare")
+    return obj, param, shard
+
+
+def required(model) -> set[str]:
+    cfg = model.config
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not cfg.tie_word_embeddings:
+        names.add("lm_head.weight")
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names |= {p + f"self_attn.{x}_proj.weight" for x in "qkvo"}
+        names |= {p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
+        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        if cfg.qkv_bias:
+            names |= {p + f"self_attn.{x}_proj.bias" for x in "qkv"}
+    return names
+
+
+def load_weights(model, path: Path) -> dict:
+    from safetensors import safe_open
+
+    seen: set[str] = set()
+    bytes_read = 0
+    for f in checkpoint_files(path):
+        with safe_open(str(f), framework="numpy") as h:
+            for name in h.keys():
+                target = locate(model, name)
+                if target is None:
+                    continue
+                obj, param, shard = target
+                src = SafetensorsSource(h, name, dtype=np.float32)
+                obj.weight_loader(param, src, shard)
+                bytes_read += src.bytes_read
+                seen.add(name)
+    missing = sorted(required(model) - seen)
+    if missing:
+        hint = ""
+        if "lm_head.weight" in missing:
+            hint = " (the config does not tie word embeddings, so the checkpoint must carry lm_head.weight)"
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"{path}: missing tensors {shown}{hint}")
+    return {"tensors": len(seen), "bytes_read": bytes_read}
+
+
+def load_pretrained(cls, path, comm=None, dtype: str = "float32", device: str = "cpu"):
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a checkpoint directory (config.json + *.safetensors)")
+    cfg = LlamaConfig.from_path(path)
+    xp = np
+    if device == "cuda":
+        try:
+            import cupy as xp  # noqa: F811
+        except ImportError:
+            raise ConfigError("device='cuda' needs CuPy: pip install 'mpitp[cuda12]'") from None
+    elif device != "cpu":
+        raise ConfigError(f"unknown device {device!r} (cpu or cuda)")
+    model = cls(cfg, comm=comm, dtype=dtype, xp=xp)
+    model.load_info = load_weights(model, path)
+    return model

@@ -1,0 +1,56 @@
+"""Rotary position embedding, Hugging Face's rotate-half layout.
+
+``q * cos + rotate_half(q) * sin`` with ``rotate_half([a, b]) = [-b, a]`` over the two
+halves of the head dimension (HF LLaMA q/k weights are stored for this layout).
+Frequencies: ``theta^(-2i/d)``, optionally rescaled ("linear", or "llama3": long
+wavelengths divided by ``factor``, short ones kept, a smooth blend between).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: dict) -> np.ndarray:
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    kind = scaling.get("rope_type") if scaling else None
+    if kind == "linear":
+        inv = inv / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        old = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old / low, old / high
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, blended, scaled)
+    return inv
+
+
+class Rotary:
+    def __init__(self, head_dim: int, theta: float, scaling: dict, max_positions: int, xp=np, dtype=np.float32):
+        inv = inv_frequencies(head_dim, theta, scaling)
+        self.xp, self.dtype = xp, dtype
+        self.inv = inv
+        self._cos = self._sin = None
+        self._grow(max(max_positions, 1))
+
+    def _grow(self, n: int) -> None:
+        t = np.arange(n, dtype=np.float64)[:, None] * self.inv[None, :]
+        emb = np.concatenate([t, t], axis=-1)
+        self._cos = self.xp.asarray(np.cos(emb).astype(self.dtype))
+        self._sin = self.xp.asarray(np.sin(emb).astype(self.dtype))
+
+    def __call__(self, x, positions):
+        """x: [batch, seq, heads, head_dim]; positions: [batch, seq] integer array."""
+        if int(positions.max(initial=0)) >= self._cos.shape[0]:
+            self._grow(int(positions.max()) + 1)
+        cos = self._cos[positions][:, :, None, :]
+        sin = self._sin[positions][:, :, None, :]
+        half = x.shape[-1] // 2
+        rot = self.xp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+        return x * cos + rot * sin

@@ -1,0 +1,71 @@
+"""Vocabulary-parallel embedding and LM head.
+
+The vocabulary is padded to a multiple of ``PAD * p`` and cut into ``p`` row blocks::
+
+    vocab 250, p = 4, PAD = 64  ->  padded 256, rank r holds ids [64r, 64r+64)
+    rank 3 rows 250..255 are padding: zero, never looked up, trimmed from the logits
+
+Embedding: each rank looks up the ids in its block (others give zero rows), then one
+all-reduce sums the blocks. LM head: each rank computes the logits of its block, an
+all-gather puts them side by side, and the padding is trimmed.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .linear import ShardingError, gather_last_dim
+from .source import TensorSource
+
+PAD = 64
+
+
+class VocabParallelEmbedding:
+    def __init__(self, vocab_size: int, hidden: int, *, comm=None, dtype=np.float32, xp=np):
+        self.comm, self.xp, self.dtype = comm, xp, np.dtype(dtype)
+        p = comm.size if comm is not None else 1
+        self.tp_size, self.tp_rank = p, (comm.rank if comm is not None else 0)
+        self.vocab_size, self.hidden = vocab_size, hidden
+        self.padded = -(-vocab_size // (PAD * p)) * PAD * p
+        self.per_rank = self.padded // p
+        self.start = self.tp_rank * self.per_rank
+        self.end = self.start + self.per_rank
+        self._wt = xp.zeros((hidden, self.per_rank), self.dtype)     # [hidden, rows]: the head's GEMV
+        self.weight = self._wt.T                                       # [rows, hidden] view
+
+    def weight_loader(self, param: str, src: TensorSource, shard_id=None) -> None:
+        if tuple(src.shape) != (self.vocab_size, self.hidden):
+            raise ShardingError(f"{src.name}: checkpoint shape {tuple(src.shape)}, model expects "
+                                f"{(self.vocab_size, self.hidden)}")
+        real_end = min(self.end, self.vocab_size)
+        self.weight[...] = 0                                   # padding rows stay zero
+        if real_end > self.start:
+            self.weight[:real_end - self.start] = self.xp.asarray(src.rows(self.start, real_end), self.dtype)
+
+    def __call__(self, ids):
+        xp = self.xp
+        ids = xp.asarray(ids)
+        mine = (ids >= self.start) & (ids < self.end)
+        local = xp.where(mine, ids - self.start, 0)
+        out = self.weight[local] * mine[..., None].astype(self.dtype)
+        if self.tp_size > 1:
+            self.comm.allreduce(out, out=out)
+        return out
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits over the whole vocabulary on every rank. ``tie(embedding)`` shares the
+    embedding's shard (same array), as tied checkpoints expect."""
+
+    def __init__(self, vocab_size: int, hidden: int, *, comm=None, dtype=np.float32, xp=np):
+        super().__init__(vocab_size, hidden, comm=comm, dtype=dtype, xp=xp)
+        self.tied = False
+
+    def tie(self, embedding: VocabParallelEmbedding) -> None:
+        self._wt, self.weight = embedding._wt, embedding.weight
+        self.tied = True
+
+    def __call__(self, h):
+        logits = h @ self._wt
+        if self.tp_size > 1:
+            logits = gather_last_dim(self.comm, logits)
+        return logits[..., :self.vocab_size]

@@ -1,0 +1,92 @@
+"""Tensor-parallel LLaMA at the launcher's world size: Hugging Face parity on the
+committed fixtures, equality with the single-process model, traffic per forward, and
+clear load-time errors where the config cannot be cut this many ways."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpitp
+from conftest import agree
+from mpitp.models.llama import LlamaForCausalLM
+from mpitp.tp import ShardingError
+
+N = MPI.COMM_WORLD.size
+FIX = Path(__file__).resolve().parent.parent / "fixtures"
+NAMES = ["mha", "gqa", "tied", "llama3_rope", "bf16", "sharded", "qwen2"]
+
+
+def cuttable(name: str) -> bool:
+    import json
+    cfg = json.loads((FIX / name / "config.json").read_text())
+    h, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    return h % N == 0 and (kv % N == 0 or N % kv == 0) and cfg["intermediate_size"] % N == 0
+
+
+@pytest.fixture(scope="module")
+def tp():
+    c = mpitp.Communicator()
+    yield c
+    c.free()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_huggingface_parity(tp, name):
+    ref = np.load(FIX / name / "reference.npz")
+    if not cuttable(name):
+        with pytest.raises(ShardingError, match=f"tensor-parallel size {N}"):
+            LlamaForCausalLM.from_pretrained(FIX / name, comm=tp)
+        return
+    model = LlamaForCausalLM.from_pretrained(FIX / name, comm=tp)
+    logits = model(ref["input_ids"])
+    diff = float(np.abs(logits - ref["logits"]).max())
+    agree(diff <= 1e-4, f"{name}: max |logit - HF| = {diff:.2e} at TP={N}")
+    prompts = [ref["greedy_0"][:9].tolist(), ref["greedy_1"][:6].tolist()]      # ragged batch
+    out = model.generate(prompts, max_new_tokens=10, stop_tokens=[])
+    agree(out == [ref["greedy_0"].tolist(), ref["greedy_1"].tolist()], f"{name}: greedy tokens differ from HF")
+
+
+@pytest.mark.parametrize("name", ["mha", "tied", "llama3_rope"])
+def test_equals_single_process_model(tp, name):
+    ids = np.load(FIX / name / "reference.npz")["input_ids"]
+    full = LlamaForCausalLM.from_pretrained(FIX / name, comm=None)(ids)
+    mine = LlamaForCausalLM.from_pretrained(FIX / name, comm=tp)(ids)
+    diff = float(np.abs(full - mine).max())
+    agree(diff <= 1e-5, f"{name}: TP={N} vs TP=1 max diff {diff:.2e}")
+
+
+def test_two_allreduces_per_layer(tp):
+    model = LlamaForCausalLM.from_pretrained(FIX / "mha", comm=tp)
+    tp.traffic.reset()
+    model(np.arange(9)[None] % 250)
+    layers = model.config.num_hidden_layers
+    want = 0 if N == 1 else 2 * layers + 1                       # + the embedding's
+    agree(tp.traffic.calls["allreduce"] == want, f"{tp.traffic.calls['allreduce']} all-reduces, want {want}")
+    agree(tp.traffic.calls["allgather"] == (0 if N == 1 else 1), "one all-gather of logits in the head")
+
+
+def test_each_rank_reads_its_slices(tp):
+    model = LlamaForCausalLM.from_pretrained(FIX / "mha", comm=tp)
+    total = (FIX / "mha" / "model.safetensors").stat().st_size
+    read = model.load_info["bytes_read"]
+    c = model.config
+    norms = (2 * c.num_hidden_layers + 1) * c.hidden_size * 4                  # replicated on every rank
+    vocab = 2 * c.vocab_size * c.hidden_size * 4                               # embedding + head, in blocks
+    block = 2 * model.embed_tokens.per_rank * c.hidden_size * 4                # of the padded vocabulary
+    bound = (total - vocab - norms) / N + norms + block + 4096
+    agree(read <= bound, f"rank read {read} of {total} bytes at TP={N} (bound {bound:.0f})")
+
+
+def test_weight_bytes_per_rank(tp):
+    model = LlamaForCausalLM.from_pretrained(FIX / "tied", comm=tp)
+    single = LlamaForCausalLM.from_pretrained(FIX / "tied", comm=None)
+    per_rank = tp.mpi.allgather(model.weight_bytes())
+    agree(sum(per_rank) >= single.weight_bytes() and max(per_rank) <= single.weight_bytes() / N + 64 * 1024,
+          f"weights per rank {per_rank}, single {single.weight_bytes()}")
+
+
+def test_out_of_vocabulary_id_is_refused(tp):
+    model = LlamaForCausalLM.from_pretrained(FIX / "gqa" if cuttable("gqa") else FIX / "mha", comm=tp)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model([[1, 2, model.config.vocab_size]])

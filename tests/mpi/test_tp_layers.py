@@ -1,0 +1,110 @@
+"""Each parallel layer against the full layer (picotron's pattern): the rank's output is
+the reference output's ``chunk(p)[rank]`` (column), or the whole of it (row, after the
+all-reduce); embedding and head against a plain lookup / matmul."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpitp
+from conftest import agree
+from mpitp.tp import (ArraySource, ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
+                      QKVParallelLinear, ReplicatedLinear, RowParallelLinear, ShardingError, VocabParallelEmbedding)
+
+N = MPI.COMM_WORLD.size
+rng = np.random.default_rng(0)     # same stream on every rank: identical "full" weights
+
+
+@pytest.fixture(scope="module")
+def tp():
+    c = mpitp.Communicator()
+    yield c
+    c.free()
+
+
+def close(a, b, tol=1e-5):
+    return a.shape == b.shape and bool(np.allclose(a, b, atol=tol, rtol=tol))
+
+
+def test_column_and_row(tp):
+    W1, b1 = rng.standard_normal((12 * N, 10)), rng.standard_normal(12 * N)
+    W2, b2 = rng.standard_normal((7, 12 * N)), rng.standard_normal(7)
+    x = rng.standard_normal((3, 5, 10)).astype(np.float32)
+    col = ColumnParallelLinear(10, 12 * N, bias=True, comm=tp)
+    col.weight_loader("weight", ArraySource("w1", W1))
+    col.weight_loader("bias", ArraySource("b1", b1))
+    y_ref = x @ W1.T + b1
+    y = col(x)
+    agree(close(y, np.split(y_ref, N, axis=-1)[tp.rank].astype(np.float32)), "column output = chunk(p)[rank]")
+    row = RowParallelLinear(12 * N, 7, bias=True, comm=tp)
+    row.weight_loader("weight", ArraySource("w2", W2))
+    row.weight_loader("bias", ArraySource("b2", b2))
+    agree(close(row(y), (y_ref @ W2.T + b2).astype(np.float32), 1e-4), "row output = full output, bias once")
+    gathered = ColumnParallelLinear(10, 12 * N, bias=True, comm=tp, gather_output=True)
+    gathered.weight_loader("weight", ArraySource("w1", W1))
+    gathered.weight_loader("bias", ArraySource("b1", b1))
+    agree(close(gathered(x), y_ref.astype(np.float32)), "gather_output")
+    rep = ReplicatedLinear(10, 4, bias=False, comm=tp)
+    W3 = rng.standard_normal((4, 10))
+    rep.weight_loader("weight", ArraySource("w3", W3))
+    agree(close(rep(x), (x @ W3.T).astype(np.float32)), "replicated")
+
+
+def test_merged_gate_up_layout(tp):
+    I = 8 * N
+    G, U = rng.standard_normal((I, 6)), rng.standard_normal((I, 6))
+    m = MergedColumnParallelLinear(6, [I, I], comm=tp)
+    m.weight_loader("weight", ArraySource("gate", G), 0)
+    m.weight_loader("weight", ArraySource("up", U), 1)
+    n = I // N
+    want = np.concatenate([G[tp.rank * n:(tp.rank + 1) * n], U[tp.rank * n:(tp.rank + 1) * n]])
+    agree(close(m.weight, want.astype(np.float32)), "local [gate_r ; up_r], up at local row I/p")
+
+
+@pytest.mark.parametrize("heads,kv", [(4 * N, 2 * N), (4 * N, 1), (4 * N, 4 * N)])
+def test_qkv_heads_and_replication(tp, heads, kv):
+    if kv % N and N % kv:
+        pytest.skip("config not cuttable at this size")
+    d = 3
+    Q, K, V = (rng.standard_normal((h * d, 8)) for h in (heads, kv, kv))
+    m = QKVParallelLinear(8, d, heads, kv, comm=tp)
+    for sid, w in zip("qkv", (Q, K, V)):
+        m.weight_loader("weight", ArraySource(sid, w), sid)
+    x = rng.standard_normal((2, 8)).astype(np.float32)
+    q, k, v = m.split(m(x))
+    nh = heads // N
+    kv_start = tp.rank * (kv // N) if N <= kv else tp.rank // (N // kv)
+    nkv = max(1, kv // N)
+    agree(close(q, (x @ Q[tp.rank * nh * d:(tp.rank + 1) * nh * d].T).astype(np.float32)), "q heads")
+    agree(close(k, (x @ K[kv_start * d:(kv_start + nkv) * d].T).astype(np.float32)), f"k heads from {kv_start}")
+    agree(close(v, (x @ V[kv_start * d:(kv_start + nkv) * d].T).astype(np.float32)), "v heads")
+
+
+def test_qkv_refuses_bad_head_counts(tp):
+    if N < 2:
+        pytest.skip("every head count divides 1")
+    with pytest.raises(ShardingError, match=f"attention heads = {N + 1} is not divisible"):
+        QKVParallelLinear(8, 2, N + 1, 1, comm=tp)
+    if N == 4:
+        with pytest.raises(ShardingError, match="KV heads = 3 neither divides"):
+            QKVParallelLinear(8, 2, 12, 3, comm=tp)
+
+
+@pytest.mark.parametrize("vocab", [50, 64 * N, 64 * N + 1])
+def test_vocab_parallel_embedding_and_head(tp, vocab):
+    E = rng.standard_normal((vocab, 6)).astype(np.float32)
+    emb = VocabParallelEmbedding(vocab, 6, comm=tp)
+    emb.weight_loader("weight", ArraySource("emb", E))
+    ids = np.array([[0, vocab - 1, 3 % vocab], [vocab // 2, 1 % vocab, 0]])
+    agree(close(emb(ids), E[ids]), f"embedding lookup vocab={vocab}")
+    agree(emb.padded % (64 * N) == 0 and emb.padded >= vocab, "padded to a multiple of 64*p")
+    head = ParallelLMHead(vocab, 6, comm=tp)
+    head.tie(emb)
+    h = rng.standard_normal((2, 3, 6)).astype(np.float32)
+    agree(close(head(h), h @ E.T, 1e-4), "head logits trimmed to the real vocabulary")
+    agree(head.weight is emb.weight, "tied head shares the embedding shard")
+
+
+def test_shape_mismatch_names_the_tensor(tp):
+    col = ColumnParallelLinear(10, 4 * N, comm=tp)
+    with pytest.raises(ShardingError, match=r"w_bad: checkpoint shape \(5, 10\)"):
+        col.weight_loader("weight", ArraySource("w_bad", np.zeros((5, 10))))

@@ -1,0 +1,110 @@
+"""Checkpoint loading in one process: both config styles, and errors that name the
+tensor or config field and the numbers."""
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from mpitp.models.config import ConfigError, LlamaConfig
+from mpitp.models.llama import LlamaForCausalLM
+from mpitp.models.loader import CheckpointError
+from mpitp.models.rope import inv_frequencies
+from mpitp.tp import ShardingError
+
+FIX = Path(__file__).resolve().parent / "fixtures"
+
+
+def copy(name, tmp_path) -> Path:
+    dst = tmp_path / name
+    shutil.copytree(FIX / name, dst)
+    return dst
+
+
+def edit_config(path: Path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_transformers4_config_style_gives_the_same_model(tmp_path):
+    d = copy("llama3_rope", tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    cfg["rope_scaling"] = rope                           # transformers 4: rope_scaling at top level
+    (d / "config.json").write_text(json.dumps(cfg))
+    ref = np.load(FIX / "llama3_rope" / "reference.npz")
+    logits = LlamaForCausalLM.from_pretrained(d)(ref["input_ids"])
+    assert np.abs(logits - ref["logits"]).max() <= 1e-4
+
+
+def test_llama3_scaling_changes_long_wavelengths_only():
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+    plain, scaled = inv_frequencies(8, 500000.0, {}), inv_frequencies(8, 500000.0, scaling)
+    assert scaled[0] != plain[0] or 2 * np.pi / plain[0] < 4                # short wavelengths kept
+    assert np.allclose(scaled[-1], plain[-1] / 8)                           # long ones divided by factor
+
+
+def test_missing_tensor_is_named(tmp_path):
+    d = copy("mha", tmp_path)
+    w = load_file(str(d / "model.safetensors"))
+    del w["model.layers.1.mlp.up_proj.weight"]
+    save_file(w, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing tensors model\.layers\.1\.mlp\.up_proj\.weight"):
+        LlamaForCausalLM.from_pretrained(d)
+
+
+def test_untied_checkpoint_without_lm_head_fails_loudly(tmp_path):
+    d = copy("mha", tmp_path)
+    w = load_file(str(d / "model.safetensors"))
+    del w["lm_head.weight"]
+    save_file(w, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="does not tie word embeddings"):
+        LlamaForCausalLM.from_pretrained(d)
+
+
+def test_tied_checkpoint_that_still_carries_lm_head_loads(tmp_path):
+    d = copy("tied", tmp_path)
+    w = load_file(str(d / "model.safetensors"))
+    w["lm_head.weight"] = w["model.embed_tokens.weight"].copy()
+    save_file(w, str(d / "model.safetensors"))
+    ref = np.load(FIX / "tied" / "reference.npz")
+    assert np.abs(LlamaForCausalLM.from_pretrained(d)(ref["input_ids"]) - ref["logits"]).max() <= 1e-4
+
+
+def test_shape_mismatch_names_tensor_and_numbers(tmp_path):
+    d = copy("mha", tmp_path)
+    edit_config(d, intermediate_size=96)
+    with pytest.raises(ShardingError, match=r"mlp\.(gate|up|down)_proj\.weight: checkpoint shape \((192, 96|96, 192)\), model expects \(96, 96\)"):
+        LlamaForCausalLM.from_pretrained(d)
+
+
+def test_unknown_architecture_and_missing_field(tmp_path):
+    d = copy("mha", tmp_path)
+    edit_config(d, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ConfigError, match="unknown architecture"):
+        LlamaForCausalLM.from_pretrained(d)
+    edit_config(d, architectures=["LlamaForCausalLM"], hidden_size=None)
+    with pytest.raises(ConfigError, match="'hidden_size'"):
+        LlamaConfig.from_path(d)
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="not a checkpoint directory"):
+        LlamaForCausalLM.from_pretrained(tmp_path / "nothing")
+    (tmp_path / "config.json").write_text((FIX / "mha" / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        LlamaForCausalLM.from_pretrained(tmp_path)
+
+
+def test_qwen2_gets_qkv_bias():
+    cfg = LlamaConfig.from_path(FIX / "qwen2")
+    assert cfg.qkv_bias and not cfg.o_bias and cfg.architecture == "Qwen2ForCausalLM"
