@@ -131,12 +131,14 @@ def _expand_one(item: str) -> list[str]:
 
 
 def check_not_singleton(world_size: int, environ: dict | None = None) -> str | None:
-    """The message to fail with when a launcher started N unconnected singleton ranks.
+    """The message to fail with when srun started N unconnected singleton ranks.
 
     A plain ``srun -n N`` without ``--mpi`` (and ``MpiDefault=none``) starts N processes
     that each see MPI_COMM_WORLD of size 1: every "rank" would silently do all the work."""
     env = os.environ if environ is None else environ
-    expected = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
+    # srun sets SLURM_STEP_NUM_TASKS for the tasks of a step; the batch script itself (one
+    # process, which may rightly run a 1-rank job) has SLURM_NTASKS but not this
+    expected = env.get("SLURM_STEP_NUM_TASKS")
     if env.get("SLURM_PROCID") is None or not expected or not expected.isdigit():
         return None
     if int(expected) > 1 and world_size == 1:

@@ -102,3 +102,5 @@ def test_singleton_guard():
     assert check_not_singleton(4, env) is None
     assert check_not_singleton(1, {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"}) is None
     assert check_not_singleton(1, {}) is None
+    # the batch script itself: one process in a 4-task job, not started by srun
+    assert check_not_singleton(1, {"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}) is None

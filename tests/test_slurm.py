@@ -84,6 +84,16 @@ def test_plain_srun_singletons_are_refused(tmp_path):
     assert out.count("unconnected singletons") == 2 and "--mpi=pmi2" in out
 
 
+def test_one_process_in_the_batch_step_is_not_a_singleton_error(tmp_path):
+    e = dict(os.environ, SLURM_CONF=CONF)
+    out = tmp_path / "one.out"
+    res = subprocess.run(["sbatch", "--wait", "--ntasks=2", f"--output={out}",
+                          f"--wrap={sys.executable} -m mpitp.cli.main info"], capture_output=True, text=True,
+                         env=e, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr + out.read_text()
+    assert "world size:     1" in out.read_text()
+
+
 def test_hostfile_from_allocation(tmp_path):
     e = dict(os.environ, SLURM_CONF=CONF, PYTHON=sys.executable)
     res = subprocess.run(["sbatch", "--wait", "--ntasks-per-node=2", f"--output={tmp_path / 'h.out'}",
