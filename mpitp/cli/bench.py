@@ -103,9 +103,8 @@ def _mpi4py_reference(comm, collective, nbytes, dtype, op, iters, warmup):
 
 
 def run(args) -> int:
-    from mpi4py import MPI
-
     from ..comm import Communicator
+    from ..comm.library import library_version
 
     comm = Communicator()
     r0 = comm.rank == 0
@@ -123,7 +122,7 @@ def run(args) -> int:
     sz = bc.sizes(lo, hi, args.factor)
     memcpy = bc.memcpy_bandwidth(min(max(hi, 1 << 20), 64 << 20))
     memcpy = float(np.mean(comm.mpi.allgather(memcpy)))
-    lib = MPI.Get_library_version().strip().splitlines()[0].strip()
+    lib = library_version()
     say(f"# mpitp bench {args.collective}: {comm.size} rank(s), {args.dtype}, {lib}")
     say(f"# single-core memcpy bandwidth (same run, all ranks copying): {memcpy:.2f} GB/s  <- ceiling")
     say(f"# {'size':>10} {'count':>10} {'type':>8} {'redop':>6} {'algorithm':>10} {'time(us)':>10} "

@@ -18,8 +18,9 @@ def collect(comm) -> dict:
     from mpi4py import MPI
 
     from .. import __version__, backend
+    from ..comm.library import library_version
 
-    lib = MPI.Get_library_version().strip().splitlines()[0].strip()
+    lib = library_version()
     topo = comm.topology
     return {
         "mpitp": __version__,

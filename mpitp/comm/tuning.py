@@ -59,12 +59,12 @@ def fit_crossover(rows) -> int:
 
 
 def write_crossover(path, collective: str, size: int, rows) -> Path:
-    from mpi4py import MPI
+    from .library import library_version
 
     p = Path(path) if path else default_path()
     data = load(p)
     data["version"] = 1
-    data["mpi_library"] = MPI.Get_library_version().strip().splitlines()[0].strip()
+    data["mpi_library"] = library_version()
     data.setdefault(collective, {})[str(size)] = fit_crossover(rows)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(".tmp")
