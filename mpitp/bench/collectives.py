@@ -1,8 +1,8 @@
 """Collective benchmark in the nccl-tests / OSU style, every algorithm side by side.
 
 For each size and algorithm: ``warmup`` untimed calls, then ``iters`` timed calls between
-barriers; the time of one call is the per-rank average, reported as avg/min/max over
-ranks (OSU) and as algbw = bytes / time, busbw = algbw x factor (nccl-tests):
+barriers, ``trials`` times; the time of one call is the per-rank median over trials of
+the per-call average, reported as avg/min/max over ranks (OSU) and as algbw = bytes / time, busbw = algbw x factor (nccl-tests):
 
     allreduce 2(n-1)/n    reduce_scatter, allgather, alltoall (n-1)/n
     broadcast, reduce, gather, scatter 1
@@ -170,9 +170,15 @@ def iterations(nbytes: int, iters: int | None) -> int:
     return int(min(200, max(5, (256 << 20) // max(nbytes, 1) // 8)))
 
 
+def timed(case, nbytes: int, iters: int | None, warmup: int, trials: int) -> float:
+    """Median over ``trials`` of the per-call time (shared machines are noisy)."""
+    n = iterations(nbytes, iters)
+    return float(np.median([time_case(case, n, warmup if k == 0 else 0) for k in range(max(1, trials))]))
+
+
 def measure(comm, collective: str, nbytes: int, algorithm: str, *, dtype="float32", op="sum",
             iters: int | None = None, warmup: int = 2, check: bool = False, inplace: bool = False,
-            xp=np) -> Row:
+            xp=np, trials: int = 1) -> Row:
     case = Case(comm, collective, nbytes, dtype, op, algorithm, inplace, xp)
     wrong = None
     if check:   # one fresh call, checked, before timing (in place modifies the input)
@@ -180,7 +186,7 @@ def measure(comm, collective: str, nbytes: int, algorithm: str, *, dtype="float3
         wrong = count_wrong(case, case())
         case.x[...] = keep
         wrong = int(comm.mpi.allreduce(wrong))
-    t = time_case(case, iterations(nbytes, iters), warmup)
+    t = timed(case, nbytes, iters, warmup, trials)
     ts = comm.mpi.allgather(t)
     avg, lo, hi = float(np.mean(ts)), min(ts), max(ts)
     data = case.count * np.dtype(dtype).itemsize

@@ -33,6 +33,7 @@ def add_parser(sub) -> None:
     p.add_argument("--factor", type=float, default=4.0, help="size multiplier between rows (default 4)")
     p.add_argument("--iters", type=int, default=None, help="timed calls per row (default: by size, 5-200)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per row (default 2)")
+    p.add_argument("--trials", type=int, default=3, help="timed repetitions per row; the median counts (default 3)")
     p.add_argument("--dtype", default="float32", help="element type (default float32)")
     p.add_argument("--op", default="sum", choices=["sum", "prod", "max", "min"], help="reduction (default sum)")
     p.add_argument("--algorithms", default="mpi,ring,auto",
@@ -82,7 +83,7 @@ def _xp(device: str):
     return cupy
 
 
-def _mpi4py_reference(comm, collective, nbytes, dtype, op, iters, warmup):
+def _mpi4py_reference(comm, collective, nbytes, dtype, op, iters, warmup, trials):
     """MPI's own call, through mpi4py directly (no mpitp in the path)."""
     if collective != "allreduce" or comm.size == 1:
         return None
@@ -98,7 +99,7 @@ def _mpi4py_reference(comm, collective, nbytes, dtype, op, iters, warmup):
 
         def __call__(self):
             comm.mpi.Allreduce([x, mdt], [y, mdt], op=mop)
-    t = bc.time_case(Raw(), bc.iterations(nbytes, iters), warmup)
+    t = bc.timed(Raw(), nbytes, iters, warmup, trials)
     return float(np.mean(comm.mpi.allgather(t)))
 
 
@@ -129,10 +130,11 @@ def run(args) -> int:
         f"{'min(us)':>9} {'max(us)':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'vs MPI':>7}")
     rows: list[bc.Row] = []
     for i, nbytes in enumerate(sz):
-        ref = _mpi4py_reference(comm, args.collective, nbytes, args.dtype, args.op, args.iters, args.warmup)
+        ref = _mpi4py_reference(comm, args.collective, nbytes, args.dtype, args.op, args.iters, args.warmup,
+                                args.trials)
         for alg in algs:
             row = bc.measure(comm, args.collective, nbytes, alg, dtype=args.dtype, op=args.op, iters=args.iters,
-                             warmup=args.warmup, check=args.check, inplace=args.inplace, xp=xp)
+                             warmup=args.warmup, check=args.check, inplace=args.inplace, xp=xp, trials=args.trials)
             rows.append(row)
             rel = f"{ref / (row.time_us * 1e-6):6.2f}x" if ref else "      -"
             wrong = "-" if row.wrong is None else str(row.wrong)
