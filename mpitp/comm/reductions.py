@@ -17,18 +17,25 @@ class Reductions:
     def allreduce(self, x, op: "ReduceOp | str" = "sum", *, out=None, algorithm: str = "auto",
                   nonblocking: bool = False):
         """Element-wise reduction over all ranks; every rank gets the (bit-identical) result."""
-        fast = self._fast.get((x.dtype.char, op, algorithm)) if type(x) is np.ndarray else None
-        if fast is not None and x.nbytes < fast[2] and not nonblocking and x.flags.c_contiguous and (
-                out is None or out is x or (type(out) is np.ndarray and out.flags.c_contiguous
-                                            and out.shape == x.shape and out.dtype == x.dtype)):
-            # Hot path for small host messages that go to MPI's own call: the slow path below
-            # has already checked this (dtype, op, algorithm) once and cached the MPI handles.
-            self._seq += 1
-            self.traffic.count_call("allreduce")
-            dst = np.empty_like(x) if out is None else out
-            self.mpi.Allreduce(MPI.IN_PLACE if dst is x else [x, fast[0]], [dst, fast[0]], op=fast[1])
-            self.traffic.record(x.nbytes, "allreduce", "mpi")
-            return dst
+        if type(x) is np.ndarray and not nonblocking:
+            fast = self._fast.get((x.dtype, op, algorithm))
+            if fast is not None and x.nbytes < fast[2] and x.flags.c_contiguous and (
+                    out is None or out is x or (type(out) is np.ndarray and out.flags.c_contiguous
+                                                and out.shape == x.shape and out.dtype == x.dtype)):
+                # Hot path for small host messages that go to MPI's own call: the slow path
+                # below has checked this (dtype, op, algorithm) once and cached MPI's handles;
+                # plain arrays let mpi4py take the datatype from the buffer (fast[3]).
+                dst = np.empty_like(x) if out is None else out
+                dt, mop, _, plain = fast
+                if dst is x:
+                    self.mpi.Allreduce(MPI.IN_PLACE, x if plain else [x, dt], op=mop)
+                elif plain:
+                    self.mpi.Allreduce(x, dst, op=mop)
+                else:
+                    self.mpi.Allreduce([x, dt], [dst, dt], op=mop)
+                self._seq += 1
+                self.traffic.record_call("allreduce", x.nbytes, "mpi")
+                return dst
         seq, what = self._begin("allreduce")
         sig = lambda: self._sig("allreduce", x, op=str(op), algorithm=algorithm)  # noqa: E731
 
@@ -81,7 +88,9 @@ class Reductions:
                 or type(x) is not np.ndarray or not isinstance(op, (str, ReduceOp))):
             return
         limit = 1 << 62 if algorithm == "mpi" else select.crossover("allreduce", self.size, self.tuning)
-        self._fast[(a.dtype.char, op, algorithm)] = (mpi_datatype(a.dtype), mpi_op(o, a.dtype), limit)
+        dt = mpi_datatype(a.dtype)
+        plain = MPI._typedict.get(a.dtype.char) == dt       # mpi4py infers the same datatype
+        self._fast[(a.dtype, op, algorithm)] = (dt, mpi_op(o, a.dtype), limit, plain)
 
 #END
 
