@@ -44,7 +44,7 @@ class CommunicatorBase:
         self._seq = 0
         self._workspace = Workspace()
         self._node_comms: hierarchical.NodeComms | None = None
-        self._fast: dict = {}     # (dtype char, op, algorithm) -> (MPI datatype, MPI op, size limit)
+        self._fast: dict = {}     # (dtype, op, algorithm) -> (MPI datatype, MPI op, size limit, plain)
         self.tuning = self.mpi.bcast(tuning.load() if self.rank == 0 else None, root=0)
 
     # ------------------------------------------------------------------ plumbing

@@ -106,10 +106,3 @@ class Handle:
     @property
     def done(self) -> bool:
         return self._done
-
-
-class Completed(Handle):
-    """A handle whose result is already there (collectives on one rank, say)."""
-
-    def __init__(self, result: Any, what: str = ""):
-        self._done, self._result, self._pending, self.what = True, result, [], what
