@@ -7,7 +7,7 @@ transformers (torch, CPU) on the same random-weight checkpoint, in one run.
 
 Shapes: 56m = hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1376, vocab 32000;
 tinyllama-1.1b = hidden 2048, 22 layers, 32 heads, 4 KV heads, intermediate 5632.
-Threads: each mpitp rank runs one BLAS thread; transformers runs with 1 thread and with
+Every figure is the median of --repeats runs (default 3). Threads: each mpitp rank runs one BLAS thread; transformers runs with 1 thread and with
 2 (the total of TP=2). The memory-bandwidth ceiling is the weight bytes one rank streams
 per token divided by the GEMV bandwidth measured here, in this run, on one core.
 """
@@ -61,33 +61,43 @@ def gemv_bandwidth(active: bool, seconds: float = 1.0) -> float:
     return n * W.nbytes / (time.perf_counter() - t0)
 
 
-def run_mpitp(path, comm, prompt, new):
+def median_stats(runs: list[dict]) -> dict:
+    """Per-key median over repeated runs (this machine's timings are noisy)."""
+    return {k: float(np.median([r[k] for r in runs])) for k in ("prefill_s", "decode_tokens_per_s")}
+
+
+def run_mpitp(path, comm, prompt, new, repeats):
     from mpitp.models.llama import LlamaForCausalLM
     model = LlamaForCausalLM.from_pretrained(path, comm=comm)
     model.generate([prompt], max_new_tokens=4, stop_tokens=[])          # warm-up
-    model.generate([prompt], max_new_tokens=new, stop_tokens=[])
-    s = dict(model.last_stats)
+    runs = []
+    for _ in range(repeats):
+        model.generate([prompt], max_new_tokens=new, stop_tokens=[])
+        runs.append(dict(model.last_stats))
+    s = median_stats(runs)
     s["weight_bytes"] = model.weight_bytes()
     s["streamed_bytes"] = model.streamed_bytes()
     return s
 
 
-def run_hf(path, prompt, new, threads):
+def run_hf(path, prompt, new, threads, repeats):
     import torch
     import transformers
     torch.set_num_threads(threads)
     model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.tensor([prompt])
+    runs = []
     with torch.no_grad():
         model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
-        t0 = time.perf_counter()
-        model(ids)
-        prefill = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
-        total = time.perf_counter() - t0
-    decode = max(total - prefill, 1e-9)
-    return {"prefill_s": prefill, "decode_tokens_per_s": (new - 1) / decode}
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model(ids)
+            prefill = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
+            decode = max(time.perf_counter() - t0 - prefill, 1e-9)
+            runs.append({"prefill_s": prefill, "decode_tokens_per_s": (new - 1) / decode})
+    return median_stats(runs)
 
 
 def main() -> int:
@@ -95,6 +105,7 @@ def main() -> int:
     ap.add_argument("--shape", choices=SHAPES, default="56m")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per measurement; medians are reported")
     ap.add_argument("--models", default=os.environ.get("MPITP_BENCH_MODELS", "/tmp/mpitp-bench-models"))
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
@@ -115,17 +126,17 @@ def main() -> int:
     res["gemv_GBps"] = world.allreduce(gemv_bandwidth(True), op=MPI.MIN) / 1e9
     # TP=2 on both ranks
     comm = mpitp.Communicator()
-    res["mpitp_tp2"] = run_mpitp(path, comm, prompt, args.new_tokens)
+    res["mpitp_tp2"] = run_mpitp(path, comm, prompt, args.new_tokens, args.repeats)
     comm.free()
     # TP=1 on rank 0 (rank 1 idles), then transformers on rank 0 with 1 and 2 threads
     solo = world.Split(world.rank, 0)
     if world.rank == 0:
         c1 = mpitp.Communicator(solo)
-        res["mpitp_tp1"] = run_mpitp(path, c1, prompt, args.new_tokens)
+        res["mpitp_tp1"] = run_mpitp(path, c1, prompt, args.new_tokens, args.repeats)
         c1.free()
         try:
-            res["hf_1thread"] = run_hf(path, prompt, args.new_tokens, 1)
-            res["hf_2threads"] = run_hf(path, prompt, args.new_tokens, 2)
+            res["hf_1thread"] = run_hf(path, prompt, args.new_tokens, 1, args.repeats)
+            res["hf_2threads"] = run_hf(path, prompt, args.new_tokens, 2, args.repeats)
         except ImportError:
             res["hf_1thread"] = res["hf_2threads"] = None
     solo.Free()

@@ -36,6 +36,21 @@ class RMSNorm:
         return (x32 / xp.sqrt(var + self.eps)).astype(x.dtype, copy=False) * self.weight
 
 
+_MASKED = np.finfo(np.float32).min
+
+
+class Step:
+    """What every layer of one forward shares: RoPE tables for the new positions and the
+    attention mask (causal, and pads of left-padded prompts masked out), built once."""
+
+    def __init__(self, rotary: Rotary, positions, cache: "KVCache", T: int, xp):
+        self.cos, self.sin = rotary.tables(positions)
+        s = cache.length
+        S = s + T
+        causal = xp.arange(S)[None, :] <= (s + xp.arange(T))[:, None]       # [T, S]
+        self.allowed = (causal[None] & cache.valid[:, None, :S])[:, None, None]   # [B, 1, 1, T, S]
+
+
 class KVCache:
     """Preallocated keys and values: [batch, max_len, local kv heads, head_dim] per layer.
     Sequences are left-padded so that all share one timeline; ``valid`` masks the pads."""
@@ -58,12 +73,12 @@ class Attention:
                                         comm=comm, dtype=dtype, xp=xp)
         self.nh, self.nkv = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
 
-    def __call__(self, x, positions, cache: KVCache, layer: int):
+    def __call__(self, x, step: "Step", cache: KVCache, layer: int):
         xp, d = self.xp, self.head_dim
         B, T, _ = x.shape
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = self.rotary(q.reshape(B, T, self.nh, d), positions)
-        k = self.rotary(k.reshape(B, T, self.nkv, d), positions)
+        q = self.rotary.apply(q.reshape(B, T, self.nh, d), step.cos, step.sin)
+        k = self.rotary.apply(k.reshape(B, T, self.nkv, d), step.cos, step.sin)
         s = cache.length
         cache.k[layer][:, s:s + T] = k
         cache.v[layer][:, s:s + T] = v.reshape(B, T, self.nkv, d)
@@ -73,9 +88,7 @@ class Attention:
         g = self.nh // self.nkv
         qh = q.reshape(B, T, self.nkv, g, d).transpose(0, 2, 3, 1, 4)     # [B, kv, g, T, d]
         scores = (qh @ keys[:, :, None]) * (1.0 / np.sqrt(d))              # [B, kv, g, T, S]
-        causal = xp.arange(S)[None, :] <= (s + xp.arange(T))[:, None]      # [T, S]
-        allowed = causal[None] & cache.valid[:, None, :S]                  # [B, T, S]
-        scores = xp.where(allowed[:, None, None], scores, np.finfo(np.float32).min)
+        scores = xp.where(step.allowed, scores, _MASKED)
         scores = scores - scores.max(axis=-1, keepdims=True)
         probs = xp.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)
@@ -106,8 +119,8 @@ class DecoderLayer:
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, xp)
         self.mlp = MLP(cfg, comm, dtype, xp)
 
-    def __call__(self, x, positions, cache, layer):
-        h = x + self.self_attn(self.input_layernorm(x), positions, cache, layer)
+    def __call__(self, x, step, cache, layer):
+        h = x + self.self_attn(self.input_layernorm(x), step, cache, layer)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -146,8 +159,9 @@ class LlamaForCausalLM:
         """Logits [B, T, vocab] for ``ids`` [B, T] appended to ``cache`` at ``cache.length``
         (``last_only``: just the last position's, [B, 1, vocab], as decoding needs)."""
         h = self.embed_tokens(ids)
+        step = Step(self.rotary, positions, cache, ids.shape[1], self.xp)
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, cache, i)
+            h = layer(h, step, cache, i)
         cache.length += ids.shape[1]
         if last_only:
             h = h[:, -1:]

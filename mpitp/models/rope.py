@@ -45,12 +45,19 @@ class Rotary:
         self._cos = self.xp.asarray(np.cos(emb).astype(self.dtype))
         self._sin = self.xp.asarray(np.sin(emb).astype(self.dtype))
 
-    def __call__(self, x, positions):
-        """x: [batch, seq, heads, head_dim]; positions: [batch, seq] integer array."""
-        if int(positions.max(initial=0)) >= self._cos.shape[0]:
-            self._grow(int(positions.max()) + 1)
-        cos = self._cos[positions][:, :, None, :]
-        sin = self._sin[positions][:, :, None, :]
+    def tables(self, positions):
+        """cos, sin for ``positions`` [batch, seq], shaped [batch, seq, 1, head_dim] to
+        broadcast over heads; looked up once per forward and shared by every layer."""
+        top = int(positions.max()) if positions.size else 0
+        if top >= self._cos.shape[0]:
+            self._grow(top + 1)
+        return self._cos[positions][:, :, None, :], self._sin[positions][:, :, None, :]
+
+    def apply(self, x, cos, sin):
+        """x: [batch, seq, heads, head_dim] rotated in the rotate-half layout."""
         half = x.shape[-1] // 2
         rot = self.xp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
         return x * cos + rot * sin
+
+    def __call__(self, x, positions):
+        return self.apply(x, *self.tables(positions))
