@@ -19,14 +19,16 @@ class Reductions:
         """Element-wise reduction over all ranks; every rank gets the (bit-identical) result."""
         if type(x) is np.ndarray and not nonblocking:
             fast = self._fast.get((x.dtype, op, algorithm))
-            if fast is not None and x.nbytes < fast[2] and x.flags.c_contiguous and (
-                    out is None or out is x or (type(out) is np.ndarray and out.flags.c_contiguous
-                                                and out.shape == x.shape and out.dtype == x.dtype)):
+            if fast is not None and x.nbytes < fast[2] and fast[6] == self.traffic.epoch and (
+                    x.flags.c_contiguous and (out is None or out is x or (
+                        type(out) is np.ndarray and out.flags.c_contiguous and out.shape == x.shape
+                        and out.dtype == x.dtype))):
                 # Hot path for small host messages that go to MPI's own call: the slow path
-                # below has checked this (dtype, op, algorithm) once and cached MPI's handles;
-                # plain arrays let mpi4py take the datatype from the buffer (fast[3]).
+                # below has checked this (dtype, op, algorithm) once and cached MPI's handles
+                # and this collective's traffic counters; plain arrays let mpi4py take the
+                # datatype from the buffer.
+                dt, mop, _, plain, calls, sent, _ = fast
                 dst = np.empty_like(x) if out is None else out
-                dt, mop, _, plain = fast
                 if dst is x:
                     self.mpi.Allreduce(MPI.IN_PLACE, x if plain else [x, dt], op=mop)
                 elif plain:
@@ -34,7 +36,10 @@ class Reductions:
                 else:
                     self.mpi.Allreduce([x, dt], [dst, dt], op=mop)
                 self._seq += 1
-                self.traffic.record_call("allreduce", x.nbytes, "mpi")
+                calls[0] += 1
+                if x.nbytes:
+                    sent[0] += x.nbytes
+                    sent[1] += 1
                 return dst
         seq, what = self._begin("allreduce")
         sig = lambda: self._sig("allreduce", x, op=str(op), algorithm=algorithm)  # noqa: E731
@@ -84,15 +89,17 @@ class Reductions:
 
     def _remember_fast(self, x, op, algorithm, o: ReduceOp, a, alg: str) -> None:
         """Cache MPI handles for (dtype, op, algorithm) when small host calls go to MPI."""
-        if (alg != "mpi" or self.validate or self.watchdog.timeout is not None or self.size == 1
+        if (alg != "mpi" or self.validate or self.watchdog.timeout is not None
                 or type(x) is not np.ndarray or not isinstance(op, (str, ReduceOp))):
             return
         limit = 1 << 62 if algorithm == "mpi" else select.crossover("allreduce", self.size, self.tuning)
         dt = mpi_datatype(a.dtype)
         plain = MPI._typedict.get(a.dtype.char) == dt       # mpi4py infers the same datatype
-        self._fast[(a.dtype, op, algorithm)] = (dt, mpi_op(o, a.dtype), limit, plain)
+        t = self.traffic
+        sent = t.cell("allreduce", "mpi") if self.size > 1 else [0, 0]     # alone, nothing goes to others
+        self._fast[(a.dtype, op, algorithm)] = (dt, mpi_op(o, a.dtype), limit, plain, t.calls_cell("allreduce"),
+                                                sent, t.epoch)
 
-#END
 
     # ------------------------------------------------------------------ rooted reduce / bcast
     def reduce(self, x, op: "ReduceOp | str" = "sum", root: int = 0, *, out=None,
@@ -150,8 +157,6 @@ class Reductions:
             steps = self._staged(steps, x, target)
         res = self._run(steps, what, nonblocking)
         return res if nonblocking or staged else self._finish(res, target)
-
-#END
 
     def reduce_scatter(self, x, op: "ReduceOp | str" = "sum", *, algorithm: str = "auto",
                        nonblocking: bool = False):

@@ -8,9 +8,10 @@ Two kinds of record, kept apart so that neither is a guess:
   (its contribution; the route inside MPI is not visible), under peer class ``"mpi"``.
 
 Phase labels come from ``with comm.phase("forward"): ...``; records outside any
-phase go under ``None``. Each record touches one dict entry keyed by
-(collective, peer, phase) — it sits on the small-message hot path — and the totals
-below are summed from those entries when read.
+phase go under ``None``. Counters live in small lists ("cells") keyed by
+(collective, peer, phase); the small-message hot path keeps its cells and bumps them
+directly (``epoch`` tells it when to fetch new ones), and the totals below are summed
+from the cells when read.
 """
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ from contextlib import contextmanager
 
 class Traffic:
     def __init__(self):
-        self._bytes: dict = {}     # (collective, peer, phase) -> bytes
-        self._msgs: dict = {}      # (collective, peer, phase) -> messages
-        self._calls: dict = {}     # collective -> calls
+        self._cells: dict = {}     # (collective, peer, phase) -> [bytes, messages]
+        self._calls: dict = {}     # collective -> [calls]
         self._phases: list = []
+        # bumped whenever a cell handed out by ``cell``/``calls_cell`` may stop being the
+        # right one (a phase starts or ends, counters are reset): holders check it
+        self.epoch = 0
 
     @property
     def current_phase(self) -> str | None:
@@ -32,41 +35,49 @@ class Traffic:
     @contextmanager
     def phase(self, label: str):
         self._phases.append(label)
+        self.epoch += 1
         try:
             yield self
         finally:
             self._phases.pop()
+            self.epoch += 1
+
+    def cell(self, collective: str, peer: str) -> list:
+        """The [bytes, messages] counters of (collective, peer) in the current phase; valid
+        while ``epoch`` is unchanged (the small-message hot path keeps one)."""
+        key = (collective, peer, self._phases[-1] if self._phases else None)
+        c = self._cells.get(key)
+        if c is None:
+            c = self._cells[key] = [0, 0]
+        return c
+
+    def calls_cell(self, collective: str) -> list:
+        c = self._calls.get(collective)
+        if c is None:
+            c = self._calls[collective] = [0]
+        return c
 
     def count_call(self, collective: str) -> None:
-        self._calls[collective] = self._calls.get(collective, 0) + 1
+        self.calls_cell(collective)[0] += 1
 
     def record(self, nbytes: int, collective: str, peer: str) -> None:
-        key = (collective, peer, self._phases[-1] if self._phases else None)
-        self._bytes[key] = self._bytes.get(key, 0) + nbytes
-        self._msgs[key] = self._msgs.get(key, 0) + 1
-
-    def record_call(self, collective: str, nbytes: int, peer: str) -> None:
-        """One call that handed ``nbytes`` to MPI, in one go (the hot path: no further calls)."""
-        calls, b, m = self._calls, self._bytes, self._msgs
-        calls[collective] = calls.get(collective, 0) + 1
-        if nbytes:
-            key = (collective, peer, self._phases[-1] if self._phases else None)
-            b[key] = b.get(key, 0) + nbytes
-            m[key] = m.get(key, 0) + 1
+        c = self.cell(collective, peer)
+        c[0] += nbytes
+        c[1] += 1
 
     def _sum(self, index: int) -> Counter:
         out: Counter = Counter()
-        for key, n in self._bytes.items():
+        for key, (n, _) in self._cells.items():
             out[key[index]] += n
         return out
 
     @property
     def total(self) -> int:
-        return sum(self._bytes.values())
+        return sum(n for n, _ in self._cells.values())
 
     @property
     def messages(self) -> int:
-        return sum(self._msgs.values())
+        return sum(m for _, m in self._cells.values())
 
     @property
     def by_collective(self) -> Counter:
@@ -82,12 +93,12 @@ class Traffic:
 
     @property
     def calls(self) -> Counter:
-        return Counter(self._calls)
+        return Counter({k: n for k, (n,) in self._calls.items()})
 
     def reset(self) -> None:
-        self._bytes.clear()
-        self._msgs.clear()
+        self._cells.clear()
         self._calls.clear()
+        self.epoch += 1
 
     def snapshot(self) -> dict:
         return {
@@ -100,4 +111,4 @@ class Traffic:
         }
 
     def __repr__(self) -> str:
-        return f"Traffic(total={self.total}, by_peer={dict(self.by_peer)}, calls={dict(self._calls)})"
+        return f"Traffic(total={self.total}, by_peer={dict(self.by_peer)}, calls={dict(self.calls)})"

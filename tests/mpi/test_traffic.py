@@ -76,3 +76,27 @@ def test_simulated_nodes_classify_peers():
         agree(c.topology.nodes == tuple(tuple(range(i, min(i + 2, N))) for i in range(0, N, 2)), "node layout")
     finally:
         c.free()
+
+
+def test_hot_path_counts_like_the_slow_path():
+    """Small all-reduces that take the hot path (no watchdog, no validation) are counted
+    exactly like the slow path: calls, MPI payload, the current phase, and after reset."""
+    hot = mpitp.Communicator(timeout=0, validate=False)
+    try:
+        x = np.ones(100, np.float32)
+        payload = 0 if N == 1 else 400
+        for _ in range(3):
+            hot.allreduce(x)
+        with hot.phase("decode"):
+            for _ in range(2):
+                hot.allreduce(x)
+        hot.allreduce(x)
+        t = hot.traffic
+        agree(t.calls["allreduce"] == 6, f"calls {dict(t.calls)}")
+        agree(t.by_phase[None] == 4 * payload and t.by_phase.get("decode", 0) == 2 * payload, f"phases {t.by_phase}")
+        agree(t.messages == (6 if payload else 0), f"messages {t.messages}")
+        t.reset()
+        hot.allreduce(x)
+        agree(t.calls["allreduce"] == 1 and t.total == payload, "counts after reset")
+    finally:
+        hot.free()
