@@ -1,8 +1,8 @@
 """Collective benchmark in the nccl-tests / OSU style, every algorithm side by side.
 
 For each size and algorithm: ``warmup`` untimed calls, then ``iters`` timed calls between
-barriers, ``trials`` times; the time of one call is the per-rank median over trials of
-the per-call average, reported as avg/min/max over ranks (OSU) and as algbw = bytes / time, busbw = algbw x factor (nccl-tests):
+barriers, ``trials`` times (interleaved across the algorithms); the time of one call is
+the per-rank median over trials of the per-call average, reported as avg/min/max over ranks (OSU) and as algbw = bytes / time, busbw = algbw x factor (nccl-tests):
 
     allreduce 2(n-1)/n    reduce_scatter, allgather, alltoall (n-1)/n
     broadcast, reduce, gather, scatter 1
@@ -151,7 +151,7 @@ def count_wrong(case: Case, result) -> int:
     return int(np.count_nonzero(got.reshape(-1) != want.reshape(-1)))
 
 
-def time_case(case: Case, iters: int, warmup: int) -> float:
+def time_case(case, iters: int, warmup: int) -> float:
     """Seconds per call on this rank (calls between two barriers)."""
     for _ in range(warmup):
         case()
@@ -164,35 +164,65 @@ def time_case(case: Case, iters: int, warmup: int) -> float:
 
 
 def iterations(nbytes: int, iters: int | None) -> int:
-    """Fewer repetitions for big messages, so a sweep stays in seconds."""
+    """Timed calls per trial: 1000 for small messages (OSU uses 10000 below 8 KiB; a trial
+    of a few-microsecond call must outlast the scheduler's hiccups), fewer for big ones
+    so that a sweep stays in seconds."""
     if iters:
         return iters
-    return int(min(200, max(5, (256 << 20) // max(nbytes, 1) // 8)))
+    return int(min(1000, max(5, (256 << 20) // max(nbytes, 1) // 8)))
 
 
-def timed(case, nbytes: int, iters: int | None, warmup: int, trials: int) -> float:
-    """Median over ``trials`` of the per-call time (shared machines are noisy)."""
-    n = iterations(nbytes, iters)
-    return float(np.median([time_case(case, n, warmup if k == 0 else 0) for k in range(max(1, trials))]))
+class MpiReference:
+    """MPI's own all-reduce through mpi4py directly (no mpitp in the path): the "vs MPI"
+    column's reference."""
+
+    def __init__(self, comm, nbytes: int, dtype, op: str):
+        from ..comm.ops import ReduceOp, mpi_datatype, mpi_op
+        dt = np.dtype(dtype)
+        self.comm = comm
+        self.x = (np.arange(nbytes // dt.itemsize) % 7).astype(dt)
+        self.y = np.empty_like(self.x)
+        self.mdt, self.mop = mpi_datatype(dt), mpi_op(ReduceOp(op), dt)
+
+    def __call__(self):
+        self.comm.mpi.Allreduce([self.x, self.mdt], [self.y, self.mdt], op=self.mop)
 
 
-def measure(comm, collective: str, nbytes: int, algorithm: str, *, dtype="float32", op="sum",
-            iters: int | None = None, warmup: int = 2, check: bool = False, inplace: bool = False,
-            xp=np, trials: int = 1) -> Row:
-    case = Case(comm, collective, nbytes, dtype, op, algorithm, inplace, xp)
-    wrong = None
+def measure_size(comm, collective: str, nbytes: int, algorithms: list[str], *, dtype="float32", op="sum",
+                 iters: int | None = None, warmup: int = 2, check: bool = False, inplace: bool = False,
+                 xp=np, trials: int = 1, reference: bool = False) -> tuple[list[Row], float | None]:
+    """One row per algorithm at one size, and MPI's own time (``reference``, all-reduce).
+
+    Trials are interleaved — trial k times every algorithm (and the reference) once
+    before trial k+1 — so a slow spell of a shared machine hits all of them alike and
+    the ratios between them stay meaningful; each time is the median over trials."""
+    cases = [Case(comm, collective, nbytes, dtype, op, alg, inplace, xp) for alg in algorithms]
+    if reference and collective == "allreduce" and comm.size > 1:
+        cases.append(MpiReference(comm, nbytes, dtype, op))
+    wrong: list[int | None] = [None] * len(algorithms)
     if check:   # one fresh call, checked, before timing (in place modifies the input)
-        keep = case.x.copy()
-        wrong = count_wrong(case, case())
-        case.x[...] = keep
-        wrong = int(comm.mpi.allreduce(wrong))
-    t = timed(case, nbytes, iters, warmup, trials)
-    ts = comm.mpi.allgather(t)
-    avg, lo, hi = float(np.mean(ts)), min(ts), max(ts)
-    data = case.count * np.dtype(dtype).itemsize
-    algbw = data / avg / 1e9 if avg > 0 else 0.0
-    return Row(collective, algorithm, data, case.count, np.dtype(dtype).name, op if collective in REDUCING else "none",
-               comm.size, avg * 1e6, lo * 1e6, hi * 1e6, algbw, algbw * BUSBW[collective](comm.size), wrong)
+        for k, case in enumerate(cases[:len(algorithms)]):
+            keep = case.x.copy()
+            bad = count_wrong(case, case())
+            case.x[...] = keep
+            wrong[k] = int(comm.mpi.allreduce(bad))
+    n = iterations(nbytes, iters)
+    times: list[list[float]] = [[] for _ in cases]
+    for k in range(max(1, trials)):
+        for j, case in enumerate(cases):
+            times[j].append(time_case(case, n, warmup if k == 0 else 0))
+    per_rank = [comm.mpi.allgather(float(np.median(t))) for t in times]
+    ref = float(np.mean(per_rank[-1])) if len(cases) > len(algorithms) else None
+    rows = []
+    for k, alg in enumerate(algorithms):
+        ts = per_rank[k]
+        avg, lo, hi = float(np.mean(ts)), min(ts), max(ts)
+        data = cases[k].count * np.dtype(dtype).itemsize
+        algbw = data / avg / 1e9 if avg > 0 else 0.0
+        rows.append(Row(collective, alg, data, cases[k].count, np.dtype(dtype).name,
+                        op if collective in REDUCING else "none", comm.size, avg * 1e6, lo * 1e6, hi * 1e6,
+                        algbw, algbw * BUSBW[collective](comm.size), wrong[k]))
+    return rows, ref
 
 
 def memcpy_bandwidth(nbytes: int = 64 << 20, reps: int = 5) -> float:

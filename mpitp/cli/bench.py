@@ -31,9 +31,9 @@ def add_parser(sub) -> None:
     p.add_argument("--min-bytes", default="4", help="smallest message (4, 1K, 64M ...; default 4)")
     p.add_argument("--max-bytes", default="64M", help="largest message (default 64M)")
     p.add_argument("--factor", type=float, default=4.0, help="size multiplier between rows (default 4)")
-    p.add_argument("--iters", type=int, default=None, help="timed calls per row (default: by size, 5-200)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls per row (default 2)")
-    p.add_argument("--trials", type=int, default=3, help="timed repetitions per row; the median counts (default 3)")
+    p.add_argument("--iters", type=int, default=None, help="timed calls per trial (default: by size, 1000 for small messages down to 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls before the first trial (default 2)")
+    p.add_argument("--trials", type=int, default=3, help="timed repetitions, interleaved across algorithms; the median counts (default 3)")
     p.add_argument("--dtype", default="float32", help="element type (default float32)")
     p.add_argument("--op", default="sum", choices=["sum", "prod", "max", "min"], help="reduction (default sum)")
     p.add_argument("--algorithms", default="mpi,ring,auto",
@@ -83,26 +83,6 @@ def _xp(device: str):
     return cupy
 
 
-def _mpi4py_reference(comm, collective, nbytes, dtype, op, iters, warmup, trials):
-    """MPI's own call, through mpi4py directly (no mpitp in the path)."""
-    if collective != "allreduce" or comm.size == 1:
-        return None
-    from ..comm.ops import ReduceOp, mpi_datatype, mpi_op
-    dt = np.dtype(dtype)
-    x = (np.arange(nbytes // dt.itemsize) % 7).astype(dt)
-    y = np.empty_like(x)
-    mdt, mop = mpi_datatype(dt), mpi_op(ReduceOp(op), dt)
-
-    class Raw:
-        def __init__(self):
-            self.comm = comm
-
-        def __call__(self):
-            comm.mpi.Allreduce([x, mdt], [y, mdt], op=mop)
-    t = bc.timed(Raw(), nbytes, iters, warmup, trials)
-    return float(np.mean(comm.mpi.allgather(t)))
-
-
 def run(args) -> int:
     from ..comm import Communicator
     from ..comm.library import library_version
@@ -130,11 +110,10 @@ def run(args) -> int:
         f"{'min(us)':>9} {'max(us)':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'vs MPI':>7}")
     rows: list[bc.Row] = []
     for i, nbytes in enumerate(sz):
-        ref = _mpi4py_reference(comm, args.collective, nbytes, args.dtype, args.op, args.iters, args.warmup,
-                                args.trials)
-        for alg in algs:
-            row = bc.measure(comm, args.collective, nbytes, alg, dtype=args.dtype, op=args.op, iters=args.iters,
-                             warmup=args.warmup, check=args.check, inplace=args.inplace, xp=xp, trials=args.trials)
+        found, ref = bc.measure_size(comm, args.collective, nbytes, algs, dtype=args.dtype, op=args.op,
+                                     iters=args.iters, warmup=args.warmup, check=args.check, inplace=args.inplace,
+                                     xp=xp, trials=args.trials, reference=True)
+        for alg, row in zip(algs, found):
             rows.append(row)
             rel = f"{ref / (row.time_us * 1e-6):6.2f}x" if ref else "      -"
             wrong = "-" if row.wrong is None else str(row.wrong)
