@@ -14,6 +14,7 @@ import numpy as np
 
 from ..tp import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
                   VocabParallelEmbedding)
+from ..tp.arena import pack
 from .config import LlamaConfig
 from .rope import Rotary
 
@@ -32,7 +33,7 @@ class RMSNorm:
     def __call__(self, x):
         xp = self.xp
         x32 = x.astype(np.float32, copy=False)
-        var = (x32 * x32).mean(axis=-1, keepdims=True)
+        var = (x32 * x32).sum(axis=-1, keepdims=True) / x.shape[-1]       # mean, without mean()'s Python
         return (x32 / xp.sqrt(var + self.eps)).astype(x.dtype, copy=False) * self.weight
 
 
@@ -49,6 +50,7 @@ class Step:
         S = s + T
         causal = xp.arange(S)[None, :] <= (s + xp.arange(T))[:, None]       # [T, S]
         self.allowed = (causal[None] & cache.valid[:, None, :S])[:, None, None]   # [B, 1, 1, T, S]
+        self.masked = not bool(self.allowed.all())    # decoding without pads masks nothing
 
 
 class KVCache:
@@ -76,9 +78,10 @@ class Attention:
     def __call__(self, x, step: "Step", cache: KVCache, layer: int):
         xp, d = self.xp, self.head_dim
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = self.rotary.apply(q.reshape(B, T, self.nh, d), step.cos, step.sin)
-        k = self.rotary.apply(k.reshape(B, T, self.nkv, d), step.cos, step.sin)
+        qkv = self.qkv_proj(x)
+        nq = self.nh + self.nkv                     # q and k sit side by side: one rotation for both
+        qk = self.rotary.apply(qkv[..., :nq * d].reshape(B, T, nq, d), step.cos, step.sin)
+        q, k, v = qk[:, :, :self.nh], qk[:, :, self.nh:], qkv[..., nq * d:]
         s = cache.length
         cache.k[layer][:, s:s + T] = k
         cache.v[layer][:, s:s + T] = v.reshape(B, T, self.nkv, d)
@@ -88,7 +91,8 @@ class Attention:
         g = self.nh // self.nkv
         qh = q.reshape(B, T, self.nkv, g, d).transpose(0, 2, 3, 1, 4)     # [B, kv, g, T, d]
         scores = (qh @ keys[:, :, None]) * (1.0 / np.sqrt(d))              # [B, kv, g, T, S]
-        scores = xp.where(step.allowed, scores, _MASKED)
+        if step.masked:
+            scores = xp.where(step.allowed, scores, _MASKED)
         scores = scores - scores.max(axis=-1, keepdims=True)
         probs = xp.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)
@@ -138,6 +142,10 @@ class LlamaForCausalLM:
         self.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size, comm=comm, dtype=self.dtype, xp=xp)
         if c.tie_word_embeddings:
             self.lm_head.tie(self.embed_tokens)
+        if xp is np:        # one stream of weights in reading order (a tied head shares the embedding)
+            order = [m for L in self.layers for m in (L.self_attn.qkv_proj, L.self_attn.o_proj,
+                                                      L.mlp.gate_up_proj, L.mlp.down_proj)]
+            self._arena = pack(order + [self.lm_head, self.embed_tokens])
         self.last_stats: dict = {}
 
     @classmethod

@@ -1,0 +1,52 @@
+"""One allocation for the weights a forward pass streams, in the order it reads them.
+
+Decoding one token reads every weight once (GEMV), so it is bound by memory bandwidth.
+Separate small arrays (a 512x512 fp32 shard is 1 MiB) each start cold in the TLB and
+the hardware prefetcher; one big buffer gets transparent huge pages (NumPy advises them
+for allocations of 4 MiB and more) and reads as one long stream:
+
+    arena: | L0.qkv | L0.o | L0.gate_up | L0.down | L1.qkv | ... | lm_head |
+            ^ each a view; the layer's ``_wt`` (and ``weight`` = ``_wt.T``) point here
+
+Pack before loading: the layers' own zero-filled arrays are untouched calloc pages, so
+packing costs no extra memory, and the loader then writes straight into the arena.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+ALIGN = 64      # bytes: every view starts on a cache line
+
+
+def pack(modules, xp=np) -> object:
+    """Move ``_wt`` of each module (in order; a module listed twice is packed once) into
+    one buffer and return it. Values are kept, so packing after loading is also correct."""
+    seen, mods = set(), []
+    for m in modules:
+        if id(m._wt) not in seen:
+            seen.add(id(m._wt))
+            mods.append(m)
+    if not mods:
+        return None
+    dtype = mods[0]._wt.dtype
+    if any(m._wt.dtype != dtype for m in mods):
+        raise ValueError("pack: all weights must share one dtype")
+    step = max(ALIGN // dtype.itemsize, 1)
+    offsets, off = [], 0
+    for m in mods:
+        offsets.append(off)
+        off += -(-m._wt.size // step) * step
+    raw = xp.zeros(off + step, dtype)
+    skip = (-raw.ctypes.data % ALIGN) // dtype.itemsize if xp is np else 0
+    arena = raw[skip:skip + off]
+    shared = {}
+    for m, o in zip(mods, offsets):
+        old = m._wt
+        view = arena[o:o + old.size].reshape(old.shape)
+        view[...] = old
+        shared[id(old)] = (old, view)      # old kept alive while ids are compared
+    for m in modules:
+        old_view = shared.get(id(m._wt))
+        view = old_view[1] if old_view is not None else m._wt
+        m._wt, m.weight = view, view.T
+    return arena
