@@ -14,9 +14,9 @@ import numpy as np
 def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 0.0, top_k: int = 0,
            top_p: float = 1.0) -> np.ndarray:
     """Next token per row of ``logits`` [B, V]: greedy when temperature is 0."""
-    logits = np.asarray(logits, np.float64)
     if temperature <= 0:
-        return logits.argmax(axis=-1)
+        return np.asarray(logits).argmax(axis=-1)
+    logits = np.asarray(logits, np.float64)
     z = logits / temperature
     if top_k and top_k < z.shape[-1]:
         kth = np.partition(z, -top_k, axis=-1)[:, -top_k][:, None]
