@@ -7,7 +7,8 @@ transformers (torch, CPU) on the same random-weight checkpoint, in one run.
 
 Shapes: 56m = hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1376, vocab 32000;
 tinyllama-1.1b = hidden 2048, 22 layers, 32 heads, 4 KV heads, intermediate 5632.
-Every figure is the median of --repeats runs (default 3). Threads: each mpitp rank runs one BLAS thread; transformers runs with 1 thread and with
+Every figure is the median of --repeats rounds (default 3); each round runs every
+contender once, so the machine's slow spells hit all of them alike. Threads: each mpitp rank runs one BLAS thread; transformers runs with 1 thread and with
 2 (the total of TP=2). The memory-bandwidth ceiling is the weight bytes one rank streams
 per token divided by the GEMV bandwidth measured here, in this run, on one core.
 """
@@ -66,38 +67,61 @@ def median_stats(runs: list[dict]) -> dict:
     return {k: float(np.median([r[k] for r in runs])) for k in ("prefill_s", "decode_tokens_per_s")}
 
 
-def run_mpitp(path, comm, prompt, new, repeats):
-    from mpitp.models.llama import LlamaForCausalLM
-    model = LlamaForCausalLM.from_pretrained(path, comm=comm)
-    model.generate([prompt], max_new_tokens=4, stop_tokens=[])          # warm-up
-    runs = []
-    for _ in range(repeats):
-        model.generate([prompt], max_new_tokens=new, stop_tokens=[])
-        runs.append(dict(model.last_stats))
-    s = median_stats(runs)
-    s["weight_bytes"] = model.weight_bytes()
-    s["streamed_bytes"] = model.streamed_bytes()
-    return s
+class Mpitp:
+    """An mpitp model kept loaded, so the rounds below can come back to it."""
+
+    def __init__(self, path, comm):
+        from mpitp.models.llama import LlamaForCausalLM
+        self.model = LlamaForCausalLM.from_pretrained(path, comm=comm)
+        self.runs: list[dict] = []
+
+    def run(self, prompt, new: int, warm: bool = False) -> None:
+        self.model.generate([prompt], max_new_tokens=4 if warm else new, stop_tokens=[])
+        if not warm:
+            self.runs.append(dict(self.model.last_stats))
+
+    def stats(self) -> dict:
+        s = median_stats(self.runs)
+        s["weight_bytes"] = self.model.weight_bytes()
+        s["streamed_bytes"] = self.model.streamed_bytes()
+        return s
 
 
-def run_hf(path, prompt, new, threads, repeats):
-    import torch
-    import transformers
-    torch.set_num_threads(threads)
-    model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    runs = []
-    with torch.no_grad():
-        model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
-        for _ in range(repeats):
+class Transformers:
+    """Hugging Face transformers on torch CPU with a fixed thread count."""
+
+    def __init__(self, path, threads: int):
+        import torch
+        import transformers
+        self.torch, self.threads = torch, threads
+        self.model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.runs: list[dict] = []
+
+    def run(self, prompt, new: int, warm: bool = False) -> None:
+        torch = self.torch
+        torch.set_num_threads(self.threads)
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            if warm:
+                self.model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+                return
             t0 = time.perf_counter()
-            model(ids)
+            self.model(ids)
             prefill = time.perf_counter() - t0
             t0 = time.perf_counter()
-            model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
+            self.model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
             decode = max(time.perf_counter() - t0 - prefill, 1e-9)
-            runs.append({"prefill_s": prefill, "decode_tokens_per_s": (new - 1) / decode})
-    return median_stats(runs)
+        self.runs.append({"prefill_s": prefill, "decode_tokens_per_s": (new - 1) / decode})
+
+    def stats(self) -> dict:
+        return median_stats(self.runs)
+
+
+def idle_until_rank0_done(world) -> None:
+    """Rank 1 sleeps (instead of spinning in MPI) while rank 0 measures alone."""
+    req = world.Ibarrier()
+    while not req.Test():
+        time.sleep(0.01)
 
 
 def main() -> int:
@@ -105,7 +129,7 @@ def main() -> int:
     ap.add_argument("--shape", choices=SHAPES, default="56m")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3, help="runs per measurement; medians are reported")
+    ap.add_argument("--repeats", type=int, default=3, help="measured rounds (each runs every contender once); medians are reported")
     ap.add_argument("--models", default=os.environ.get("MPITP_BENCH_MODELS", "/tmp/mpitp-bench-models"))
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
@@ -120,29 +144,41 @@ def main() -> int:
     prompt = list(np.random.default_rng(1).integers(0, SHAPES[args.shape]["vocab_size"], args.prompt_tokens))
     prompt = [int(t) for t in prompt]
     res = {"shape": args.shape, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}
-    # the ceiling: one core streaming alone (TP=1) and both cores at once (TP=2), which share
-    # the memory bus
-    res["gemv_GBps_1"] = world.bcast(gemv_bandwidth(world.rank == 0) / 1e9)
-    res["gemv_GBps"] = world.allreduce(gemv_bandwidth(True), op=MPI.MIN) / 1e9
-    # TP=2 on both ranks
+    # Rounds: each measures the GEMV ceiling (one core streaming alone, then both cores at
+    # once, which share the memory bus), mpitp TP=2 on both ranks, then on rank 0 alone
+    # mpitp TP=1 and transformers with 1 and 2 threads. Interleaving the runs lets a slow
+    # spell of this shared machine hit every contender alike; medians per contender.
     comm = mpitp.Communicator()
-    res["mpitp_tp2"] = run_mpitp(path, comm, prompt, args.new_tokens, args.repeats)
-    comm.free()
-    # TP=1 on rank 0 (rank 1 idles), then transformers on rank 0 with 1 and 2 threads
+    tp2 = Mpitp(path, comm)
     solo = world.Split(world.rank, 0)
+    others = []
     if world.rank == 0:
-        c1 = mpitp.Communicator(solo)
-        res["mpitp_tp1"] = run_mpitp(path, c1, prompt, args.new_tokens, args.repeats)
-        c1.free()
+        others.append(("mpitp_tp1", Mpitp(path, mpitp.Communicator(solo))))
         try:
-            res["hf_1thread"] = run_hf(path, prompt, args.new_tokens, 1, args.repeats)
-            res["hf_2threads"] = run_hf(path, prompt, args.new_tokens, 2, args.repeats)
+            others += [("hf_1thread", Transformers(path, 1)), ("hf_2threads", Transformers(path, 2))]
         except ImportError:
-            res["hf_1thread"] = res["hf_2threads"] = None
+            print("transformers is not installed: comparing mpitp with itself only", file=sys.stderr)
+    gemv1, gemv2 = [], []
+    for k in range(args.repeats + 1):           # round 0 warms every contender up
+        warm = k == 0
+        if not warm:
+            gemv1.append(world.bcast(gemv_bandwidth(world.rank == 0) / 1e9))
+            gemv2.append(world.allreduce(gemv_bandwidth(True), op=MPI.MIN) / 1e9)
+        tp2.run(prompt, args.new_tokens, warm)
+        if world.rank == 0:
+            for _, contender in others:
+                contender.run(prompt, args.new_tokens, warm)
+        idle_until_rank0_done(world)
+        if world.rank == 0 and not warm:
+            print(f"[llama_decode] round {k}/{args.repeats} done", file=sys.stderr, flush=True)
+    res["gemv_GBps_1"], res["gemv_GBps"] = float(np.median(gemv1)), float(np.median(gemv2))
+    res["mpitp_tp2"] = tp2.stats()
+    res["hf_1thread"] = res["hf_2threads"] = None
+    for name, contender in others:
+        res[name] = contender.stats()
+    del tp2, others
     solo.Free()
-    req = world.Ibarrier()          # rank 1 sleeps instead of spinning in MPI while rank 0 measures
-    while not req.Test():
-        time.sleep(0.01)
+    comm.free()
     if world.rank == 0:
         report(res)
         if args.json:
