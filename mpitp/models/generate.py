@@ -1,8 +1,10 @@
 """Sampling and the decode loop: prefill once, then one token at a time.
 
 Prompts of different lengths are left-padded onto one timeline; pads are masked out of
-attention and positions count only real tokens. Rank 0 samples and broadcasts the new
-tokens, so every rank continues with the same ids whatever the sampler does.
+attention and positions count only real tokens. Every rank holds the same logits (bytes
+all-gathered from the same shards), so greedy decoding picks the same token everywhere
+with no message; a sampled token is drawn on rank 0 and broadcast, so every rank continues
+with the same ids whatever its random generator does.
 """
 from __future__ import annotations
 
@@ -67,7 +69,7 @@ def generate(model, input_ids, max_new_tokens: int = 32, temperature: float = 0.
     for step in range(max_new_tokens):
         host = logits.get() if hasattr(logits, "get") else np.asarray(logits)
         tok = sample(host, rng, temperature, top_k, top_p).astype(np.int64)
-        if comm is not None and comm.size > 1:
+        if comm is not None and comm.size > 1 and temperature > 0:
             tok = comm.broadcast(tok, root=0)
         for b in range(B):
             if not done[b]:

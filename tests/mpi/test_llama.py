@@ -8,7 +8,7 @@ import pytest
 from mpi4py import MPI
 
 import mpitp
-from conftest import agree
+from conftest import agree, same_on_all_ranks
 from mpitp.models.llama import LlamaForCausalLM
 from mpitp.tp import ShardingError
 
@@ -45,6 +45,21 @@ def test_huggingface_parity(tp, name):
     prompts = [ref["greedy_0"][:9].tolist(), ref["greedy_1"][:6].tolist()]      # ragged batch
     out = model.generate(prompts, max_new_tokens=10, stop_tokens=[])
     agree(out == [ref["greedy_0"].tolist(), ref["greedy_1"].tolist()], f"{name}: greedy tokens differ from HF")
+
+
+def test_decoding_agrees_on_every_rank(tp):
+    """Greedy decoding sends no token message (every rank has the same logits); sampling
+    draws on rank 0 and broadcasts, even when the ranks' generators would disagree."""
+    model = LlamaForCausalLM.from_pretrained(FIX / "mha", comm=tp)
+    prompt = [[5, 17, 42]]
+    greedy = model.generate(prompt, max_new_tokens=6, stop_tokens=[])
+    tp.traffic.reset()
+    again = model.generate(prompt, max_new_tokens=6, stop_tokens=[])
+    agree(greedy == again and same_on_all_ranks(np.array(greedy)), "greedy tokens differ between ranks or runs")
+    agree(tp.traffic.calls.get("broadcast", 0) == 0, "greedy decoding broadcast tokens")
+    sampled = model.generate(prompt, max_new_tokens=6, stop_tokens=[], temperature=1.0, seed=1000 + tp.rank)
+    agree(same_on_all_ranks(np.array(sampled)), "sampled tokens differ between ranks")
+    agree(tp.traffic.calls.get("broadcast", 0) == (6 if N > 1 else 0), f"broadcasts {dict(tp.traffic.calls)}")
 
 
 @pytest.mark.parametrize("name", ["mha", "tied", "llama3_rope"])
