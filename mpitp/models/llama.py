@@ -69,6 +69,9 @@ class KVCache:
 class Attention:
     def __init__(self, cfg: LlamaConfig, comm, rotary: Rotary, dtype, xp):
         self.xp, self.rotary, self.head_dim = xp, rotary, cfg.head_dim
+        # a Python float, as transformers' ``scaling``: a NumPy float64 here would promote
+        # the scores and the softmax to float64 (NEP 50)
+        self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, bias=cfg.qkv_bias, comm=comm, dtype=dtype, xp=xp)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias,
@@ -90,7 +93,7 @@ class Attention:
         vals = cache.v[layer][:, :S].transpose(0, 2, 1, 3)                 # [B, kv, S, d]
         g = self.nh // self.nkv
         qh = q.reshape(B, T, self.nkv, g, d).transpose(0, 2, 3, 1, 4)     # [B, kv, g, T, d]
-        scores = (qh @ keys[:, :, None]) * (1.0 / np.sqrt(d))              # [B, kv, g, T, S]
+        scores = (qh @ keys[:, :, None]) * self.scale                       # [B, kv, g, T, S]
         if step.masked:
             scores = xp.where(step.allowed, scores, _MASKED)
         scores = scores - scores.max(axis=-1, keepdims=True)
