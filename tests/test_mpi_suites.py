@@ -18,6 +18,8 @@ SUITES = sorted(p.name for p in (HERE / "mpi").glob("test_*.py"))
 FLAVOR = launch.flavor()
 MIN_RANKS = {"test_validation.py": 2}   # a mismatch needs two ranks to disagree
 EXTRA_SIZES = [(s, n) for s in ("test_hierarchical.py",) for n in (5, 6, 7, 8)]   # 3 nodes need room
+# the ring over MPI point-to-point, as across nodes (one node uses shared memory by default)
+MPI_TRANSPORT = [(s, n) for s in ("test_allreduce.py", "test_collectives.py", "test_traffic.py") for n in (2, 3, 4)]
 
 
 def run_suite(suite: str, n: int, extra_env: dict | None = None, timeout: int = 420):
@@ -43,3 +45,8 @@ def test_suite(suite, n):
 @pytest.mark.parametrize("suite,n", EXTRA_SIZES)
 def test_suite_large(suite, n):
     run_suite(suite, n)
+
+
+@pytest.mark.parametrize("suite,n", MPI_TRANSPORT)
+def test_suite_ring_over_mpi(suite, n):
+    run_suite(suite, n, {"MPITP_SHM": "0"})

@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from .. import backend
 from ..errors import MpitpError
-from . import hierarchical, tuning, validate
+from . import hierarchical, shm, tuning, validate
 from .handle import Handle, Steps, Watchdog, drive
 from .ops import check_dtype
 from .topology import Topology
@@ -45,6 +45,11 @@ class CommunicatorBase:
         self._workspace = Workspace()
         self._node_comms: hierarchical.NodeComms | None = None
         self._fast: dict = {}     # (dtype, op, algorithm) -> (MPI datatype, MPI op, size limit, plain)
+        # the ring's shared-memory transport (mpitp.comm.shm): opened on first use, when
+        # every rank is on one node; ``shm = False`` (or MPITP_SHM=0) keeps MPI's transport
+        self.shm = shm.enabled()
+        self._channel: shm.Channel | None = None
+        self._no_channel = False       # asked once: the ranks do not share one node
         self.tuning = self.mpi.bcast(tuning.load() if self.rank == 0 else None, root=0)
 
     # ------------------------------------------------------------------ plumbing
@@ -55,6 +60,9 @@ class CommunicatorBase:
     def free(self) -> None:
         if self._node_comms is not None:
             self._node_comms.free()
+        if self._channel is not None:
+            self._channel.free()
+            self._channel = None
         for c in (self._meta, self._algo, self.mpi):
             if c != MPI.COMM_NULL:
                 c.Free()
@@ -173,6 +181,28 @@ class CommunicatorBase:
 
     def _segment(self, dtype) -> int:
         return max(1, self.segment_bytes // np.dtype(dtype).itemsize)
+
+    def _ring_transport(self, a, nonblocking: bool, what: str):
+        """What the flat ring runs over: the shared-memory channel for blocking calls on
+        host arrays when all ranks share a node, else the MPI communicator. Collective:
+        every rank of a call decides alike (same flags, same kind of buffer)."""
+        if nonblocking or not self.shm or self._no_channel or self.size == 1 or type(a) is not np.ndarray:
+            return self._algo
+        slot = -(-self._segment(a.dtype) * a.dtype.itemsize // 64) * 64
+        ch = self._channel
+        if ch is None or not ch.fits(slot, self.ring_depth):
+            # opening is a blocking collective: first make sure every rank is in this call,
+            # under the watchdog, so a rank that never comes aborts the job instead of hanging it
+            self.watchdog.wait([self._meta.Ibarrier()], what)
+            if ch is not None:
+                ch.free()
+            slot = max(slot, -(-self.segment_bytes // 64) * 64)
+            ch = self._channel = shm.open_channel(self.mpi, slot, self.ring_depth, self.watchdog)
+            self._no_channel = ch is None
+        if ch is None:
+            return self._algo
+        ch.what = what          # what the watchdog names if this call never completes
+        return ch
 
     def _slots(self, chunk: int, dtype) -> int:
         """Elements of receive scratch for the ring: ``ring_depth`` segments, at most ``chunk``

@@ -69,7 +69,7 @@ class Gathers:
         elems = [c * row for c in counts]
         dt = mpi_datatype(a.dtype)
         if alg == "ring" and self.size > 1:
-            steps = self._ring_allgather(src, dst, elems, dt, seq)
+            steps = self._ring_allgather(src, dst, elems, dt, seq, nonblocking)
         else:
             self._record_mpi("allgather", src.nbytes if self.size > 1 else 0)
             steps = native.allgatherv(self.mpi, src, dst, elems, dt, self._direct(nonblocking))
@@ -78,11 +78,12 @@ class Gathers:
         res = self._run(steps, f"{what} ({alg})", nonblocking)
         return res if nonblocking or staged else self._finish(res, out)
 
-    def _ring_allgather(self, src, dst, elems, dt, seq) -> Steps:
+    def _ring_allgather(self, src, dst, elems, dt, seq, nonblocking: bool) -> Steps:
         flat = dst.reshape(-1)
         lo = sum(elems[:self.rank])
         flat[lo:lo + elems[self.rank]] = src.reshape(-1)
-        yield from ring.all_gather(self._algo, flat, elems, dtype=dt, itemsize=src.dtype.itemsize,
+        link = self._ring_transport(src, nonblocking, f"allgather #{seq}")
+        yield from ring.all_gather(link, flat, elems, dtype=dt, itemsize=src.dtype.itemsize,
                                    seg=self._segment(src.dtype), tag=seq & 0x7FFF,
                                    on_send=self._on_send("allgather"))
         return dst

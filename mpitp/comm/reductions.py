@@ -80,7 +80,8 @@ class Reductions:
                   on_send=self._on_send("allreduce"))
         with self._workspace.borrow(self._slots(a.size, a.dtype), a.dtype, a) as tmp:
             if alg == "ring":
-                yield from ring.all_reduce(self._algo, a.reshape(-1), dst.reshape(-1), reduce, tmp, **kw)
+                link = self._ring_transport(a, nonblocking, f"allreduce #{seq}")
+                yield from ring.all_reduce(link, a.reshape(-1), dst.reshape(-1), reduce, tmp, **kw)
             else:   # two-level; uneven nodes have no common shard layout: leader variant
                 sharded = alg == "hierarchical" and self.topology.uniform
                 yield from hierarchical.all_reduce(self.node_comms, a.reshape(-1), dst.reshape(-1), reduce,
@@ -185,7 +186,7 @@ class Reductions:
             dst[...] = src
             steps = _value(dst)
         elif alg == "ring":
-            steps = self._ring_reduce_scatter(src, dst, elems, o, dt, seq)
+            steps = self._ring_reduce_scatter(src, dst, elems, o, dt, seq, nonblocking)
         else:
             self._record_mpi("reduce_scatter", src.nbytes - elems[self.rank] * a.dtype.itemsize)
             steps = native.reduce_scatter(self.mpi, src, dst, elems, dt, mpi_op(o, a.dtype),
@@ -194,13 +195,14 @@ class Reductions:
             steps = self._staged(steps, x, None)
         return self._run(steps, f"{what} ({alg})", nonblocking)
 
-    def _ring_reduce_scatter(self, src, dst, elems, op, dt, seq) -> Steps:
+    def _ring_reduce_scatter(self, src, dst, elems, op, dt, seq, nonblocking: bool) -> Steps:
         fn = ufunc(op, backend.xp_of(src))
         lo = sum(elems[:self.rank])
         with self._workspace.borrow(src.size, src.dtype, src) as full, \
                 self._workspace.borrow(self._slots(max(elems), src.dtype), src.dtype, src) as tmp:
+            link = self._ring_transport(src, nonblocking, f"reduce_scatter #{seq}")
             yield from ring.reduce_scatter(
-                self._algo, src.reshape(-1), full, elems, lambda p, q, r: fn(p, q, out=r), tmp,
+                link, src.reshape(-1), full, elems, lambda p, q, r: fn(p, q, out=r), tmp,
                 dtype=dt, itemsize=src.dtype.itemsize, seg=self._segment(src.dtype), tag=seq & 0x7FFF,
                 on_send=self._on_send("reduce_scatter"))
             dst.reshape(-1)[...] = full[lo:lo + elems[self.rank]]

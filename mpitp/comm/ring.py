@@ -50,6 +50,40 @@ def _segments(count: int, seg: int):
         yield lo, min(count, lo + seg)
 
 
+def recv_chunk(N: int, r: int, s: int) -> int:
+    """The chunk rank ``r`` receives at step ``s`` (reduce-scatter: steps 0..N-2)."""
+    return (r - s - 2) % N if s < N - 1 else (r - (s - N + 1) - 1) % N
+
+
+def send_chunk(N: int, r: int, s: int) -> int:
+    """The chunk rank ``r`` sends at step ``s``; ``send_chunk(s + 1) == recv_chunk(s)``."""
+    return (r - s - 1) % N if s < N - 1 else (r - (s - N + 1)) % N
+
+
+def _shm_pipeline(ch, src, dst, counts: list[int], reduce: Reduce | None, steps: range, *, seg: int,
+                  itemsize: int, on_send: OnSend) -> None:
+    """The same steps over a shared-memory :class:`~mpitp.comm.shm.Channel`: every
+    segment, in the order the MPI pipeline sends and receives it, as buffer slices."""
+    N, r = ch.size, ch.rank
+    right, offs = (r + 1) % N, offsets(counts)
+    c0 = send_chunk(N, r, steps.start)
+    first_src = src if steps.start == 0 else dst
+    outgoing = [first_src[offs[c0] + lo:offs[c0] + hi] for lo, hi in _segments(counts[c0], seg)]
+    first = len(outgoing)
+    incoming = []
+    for s in steps:
+        c = recv_chunk(N, r, s)
+        o = offs[c]
+        for lo, hi in _segments(counts[c], seg):
+            part = dst[o + lo:o + hi]
+            incoming.append((part, src[o + lo:o + hi] if s < N - 1 and reduce is not None else None))
+            if s + 1 < steps.stop:
+                outgoing.append(part)            # forwarded once taken: send_chunk(s + 1) == c
+    for part in outgoing:
+        on_send(part.size * itemsize, right)
+    ch.run(src, dst, incoming, outgoing, first, reduce)
+
+
 def _pipeline(
     comm: MPI.Comm, src, dst, counts: list[int], reduce: Reduce | None, tmp, steps: range, *,
     dtype: MPI.Datatype, itemsize: int, seg: int, tag: int, on_send: OnSend,
@@ -68,24 +102,26 @@ def _pipeline(
     posting the receive for it.)
     """
     N, r = comm.size, comm.rank
+    if not isinstance(comm, MPI.Comm):          # a shared-memory channel: no requests to yield
+        return _shm_pipeline(comm, src, dst, counts, reduce, steps, seg=seg, itemsize=itemsize, on_send=on_send)
     right, left = (r + 1) % N, (r - 1) % N
     offs = offsets(counts)
     rs = N - 1
 
-    def recv_chunk(s):
-        return (r - s - 2) % N if s < rs else (r - (s - rs) - 1) % N
+    def rchunk(s):
+        return recv_chunk(N, r, s)
 
-    def send_chunk(s):
-        return (r - s - 1) % N if s < rs else (r - (s - rs)) % N
+    def schunk(s):
+        return send_chunk(N, r, s)
 
-    incoming = [(s, lo, hi) for s in steps for lo, hi in _segments(counts[recv_chunk(s)], seg)]
+    incoming = [(s, lo, hi) for s in steps for lo, hi in _segments(counts[rchunk(s)], seg)]
     first_ag = next((j for j, (s, _, _) in enumerate(incoming) if s >= rs), len(incoming))
     depth = max(1, tmp.size // seg) if tmp is not None else 1
     sends_of: dict[tuple[int, int], list] = {}   # (chunk, segment start) -> sends reading it
     all_sends: list = []
 
     def send(s, lo, hi, buf):
-        c = send_chunk(s)
+        c = schunk(s)
         o = offs[c]
         req = comm.Isend([buf[o + lo:o + hi], dtype], dest=right, tag=tag)
         on_send((hi - lo) * itemsize, right)
@@ -93,14 +129,14 @@ def _pipeline(
         all_sends.append(req)
 
     first = steps.start
-    for lo, hi in _segments(counts[send_chunk(first)], seg):
+    for lo, hi in _segments(counts[schunk(first)], seg):
         send(first, lo, hi, src if first == 0 else dst)
 
     reqs: list = []
     for j, (s, lo, hi) in enumerate(incoming):
         while len(reqs) < len(incoming) and len(reqs) < j + depth and (len(reqs) < first_ag or j >= first_ag):
             ps, plo, phi = incoming[len(reqs)]
-            c = recv_chunk(ps)
+            c = rchunk(ps)
             if ps < rs:
                 k = (len(reqs) % depth) * seg
                 buf = tmp[k:k + phi - plo]
@@ -110,13 +146,13 @@ def _pipeline(
                 buf = dst[offs[c] + plo:offs[c] + phi]
             reqs.append(comm.Irecv([buf, dtype], source=left, tag=tag))
         yield reqs[j]
-        c = recv_chunk(s)
+        c = rchunk(s)
         o = offs[c]
         if s < rs:
             k = (j % depth) * seg
             reduce(src[o + lo:o + hi], tmp[k:k + hi - lo], dst[o + lo:o + hi])
         if s + 1 < steps.stop:
-            send(s + 1, lo, hi, dst)          # send_chunk(s + 1) == c
+            send(s + 1, lo, hi, dst)          # schunk(s + 1) == c
     yield all_sends
 
 

@@ -1,0 +1,143 @@
+"""Shared-memory transport for the hand-written ring, when all its ranks share one node.
+
+MPI moves a large message between processes of one node through small shared cells
+(8 KiB in MPICH): the sender copies in, the receiver copies out, with a handshake per
+cell. Here every rank owns an inbox in an MPI-3 shared window that its left neighbour
+writes into directly — one copy per segment — and the rank reduces straight out of it::
+
+    rank r's window  | full[0..depth) | consumed | slot 0 | slot 1 | ... | slot depth-1 |
+                       set by rank r-1  set by r   written by rank r-1, read by rank r
+
+Segments are numbered over the channel's life. Segment k goes to slot k % depth: the
+writer waits until ``consumed > k - depth`` (the slot's previous segment is used up),
+copies, fences (MPI_Win_sync) and sets ``full[k % depth] = k + 1``; the reader waits for
+that, fences, reduces or copies the slot into place, fences and sets ``consumed = k + 1``.
+A rank always takes an arrived segment before it blocks, so the ring cannot deadlock
+however few slots there are. The schedule (which chunk, which step) is the ring's own
+(:func:`mpitp.comm.ring.schedule`), so results are bit-identical to the MPI transport.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+HEADER = 4096            # bytes: flags (own cache lines for each writer), slots page-aligned
+_CONSUMED = 2048         # byte offset of ``consumed``: away from the ``full`` flags' lines
+
+
+class Channel:
+    """The ring's shared-memory inboxes over ``comm`` (every rank on one node)."""
+
+    def __init__(self, comm: MPI.Comm, segment_bytes: int, depth: int, watchdog):
+        if depth < 1 or depth * 8 > _CONSUMED:
+            raise ValueError(f"shared-memory ring depth must be in [1, {_CONSUMED // 8}], got {depth}")
+        self.comm, self.size, self.rank = comm, comm.size, comm.rank
+        self.slot_bytes, self.depth, self.watchdog = segment_bytes, depth, watchdog
+        self.win = MPI.Win.Allocate_shared(HEADER + depth * segment_bytes, 1, comm=comm)
+        self.win.Lock_all(MPI.MODE_NOCHECK)      # one passive epoch for life: Win_sync needs one
+        self._full, self._consumed, self._slots = self._view(self.rank)
+        self._full[:] = 0
+        self._consumed[:] = 0
+        self._r_full, self._r_consumed, self._r_slots = self._view((self.rank + 1) % self.size)
+        # more ranks than cores here: a waiting rank hands its core over at once, since the
+        # rank it waits for may be queued behind it on the same core
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.yield_every = 1 if comm.size > cores else 64
+        self.what = "ring over shared memory"      # the call in progress, for the watchdog
+        self.received = 0       # segments taken from the left neighbour so far
+        self.sent = 0           # segments given to the right neighbour so far
+        self.win.Sync()
+        comm.Barrier()
+
+    def _view(self, rank: int):
+        buf, _ = self.win.Shared_query(rank)
+        raw = np.frombuffer(buf, np.uint8)
+        full = raw[:self.depth * 8].view(np.int64)
+        consumed = raw[_CONSUMED:_CONSUMED + 8].view(np.int64)
+        return full, consumed, raw[HEADER:]
+
+    def fits(self, seg_bytes: int, depth: int) -> bool:
+        return seg_bytes <= self.slot_bytes and depth == self.depth
+
+    def free(self) -> None:
+        self.win.Unlock_all()
+        self.win.Free()
+        self.comm.Free()
+
+    def run(self, src, dst, incoming, outgoing, first: int, reduce):
+        """Move the ring's segments. ``incoming``/``outgoing``: lists of (buffer slices)
+        in the order the ring takes and gives them — see :func:`mpitp.comm.ring.schedule`.
+
+        incoming[j] = (target slice of dst, source slice of src or None): reduce
+        ``src_part + slot`` into the target (or copy the slot when there is no source).
+        outgoing[k] = a slice to send; those from ``first`` on are ready only once
+        incoming[k - first] has been taken (the segment that forwards it)."""
+        depth, sync = self.depth, self.win.Sync
+        full, consumed, r_full, r_consumed = self._full, self._consumed, self._r_full, self._r_consumed
+        dtype = dst.dtype
+        slots = [self._slots[i * self.slot_bytes:(i + 1) * self.slot_bytes].view(dtype) for i in range(depth)]
+        r_slots = [self._r_slots[i * self.slot_bytes:(i + 1) * self.slot_bytes].view(dtype) for i in range(depth)]
+        base_in, base_out = self.received, self.sent
+        n_in, n_out = len(incoming), len(outgoing)
+        got = gave = 0
+        idle, since = 0, time.monotonic()
+        timeout, every = self.watchdog.timeout, self.yield_every
+        while got < n_in or gave < n_out:
+            moved = False
+            while gave < n_out and (gave < first or gave - first < got):
+                k = base_out + gave
+                if r_consumed[0] <= k - depth:
+                    break                                   # the right neighbour's slot is still full
+                part = outgoing[gave]
+                np.copyto(r_slots[k % depth][:part.size], part)
+                sync()
+                r_full[k % depth] = k + 1
+                gave += 1
+                moved = True
+            if got < n_in:
+                k = base_in + got
+                if full[k % depth] == k + 1:
+                    sync()
+                    target, own = incoming[got]
+                    slot = slots[k % depth][:target.size]
+                    if own is None:
+                        np.copyto(target, slot)
+                    else:
+                        reduce(own, slot, target)
+                    sync()
+                    consumed[0] = k + 1
+                    got += 1
+                    moved = True
+            if moved:
+                idle = 0
+                continue
+            idle += 1
+            if idle % every == 0:
+                os.sched_yield()
+            if timeout is not None and idle % 64 == 0:
+                now = time.monotonic()
+                if idle == 64:
+                    since = now
+                elif now - since > timeout:
+                    self.watchdog.abort(self.what)
+        self.received += n_in
+        self.sent += n_out
+        return dst
+
+
+def enabled() -> bool:
+    """``MPITP_SHM=0`` turns the shared-memory transport off (the ring then uses MPI)."""
+    return os.environ.get("MPITP_SHM", "1").strip() not in ("0", "false", "no", "off")
+
+
+def open_channel(comm: MPI.Comm, segment_bytes: int, depth: int, watchdog) -> Channel | None:
+    """A channel when every rank of ``comm`` shares memory with the others, else None.
+    Collective over ``comm``; every rank gets the same answer."""
+    shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    if comm.allreduce(shared.size, op=MPI.MIN) != comm.size:
+        shared.Free()
+        return None
+    return Channel(shared, segment_bytes, depth, watchdog)
