@@ -51,7 +51,9 @@ class Watchdog:
             "another rank never entered it or is stuck. Aborting the job (MPITP_TIMEOUT)."
         )
         print(msg, file=sys.stderr, flush=True)
+        time.sleep(0.2)             # let the launcher forward the message before it tears the job down
         MPI.COMM_WORLD.Abort(3)
+        os._exit(3)                 # should Abort ever return
 
 
 def _as_list(reqs) -> list:
