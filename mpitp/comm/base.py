@@ -48,8 +48,9 @@ class CommunicatorBase:
         # the ring's shared-memory transport (mpitp.comm.shm): opened on first use, when
         # every rank is on one node; ``shm = False`` (or MPITP_SHM=0) keeps MPI's transport
         self.shm = shm.enabled()
-        self._channel: shm.Channel | None = None
-        self._no_channel = False       # asked once: the ranks do not share one node
+        # scope ("flat": all ranks, "intra": this rank's node) -> (slot bytes, depth, channel
+        # or None where the ranks do not share memory); the same keys and sizes on every rank
+        self._links: dict[str, tuple[int, int, shm.Channel | None]] = {}
         self.tuning = self.mpi.bcast(tuning.load() if self.rank == 0 else None, root=0)
 
     # ------------------------------------------------------------------ plumbing
@@ -60,9 +61,10 @@ class CommunicatorBase:
     def free(self) -> None:
         if self._node_comms is not None:
             self._node_comms.free()
-        if self._channel is not None:
-            self._channel.free()
-            self._channel = None
+        for _, _, ch in self._links.values():
+            if ch is not None:
+                ch.free()
+        self._links.clear()
         for c in (self._meta, self._algo, self.mpi):
             if c != MPI.COMM_NULL:
                 c.Free()
@@ -182,25 +184,28 @@ class CommunicatorBase:
     def _segment(self, dtype) -> int:
         return max(1, self.segment_bytes // np.dtype(dtype).itemsize)
 
-    def _ring_transport(self, a, nonblocking: bool, what: str):
-        """What the flat ring runs over: the shared-memory channel for blocking calls on
-        host arrays when all ranks share a node, else the MPI communicator. Collective:
-        every rank of a call decides alike (same flags, same kind of buffer)."""
-        if nonblocking or not self.shm or self._no_channel or self.size == 1 or type(a) is not np.ndarray:
-            return self._algo
+    def _ring_transport(self, a, nonblocking: bool, what: str, scope: str = "flat"):
+        """What a ring runs over: for blocking calls on host arrays, a shared-memory channel
+        over the ring's ranks when they share memory (all ranks for ``"flat"``, this node's
+        for ``"intra"``), else the MPI communicator. Collective: every rank of a call decides
+        alike (same flags, same kind of buffer, same state of ``_links``)."""
+        comm = self._algo if scope == "flat" else self.node_comms.intra
+        if nonblocking or not self.shm or self.size == 1 or type(a) is not np.ndarray:
+            return comm
         slot = -(-self._segment(a.dtype) * a.dtype.itemsize // 64) * 64
-        ch = self._channel
-        if ch is None or not ch.fits(slot, self.ring_depth):
+        link = self._links.get(scope)
+        if link is None or slot > link[0] or link[1] != self.ring_depth:
             # opening is a blocking collective: first make sure every rank is in this call,
             # under the watchdog, so a rank that never comes aborts the job instead of hanging it
             self.watchdog.wait([self._meta.Ibarrier()], what)
-            if ch is not None:
-                ch.free()
+            if link is not None and link[2] is not None:
+                link[2].free()
             slot = max(slot, -(-self.segment_bytes // 64) * 64)
-            ch = self._channel = shm.open_channel(self.mpi, slot, self.ring_depth, self.watchdog)
-            self._no_channel = ch is None
+            ch = shm.open_channel(comm, slot, self.ring_depth, self.watchdog) if comm.size > 1 else None
+            link = self._links[scope] = (slot, self.ring_depth, ch)
+        ch = link[2]
         if ch is None:
-            return self._algo
+            return comm
         ch.what = what          # what the watchdog names if this call never completes
         return ch
 
@@ -213,6 +218,8 @@ class CommunicatorBase:
     def node_comms(self) -> hierarchical.NodeComms:
         """Intra-node, inter-node and leader communicators (created on first use: collective)."""
         if self._node_comms is None:
+            # blocking splits: first make sure every rank is here, under the watchdog
+            self.watchdog.wait([self._meta.Ibarrier()], f"call #{self._seq} (setting up the node communicators)")
             self._node_comms = hierarchical.NodeComms(self._algo, self.topology)
         return self._node_comms
 

@@ -58,16 +58,19 @@ def _mapped(on_send, ranks: list[int]):
 
 def all_reduce(
     nc: NodeComms, src, dst, reduce, tmp, *, sharded: bool,
-    dtype, itemsize: int, seg: int, tag: int, on_send,
+    dtype, itemsize: int, seg: int, tag: int, on_send, intra=None,
 ) -> Steps:
-    """Two-level all-reduce of flat ``src`` into flat ``dst`` (may be the same buffer)."""
+    """Two-level all-reduce of flat ``src`` into flat ``dst`` (may be the same buffer).
+    ``intra``: what the node's rings run over (its shared-memory channel), default
+    ``nc.intra``; the leader variant's shard moves stay on ``nc.intra``."""
+    link = nc.intra if intra is None else intra
     kw = dict(dtype=dtype, itemsize=itemsize, seg=seg, tag=tag)
     L, l = nc.intra.size, nc.intra.rank
     counts = ring.chunk_counts(dst.size, L)
     offs = ring.offsets(counts)
     intra_send = _mapped(on_send, nc.intra_ranks)
     # 1. reduce-scatter inside the node: local rank l owns shard l of the node's sum
-    yield from ring.reduce_scatter(nc.intra, src, dst, counts, reduce, tmp, on_send=intra_send, **kw)
+    yield from ring.reduce_scatter(link, src, dst, counts, reduce, tmp, on_send=intra_send, **kw)
     if sharded:
         # 2. shard l across nodes, among the ranks with local rank l
         shard = dst[offs[l]:offs[l] + counts[l]]
@@ -81,7 +84,7 @@ def all_reduce(
                                        on_send=_mapped(on_send, nc.leader_ranks), **kw)
         yield from _from_leader(nc.intra, dst, counts, offs, dtype, itemsize, tag, intra_send)
     # 3. all-gather inside the node
-    yield from ring.all_gather(nc.intra, dst, counts, on_send=intra_send, **kw)
+    yield from ring.all_gather(link, dst, counts, on_send=intra_send, **kw)
     return dst
 
 

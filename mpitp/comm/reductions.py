@@ -84,8 +84,9 @@ class Reductions:
                 yield from ring.all_reduce(link, a.reshape(-1), dst.reshape(-1), reduce, tmp, **kw)
             else:   # two-level; uneven nodes have no common shard layout: leader variant
                 sharded = alg == "hierarchical" and self.topology.uniform
+                intra = self._ring_transport(a, nonblocking, f"allreduce #{seq}", scope="intra")
                 yield from hierarchical.all_reduce(self.node_comms, a.reshape(-1), dst.reshape(-1), reduce,
-                                                   tmp, sharded=sharded, **kw)
+                                                   tmp, sharded=sharded, intra=intra, **kw)
         return dst
 
     def _remember_fast(self, x, op, algorithm, o: ReduceOp, a, alg: str) -> None:

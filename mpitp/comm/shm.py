@@ -59,9 +59,6 @@ class Channel:
         consumed = raw[_CONSUMED:_CONSUMED + 8].view(np.int64)
         return full, consumed, raw[HEADER:]
 
-    def fits(self, seg_bytes: int, depth: int) -> bool:
-        return seg_bytes <= self.slot_bytes and depth == self.depth
-
     def free(self) -> None:
         self.win.Unlock_all()
         self.win.Free()

@@ -218,7 +218,8 @@ def test_ring_transports_agree_bitwise(seg_bytes, depth):
             agree(np.array_equal(rs_a, rs_b), f"reduce-scatter n={n}: transports differ")
             ag_a, ag_b = fast.allgather(x, algorithm="ring"), plain.allgather(x, algorithm="ring")
             agree(np.array_equal(ag_a, ag_b), f"all-gather n={n}: transports differ")
-        agree((fast._channel is not None) == (N > 1) and plain._channel is None,
+        opened = fast._links.get("flat", (0, 0, None))[2]
+        agree((opened is not None) == (N > 1) and not plain._links,
               "one node: the ring should have used its shared-memory channel")
     finally:
         fast.free()

@@ -61,6 +61,25 @@ def test_bytes_equal_the_plan(ncomm, alg, n):
           f"{alg} n={n} nodes={sizes}: sent {dict(t)}, plan says intra {intra * 4} inter {inter * 4}")
 
 
+@pytest.mark.parametrize("alg", ALGS)
+def test_node_rings_over_shared_memory_match_mpi_transport(ncomm, alg):
+    """The node's rings run over its shared-memory channel (the ranks of a simulated node
+    share memory too); the results equal the MPI transport's bit for bit."""
+    plain = mpitp.Communicator(ranks_per_node=len(ncomm.topology.nodes[0]))
+    plain.shm, ncomm.shm = False, True
+    try:
+        x = rank_inputs((70001,), "float32", "sum", N, 9)[ncomm.rank]
+        a = ncomm.allreduce(x, algorithm=alg)
+        b = plain.allreduce(x, algorithm=alg)
+        agree(np.array_equal(a, b), f"{alg}: transports differ")
+        if ncomm.topology.num_nodes > 1:
+            local = len(ncomm.topology.nodes[ncomm.topology.node])
+            ch = ncomm._links.get("intra", (0, 0, None))[2]
+            agree((ch is not None) == (local > 1), f"{alg}: node of {local} ranks, channel {ch}")
+    finally:
+        plain.free()
+
+
 @pytest.mark.mpi(min_size=8)
 def test_seed_example_two_nodes_of_four():
     """Seed 000: 2 nodes x 4 ranks, 8 MiB per rank. Inter-node bytes per node: flat ring
