@@ -17,7 +17,9 @@ Receives are posted before the data they wait for is sent, and each chunk travel
 segments so that reducing segment k overlaps the transfer of segment k+1; a reduced
 segment is forwarded at once, while still in cache (:func:`_pipeline`). The functions are generators of MPI
 requests (see :mod:`mpitp.comm.handle`); they only need arrays that slice like NumPy's,
-so CuPy device buffers work the same way when MPI is CUDA-aware.
+so CuPy device buffers work the same way when MPI is CUDA-aware. ``comm`` may instead be
+a shared-memory :class:`~mpitp.comm.shm.Channel` (ranks of one node, host arrays): the
+same segments, in the same order, are then copied into the neighbour's inbox.
 """
 from __future__ import annotations
 
