@@ -48,6 +48,7 @@ class CommunicatorBase:
         # the ring's shared-memory transport (mpitp.comm.shm): opened on first use, when
         # every rank is on one node; ``shm = False`` (or MPITP_SHM=0) keeps MPI's transport
         self.shm = shm.enabled()
+        self.shm_max_bytes = shm.max_bytes()    # larger buffers keep MPI's transport (see shm.py)
         # scope ("flat": all ranks, "intra": this rank's node) -> (slot bytes, depth, channel
         # or None where the ranks do not share memory); the same keys and sizes on every rank
         self._links: dict[str, tuple[int, int, shm.Channel | None]] = {}
@@ -184,13 +185,15 @@ class CommunicatorBase:
     def _segment(self, dtype) -> int:
         return max(1, self.segment_bytes // np.dtype(dtype).itemsize)
 
-    def _ring_transport(self, a, nonblocking: bool, what: str, scope: str = "flat"):
-        """What a ring runs over: for blocking calls on host arrays, a shared-memory channel
-        over the ring's ranks when they share memory (all ranks for ``"flat"``, this node's
-        for ``"intra"``), else the MPI communicator. Collective: every rank of a call decides
-        alike (same flags, same kind of buffer, same state of ``_links``)."""
+    def _ring_transport(self, a, nbytes: int, nonblocking: bool, what: str, scope: str = "flat"):
+        """What a ring runs over: for blocking calls on host arrays of at most
+        ``shm_max_bytes`` (``nbytes``: the call's whole buffer, the same on every rank), a
+        shared-memory channel over the ring's ranks when they share memory (all ranks for
+        ``"flat"``, this node's for ``"intra"``), else the MPI communicator. Collective: every
+        rank of a call decides alike (same flags, sizes, kind of buffer, state of ``_links``)."""
         comm = self._algo if scope == "flat" else self.node_comms.intra
-        if nonblocking or not self.shm or self.size == 1 or type(a) is not np.ndarray:
+        if (nonblocking or not self.shm or self.size == 1 or type(a) is not np.ndarray
+                or nbytes > self.shm_max_bytes):
             return comm
         slot = -(-self._segment(a.dtype) * a.dtype.itemsize // 64) * 64
         link = self._links.get(scope)

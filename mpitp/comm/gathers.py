@@ -82,7 +82,7 @@ class Gathers:
         flat = dst.reshape(-1)
         lo = sum(elems[:self.rank])
         flat[lo:lo + elems[self.rank]] = src.reshape(-1)
-        link = self._ring_transport(src, nonblocking, f"allgather #{seq}")
+        link = self._ring_transport(src, dst.nbytes, nonblocking, f"allgather #{seq}")
         yield from ring.all_gather(link, flat, elems, dtype=dt, itemsize=src.dtype.itemsize,
                                    seg=self._segment(src.dtype), tag=seq & 0x7FFF,
                                    on_send=self._on_send("allgather"))

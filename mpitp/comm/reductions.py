@@ -80,11 +80,11 @@ class Reductions:
                   on_send=self._on_send("allreduce"))
         with self._workspace.borrow(self._slots(a.size, a.dtype), a.dtype, a) as tmp:
             if alg == "ring":
-                link = self._ring_transport(a, nonblocking, f"allreduce #{seq}")
+                link = self._ring_transport(a, a.nbytes, nonblocking, f"allreduce #{seq}")
                 yield from ring.all_reduce(link, a.reshape(-1), dst.reshape(-1), reduce, tmp, **kw)
             else:   # two-level; uneven nodes have no common shard layout: leader variant
                 sharded = alg == "hierarchical" and self.topology.uniform
-                intra = self._ring_transport(a, nonblocking, f"allreduce #{seq}", scope="intra")
+                intra = self._ring_transport(a, a.nbytes, nonblocking, f"allreduce #{seq}", scope="intra")
                 yield from hierarchical.all_reduce(self.node_comms, a.reshape(-1), dst.reshape(-1), reduce,
                                                    tmp, sharded=sharded, intra=intra, **kw)
         return dst
@@ -201,7 +201,7 @@ class Reductions:
         lo = sum(elems[:self.rank])
         with self._workspace.borrow(src.size, src.dtype, src) as full, \
                 self._workspace.borrow(self._slots(max(elems), src.dtype), src.dtype, src) as tmp:
-            link = self._ring_transport(src, nonblocking, f"reduce_scatter #{seq}")
+            link = self._ring_transport(src, src.nbytes, nonblocking, f"reduce_scatter #{seq}")
             yield from ring.reduce_scatter(
                 link, src.reshape(-1), full, elems, lambda p, q, r: fn(p, q, out=r), tmp,
                 dtype=dt, itemsize=src.dtype.itemsize, seg=self._segment(src.dtype), tag=seq & 0x7FFF,

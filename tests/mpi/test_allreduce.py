@@ -224,3 +224,15 @@ def test_ring_transports_agree_bitwise(seg_bytes, depth):
     finally:
         fast.free()
         plain.free()
+
+
+def test_large_buffers_keep_the_mpi_transport():
+    c = mpitp.Communicator()
+    c.shm, c.shm_max_bytes = True, 4000
+    try:
+        x = np.ones(1001, np.float32)                  # 4004 bytes: over the limit
+        agree(np.all(c.allreduce(x, algorithm="ring") == N) and not c._links, "a large buffer opened the channel")
+        agree(np.all(c.allreduce(x[:1000], algorithm="ring") == N) and (bool(c._links) or N == 1),
+              "a buffer at the limit did not use the channel")
+    finally:
+        c.free()
