@@ -3,8 +3,12 @@
 Collectives on NumPy/CuPy arrays (:class:`Communicator`), hand-written ring and
 two-level algorithms, tensor-parallel LLaMA and FSDP/ZeRO-3 — all under ``mpiexec``.
 """
-from .comm import Communicator, Handle, ReduceOp, Topology, Traffic
-from .errors import CollectiveMismatchError, MpitpError, UnsupportedOperation
+from .threads import set_default_threads
+
+set_default_threads()        # before NumPy loads its BLAS: a thread pool per core, not per rank
+
+from .comm import Communicator, Handle, ReduceOp, Topology, Traffic  # noqa: E402
+from .errors import CollectiveMismatchError, MpitpError, UnsupportedOperation  # noqa: E402
 
 
 def __getattr__(name):
