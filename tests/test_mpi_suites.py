@@ -49,4 +49,4 @@ def test_suite_large(suite, n):
 
 @pytest.mark.parametrize("suite,n", MPI_TRANSPORT)
 def test_suite_ring_over_mpi(suite, n):
-    run_suite(suite, n, {"MPITP_SHM": "0"})
+    run_suite(suite, n, {"MPITP_SHM": "0", "MPITP_CMA": "0"})

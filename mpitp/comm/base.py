@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from .. import backend
 from ..errors import MpitpError
-from . import hierarchical, shm, tuning, validate
+from . import cma, hierarchical, shm, tuning, validate
 from .handle import Handle, Steps, Watchdog, drive
 from .ops import check_dtype
 from .topology import Topology
@@ -18,6 +18,9 @@ from .traffic import Traffic
 from .workspace import Workspace
 
 _LOCAL_ERRORS = (MpitpError, ValueError, TypeError)
+
+
+_COLD = (object(),) * 7     # a hot-path entry no call matches
 
 
 def _env_flag(name: str) -> bool:
@@ -34,25 +37,44 @@ class CommunicatorBase:
         self._algo: MPI.Comm = self.mpi.Dup()      # hand-written algorithms' messages
         self._meta: MPI.Comm = self.mpi.Dup()      # validation exchange
         self.rank, self.size = self.mpi.rank, self.mpi.size
+        self._fast: dict = {}     # (dtype, op, algorithm) -> (MPI datatype, MPI op, size limit, plain, ...)
+        self._hot = _COLD         # the last small all-reduce's buffers and bound MPI call
         self.validate = _env_flag("MPITP_VALIDATE") if validate is None else bool(validate)
         self.watchdog = Watchdog.from_env(timeout, MPI.COMM_WORLD.rank)
         self.topology = Topology.detect(self.mpi, ranks_per_node)
-        self.traffic = Traffic()
+        self.traffic = Traffic(on_epoch=self._cool)
         self.segment_bytes = int(os.environ.get("MPITP_RING_SEGMENT", 512 * 1024))
         self.ring_depth = int(os.environ.get("MPITP_RING_DEPTH", 4))   # receive segments in flight
         self._staging = None      # decided on first device array (asks MPI once)
         self._seq = 0
         self._workspace = Workspace()
         self._node_comms: hierarchical.NodeComms | None = None
-        self._fast: dict = {}     # (dtype, op, algorithm) -> (MPI datatype, MPI op, size limit, plain)
         # the ring's shared-memory transport (mpitp.comm.shm): opened on first use, when
         # every rank is on one node; ``shm = False`` (or MPITP_SHM=0) keeps MPI's transport
         self.shm = shm.enabled()
-        self.shm_max_bytes = shm.max_bytes()    # larger buffers keep MPI's transport (see shm.py)
-        # scope ("flat": all ranks, "intra": this rank's node) -> (slot bytes, depth, channel
-        # or None where the ranks do not share memory); the same keys and sizes on every rank
+        self.shm_max_bytes = shm.max_bytes()    # the largest buffer it takes (see shm.py)
+        # larger buffers: single-copy reads from the neighbour's memory (mpitp.comm.cma);
+        # ``cma = False`` (or MPITP_CMA=0) gives them MPI's transport
+        self.cma = cma.enabled()
+        self.cma_segment_bytes = cma.segment_bytes()
+        # scope ("flat": all ranks, "intra": this rank's node; "/cma" added for CMA channels)
+        # -> (slot bytes, depth, channel or None where it cannot open); alike on every rank
         self._links: dict[str, tuple[int, int, shm.Channel | None]] = {}
         self.tuning = self.mpi.bcast(tuning.load() if self.rank == 0 else None, root=0)
+
+    @property
+    def validate(self) -> bool:
+        """Compare every collective's arguments across ranks first (MPITP_VALIDATE=1)."""
+        return self._validate
+
+    @validate.setter
+    def validate(self, on: bool) -> None:
+        self._validate = bool(on)
+        self._fast.clear()          # the hot paths skip validation: drop them
+        self._cool()
+
+    def _cool(self) -> None:
+        self._hot = _COLD
 
     # ------------------------------------------------------------------ plumbing
     def phase(self, label: str):
@@ -60,6 +82,7 @@ class CommunicatorBase:
         return self.traffic.phase(label)
 
     def free(self) -> None:
+        self._cool()
         if self._node_comms is not None:
             self._node_comms.free()
         for _, _, ch in self._links.values():
@@ -186,31 +209,39 @@ class CommunicatorBase:
         return max(1, self.segment_bytes // np.dtype(dtype).itemsize)
 
     def _ring_transport(self, a, nbytes: int, nonblocking: bool, what: str, scope: str = "flat"):
-        """What a ring runs over: for blocking calls on host arrays of at most
-        ``shm_max_bytes`` (``nbytes``: the call's whole buffer, the same on every rank), a
-        shared-memory channel over the ring's ranks when they share memory (all ranks for
-        ``"flat"``, this node's for ``"intra"``), else the MPI communicator. Collective: every
-        rank of a call decides alike (same flags, sizes, kind of buffer, state of ``_links``)."""
+        """What a ring runs over, for blocking calls on host arrays whose ranks share a node
+        (all ranks for ``"flat"``, this node's for ``"intra"``): by ``nbytes`` (the call's
+        whole buffer, the same on every rank), the shared-memory channel up to
+        ``shm_max_bytes``, cross-memory attach above; where that one is off or cannot open,
+        the MPI communicator. Collective: every rank of a call decides alike (same flags,
+        sizes, kind of buffer, state of ``_links``)."""
         comm = self._algo if scope == "flat" else self.node_comms.intra
-        if (nonblocking or not self.shm or self.size == 1 or type(a) is not np.ndarray
-                or nbytes > self.shm_max_bytes):
+        if nonblocking or self.size == 1 or type(a) is not np.ndarray:
             return comm
-        slot = -(-self._segment(a.dtype) * a.dtype.itemsize // 64) * 64
-        link = self._links.get(scope)
-        if link is None or slot > link[0] or link[1] != self.ring_depth:
+        if nbytes <= self.shm_max_bytes:
+            slot = max(self._segment(a.dtype) * a.dtype.itemsize, self.segment_bytes)
+            ch = self._link(scope, comm, -(-slot // 64) * 64, shm.open_channel, what) if self.shm else None
+        else:
+            ch = self._link(scope + "/cma", comm, self.cma_segment_bytes, cma.open_channel, what) if self.cma else None
+        if ch is None:
+            return comm
+        ch.what = what          # what the watchdog names if this call never completes
+        return ch
+
+    def _link(self, key: str, comm, slot: int, opener, what: str):
+        """The channel ``opener`` makes over ``comm`` with ``slot`` bytes per segment (None
+        where it cannot), opened on first use and again when the segment size or the
+        depth changes."""
+        link = self._links.get(key)
+        if link is None or slot != link[0] or link[1] != self.ring_depth:
             # opening is a blocking collective: first make sure every rank is in this call,
             # under the watchdog, so a rank that never comes aborts the job instead of hanging it
             self.watchdog.wait([self._meta.Ibarrier()], what)
             if link is not None and link[2] is not None:
                 link[2].free()
-            slot = max(slot, -(-self.segment_bytes // 64) * 64)
-            ch = shm.open_channel(comm, slot, self.ring_depth, self.watchdog) if comm.size > 1 else None
-            link = self._links[scope] = (slot, self.ring_depth, ch)
-        ch = link[2]
-        if ch is None:
-            return comm
-        ch.what = what          # what the watchdog names if this call never completes
-        return ch
+            ch = opener(comm, slot, self.ring_depth, self.watchdog) if comm.size > 1 else None
+            link = self._links[key] = (slot, self.ring_depth, ch)
+        return link[2]
 
     def _slots(self, chunk: int, dtype) -> int:
         """Elements of receive scratch for the ring: ``ring_depth`` segments, at most ``chunk``

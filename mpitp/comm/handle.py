@@ -46,10 +46,15 @@ class Watchdog:
                 time.sleep(0)  # let an oversubscribed peer run
 
     def abort(self, what: str) -> None:
-        msg = (
-            f"mpitp watchdog: rank {self.rank} waited more than {self.timeout:g} s in {what}; "
-            "another rank never entered it or is stuck. Aborting the job (MPITP_TIMEOUT)."
-        )
+        self._end(f"mpitp watchdog: rank {self.rank} waited more than {self.timeout:g} s in {what}; "
+                  "another rank never entered it or is stuck. Aborting the job (MPITP_TIMEOUT).")
+
+    def fail(self, what: str, reason: str) -> None:
+        """End the job over an error in the middle of a collective, where the other ranks
+        are already waiting on this one (raising here would leave them hanging)."""
+        self._end(f"mpitp: rank {self.rank} failed in {what}: {reason}. Aborting the job.")
+
+    def _end(self, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
         time.sleep(0.2)             # let the launcher forward the message before it tears the job down
         MPI.COMM_WORLD.Abort(3)

@@ -2,6 +2,8 @@
 two-level algorithm, chosen per call (:mod:`mpitp.comm.select`)."""
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 from mpi4py import MPI
 
@@ -11,12 +13,25 @@ from .base import _value
 from .handle import Steps
 from .ops import ReduceOp, check_reducible, mpi_datatype, mpi_op, ufunc
 
+_HOT_BYTES = 256 << 10      # the hot path keeps its buffers alive: only small ones
+
 
 class Reductions:
     # ------------------------------------------------------------------ all-reduce
     def allreduce(self, x, op: "ReduceOp | str" = "sum", *, out=None, algorithm: str = "auto",
                   nonblocking: bool = False):
         """Element-wise reduction over all ranks; every rank gets the (bit-identical) result."""
+        hot = self._hot
+        if (x is hot[0] and out is hot[1] and op is hot[2] and algorithm is hot[3] and not nonblocking
+                and x.dtype is hot[4]):
+            # The same buffers as the previous call (a training or decode loop's persistent
+            # buffers, a benchmark): everything below was checked then, and MPI's call is
+            # bound to them already. mpi4py still reads each buffer's layout, so a buffer
+            # reshaped in place cannot go wrong.
+            hot[5]()
+            self._seq += 1
+            hot[6][0] += 1
+            return out
         if type(x) is np.ndarray and not nonblocking:
             fast = self._fast.get((x.dtype, op, algorithm))
             if fast is not None and x.nbytes < fast[2] and fast[6] == self.traffic.epoch and (
@@ -27,14 +42,27 @@ class Reductions:
                 # below has checked this (dtype, op, algorithm) once and cached MPI's handles
                 # and this collective's traffic counters; plain arrays let mpi4py take the
                 # datatype from the buffer.
-                dt, mop, _, plain, calls, sent, _ = fast
+                dt, mop, _, plain, calls, sent, epoch = fast
                 dst = np.empty_like(x) if out is None else out
+                if out is not None and x.nbytes <= _HOT_BYTES:
+                    # the next call with these very buffers takes the path above
+                    if dst is x:
+                        call = partial(self.mpi.Allreduce, MPI.IN_PLACE, x if plain else [x, dt], mop)
+                    else:
+                        call = partial(self.mpi.Allreduce, x, dst, mop) if plain else \
+                            partial(self.mpi.Allreduce, [x, dt], [dst, dt], mop)
+                    tally = self.traffic.tally("allreduce", "mpi", x.nbytes if self.size > 1 else 0)
+                    self._hot = (x, out, op, algorithm, x.dtype, call, tally)   # until traffic's epoch moves
+                    call()
+                    self._seq += 1
+                    tally[0] += 1
+                    return out
                 if dst is x:
-                    self.mpi.Allreduce(MPI.IN_PLACE, x if plain else [x, dt], op=mop)
+                    self.mpi.Allreduce(MPI.IN_PLACE, x if plain else [x, dt], mop)
                 elif plain:
-                    self.mpi.Allreduce(x, dst, op=mop)
+                    self.mpi.Allreduce(x, dst, mop)
                 else:
-                    self.mpi.Allreduce([x, dt], [dst, dt], op=mop)
+                    self.mpi.Allreduce([x, dt], [dst, dt], mop)
                 self._seq += 1
                 calls[0] += 1
                 if x.nbytes:

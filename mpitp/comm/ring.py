@@ -67,6 +67,7 @@ def _shm_pipeline(ch, src, dst, counts: list[int], reduce: Reduce | None, steps:
     """The same steps over a shared-memory :class:`~mpitp.comm.shm.Channel`: every
     segment, in the order the MPI pipeline sends and receives it, as buffer slices."""
     N, r = ch.size, ch.rank
+    seg = ch.segment(itemsize, seg)
     right, offs = (r + 1) % N, offsets(counts)
     c0 = send_chunk(N, r, steps.start)
     first_src = src if steps.start == 0 else dst

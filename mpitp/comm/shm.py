@@ -78,34 +78,57 @@ class Channel:
         ``src_part + slot`` into the target (or copy the slot when there is no source).
         outgoing[k] = a slice to send; those from ``first`` on are ready only once
         incoming[k - first] has been taken (the segment that forwards it)."""
-        dtype, size = dst.dtype, self.slot_bytes
-        slots = [self._slots[i * size:(i + 1) * size].view(dtype) for i in range(self.depth)]
-        l_slots = [self._l_slots[i * size:(i + 1) * size].view(dtype) for i in range(self.depth)]
+        self._prepare(dst.dtype)
         self.win.Lock_all(MPI.MODE_NOCHECK)
         try:
-            self._move(incoming, outgoing, first, reduce, slots, l_slots)
+            self._move(incoming, outgoing, first, reduce)
         finally:
             self.win.Unlock_all()
         self.received += len(incoming)
         self.sent += len(outgoing)
         return dst
 
-    def _move(self, incoming, outgoing, first, reduce, slots, l_slots) -> None:
+    def segment(self, itemsize: int, seg: int) -> int:
+        """Elements per segment: the ring's (its slots are cut to fit them)."""
+        return seg
+
+    # what a segment is in the slots: its bytes here (a subclass may hand over less)
+    def _prepare(self, dtype) -> None:
+        size = self.slot_bytes
+        self._out = [self._slots[i * size:(i + 1) * size].view(dtype) for i in range(self.depth)]
+        self._in = [self._l_slots[i * size:(i + 1) * size].view(dtype) for i in range(self.depth)]
+
+    def _give(self, i: int, part) -> None:
+        np.copyto(self._out[i][:part.size], part)
+
+    def _take(self, i: int, target, own, reduce) -> None:
+        slot = self._in[i][:target.size]
+        if own is None:
+            np.copyto(target, slot)
+        else:
+            reduce(own, slot, target)
+
+    def _given_back(self, k: int) -> bool:
+        """Whether the call may return once ``k`` segments are given (the data is in the
+        slots: at once)."""
+        return True
+
+    def _move(self, incoming, outgoing, first, reduce) -> None:
         depth, sync = self.depth, self.win.Sync
+        give, take, given_back = self._give, self._take, self._given_back
         timeout, every = self.watchdog.timeout, self.yield_every
         full, consumed, l_full, r_consumed = self._full, self._consumed, self._l_full, self._r_consumed
         base_in, base_out = self.received, self.sent
         n_in, n_out = len(incoming), len(outgoing)
         got = gave = 0
         idle, since = 0, time.monotonic()
-        while got < n_in or gave < n_out:
+        while got < n_in or gave < n_out or not given_back(base_out + n_out):
             moved = False
             while gave < n_out and (gave < first or gave - first < got):
                 k = base_out + gave
                 if r_consumed[0] <= k - depth:
                     break                                   # the right neighbour has not taken slot k's last use
-                part = outgoing[gave]
-                np.copyto(slots[k % depth][:part.size], part)
+                give(k % depth, outgoing[gave])
                 sync()
                 full[k % depth] = k + 1
                 gave += 1
@@ -115,11 +138,7 @@ class Channel:
                 if l_full[k % depth] == k + 1:
                     sync()
                     target, own = incoming[got]
-                    slot = l_slots[k % depth][:target.size]
-                    if own is None:
-                        np.copyto(target, slot)
-                    else:
-                        reduce(own, slot, target)
+                    take(k % depth, target, own, reduce)
                     sync()
                     consumed[0] = k + 1
                     got += 1
@@ -143,7 +162,8 @@ def max_bytes() -> int:
     ``MPITP_SHM_MAX`` overrides the default of 4 MiB. Up to a few MiB the segments stay
     in cache between the two cores and this transport is 1.5-2x faster than MPI's; for
     larger buffers it was no faster on the machine measured, and several times slower
-    while that virtual machine's cores sat far apart, where MPI's small cells held up."""
+    while that virtual machine's cores sat far apart. Larger buffers go by cross-memory
+    attach (:mod:`mpitp.comm.cma`), which copies each byte once."""
     env = os.environ.get("MPITP_SHM_MAX", "").strip()
     return int(env) if env else 4 << 20
 

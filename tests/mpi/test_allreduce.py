@@ -195,44 +195,101 @@ def test_small_message_hot_path(dtype, op):
         c.free()
 
 
+def test_persistent_buffers():
+    """A loop over the same buffers (out= or in place) binds MPI's call to them after the
+    first call: every call still reduces the buffers' current values, a buffer whose
+    shape or dtype is changed in place is reduced as it is now, and turning validation
+    on leaves the bound call."""
+    c = mpitp.Communicator(timeout=0, validate=False)
+    try:
+        x = np.zeros(6, np.float32)
+        out = np.empty_like(x)
+        for k in range(4):
+            x[...] = np.arange(6) + c.rank + k
+            agree(c.allreduce(x, out=out) is out, "returns out")
+            want = sum(np.arange(6) + r + k for r in range(N))
+            agree(np.array_equal(out, want), f"call {k}: {out} != {want}")
+        x.shape = (2, 3)                                     # the same buffer, new shape
+        out.shape = (2, 3)
+        c.allreduce(x, out=out)
+        agree(np.array_equal(out, want.reshape(2, 3)), "reshaped in place")
+        z = np.full(4, 1 + c.rank, np.int32)
+        for k in range(3):
+            agree(c.allreduce(z, op="max", out=z) is z, "in place returns the buffer")
+        agree(np.array_equal(z, np.full(4, N)), f"in place max: {z}")
+        z.dtype = np.float32                                  # reinterpret: MPI must follow
+        z[...] = 0.5 * (c.rank + 1)
+        c.allreduce(z, op="max", out=z)
+        agree(z.dtype == np.float32 and np.array_equal(z, np.full(4, 0.5 * N, np.float32)), f"dtype set in place: {z}")
+        c.validate = True
+        agree(c._hot[0] is not z, "validation on: the bound call must be dropped")
+        c.allreduce(z, op="max", out=z)
+        agree(np.array_equal(z, np.full(4, 0.5 * N, np.float32)), "with validation")
+    finally:
+        c.free()
+
+
+def cma_permitted() -> bool:
+    """Whether this node lets a rank read its neighbour's memory (the CMA transport's
+    own probe: ptrace permission, no seccomp filter in the way)."""
+    from mpitp.comm import cma
+    return N == 1 or cma.works(MPI.COMM_WORLD)[0]
+
+
 @pytest.mark.parametrize("seg_bytes,depth", [(512 * 1024, 4), (64, 1), (40, 2), (4096, 3)])
 def test_ring_transports_agree_bitwise(seg_bytes, depth):
-    """The ring over shared memory (one node) and over MPI point-to-point run the same
-    schedule, so their results are bit-identical — in place or not, for all-reduce,
-    reduce-scatter and all-gather — whatever the segment size and slot count (small
-    ones wrap around the slots many times per call)."""
-    fast, plain = mpitp.Communicator(), mpitp.Communicator()
-    fast.shm, plain.shm = True, False        # whatever MPITP_SHM says
+    """The ring over shared memory (one node), over cross-memory attach and over MPI
+    point-to-point run the same schedule, so their results are bit-identical — in place
+    or not, for all-reduce, reduce-scatter and all-gather — whatever the segment size
+    and slot count (small ones wrap around the slots many times per call)."""
+    if not cma_permitted():
+        pytest.skip("this node does not permit cross-memory attach (ptrace scope, seccomp)")
+    fast, direct, plain = mpitp.Communicator(), mpitp.Communicator(), mpitp.Communicator()
+    fast.shm, fast.cma = True, False        # whatever MPITP_SHM and MPITP_CMA say
+    direct.shm_max_bytes, direct.cma = 0, True
+    plain.shm, plain.cma = False, False
     try:
-        for c in (fast, plain):
+        for c in (fast, direct, plain):
             c.segment_bytes, c.ring_depth = seg_bytes, depth
+        direct.cma_segment_bytes = seg_bytes
         for n in (1, N + 1, 1001, 70001):
             x = rank_inputs((n,), "float32", "sum", N, n)[fast.rank]
-            a = fast.allreduce(x, algorithm="ring")
             b = plain.allreduce(x, algorithm="ring")
-            agree(np.array_equal(a, b), f"all-reduce n={n}: transports differ")
-            y = x.copy()
-            fast.allreduce(y, out=y, algorithm="ring")
-            agree(np.array_equal(y, b), f"in-place all-reduce n={n}: transports differ")
-            rs_a, rs_b = fast.reduce_scatter(x, algorithm="ring"), plain.reduce_scatter(x, algorithm="ring")
-            agree(np.array_equal(rs_a, rs_b), f"reduce-scatter n={n}: transports differ")
-            ag_a, ag_b = fast.allgather(x, algorithm="ring"), plain.allgather(x, algorithm="ring")
-            agree(np.array_equal(ag_a, ag_b), f"all-gather n={n}: transports differ")
-        opened = fast._links.get("flat", (0, 0, None))[2]
-        agree((opened is not None) == (N > 1) and not plain._links,
-              "one node: the ring should have used its shared-memory channel")
+            rs_b = plain.reduce_scatter(x, algorithm="ring")
+            ag_b = plain.allgather(x, algorithm="ring")
+            for name, c in (("shared memory", fast), ("CMA", direct)):
+                a = c.allreduce(x, algorithm="ring")
+                agree(np.array_equal(a, b), f"all-reduce n={n}: {name} differs from MPI's transport")
+                y = x.copy()
+                c.allreduce(y, out=y, algorithm="ring")
+                agree(np.array_equal(y, b), f"in-place all-reduce n={n}: {name} differs")
+                agree(np.array_equal(c.reduce_scatter(x, algorithm="ring"), rs_b), f"reduce-scatter n={n}: {name}")
+                agree(np.array_equal(c.allgather(x, algorithm="ring"), ag_b), f"all-gather n={n}: {name}")
+        used = {name: {k: v[2] is not None for k, v in c._links.items()} for name, c in
+                (("shm", fast), ("cma", direct), ("mpi", plain))}
+        want = {"shm": {"flat": True}, "cma": {"flat/cma": True}, "mpi": {}} if N > 1 else \
+            {"shm": {}, "cma": {}, "mpi": {}}          # one rank: nothing to move
+        agree(used == want, f"one node: channels opened {used}, expected {want}")
     finally:
         fast.free()
+        direct.free()
         plain.free()
 
 
-def test_large_buffers_keep_the_mpi_transport():
+def test_transport_by_size():
+    """Up to shm_max_bytes the shared-memory channel, above it CMA; with CMA off, MPI."""
+    if not cma_permitted():
+        pytest.skip("this node does not permit cross-memory attach (ptrace scope, seccomp)")
     c = mpitp.Communicator()
-    c.shm, c.shm_max_bytes = True, 4000
+    c.shm, c.cma, c.shm_max_bytes = True, False, 4000
     try:
         x = np.ones(1001, np.float32)                  # 4004 bytes: over the limit
-        agree(np.all(c.allreduce(x, algorithm="ring") == N) and not c._links, "a large buffer opened the channel")
-        agree(np.all(c.allreduce(x[:1000], algorithm="ring") == N) and (bool(c._links) or N == 1),
-              "a buffer at the limit did not use the channel")
+        agree(np.all(c.allreduce(x, algorithm="ring") == N) and not c._links, "CMA off: a large buffer opened a channel")
+        agree(np.all(c.allreduce(x[:1000], algorithm="ring") == N) and (list(c._links) == ["flat"] or N == 1),
+              "a buffer at the limit did not use the shared-memory channel")
+        c.cma = True
+        agree(np.all(c.allreduce(x, algorithm="ring") == N)
+              and (c._links.get("flat/cma", (0, 0, None))[2] is not None or N == 1),
+              f"a buffer over the limit did not go by CMA: {c._links}")
     finally:
         c.free()

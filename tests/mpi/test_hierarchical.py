@@ -6,6 +6,7 @@ from mpi4py import MPI
 
 import mpitp
 from conftest import agree, bound, close, rank_inputs, same_on_all_ranks
+from mpitp.comm import shm
 from mpitp.plan.allreduce import per_rank_elements
 
 N = MPI.COMM_WORLD.size
@@ -66,17 +67,20 @@ def test_node_rings_over_shared_memory_match_mpi_transport(ncomm, alg):
     """The node's rings run over its shared-memory channel (the ranks of a simulated node
     share memory too); the results equal the MPI transport's bit for bit."""
     plain = mpitp.Communicator(ranks_per_node=len(ncomm.topology.nodes[0]))
-    plain.shm, ncomm.shm = False, True
+    plain.shm, plain.cma, ncomm.shm = False, False, True
     try:
         x = rank_inputs((70001,), "float32", "sum", N, 9)[ncomm.rank]
-        a = ncomm.allreduce(x, algorithm=alg)
         b = plain.allreduce(x, algorithm=alg)
-        agree(np.array_equal(a, b), f"{alg}: transports differ")
-        if ncomm.topology.num_nodes > 1:
-            local = len(ncomm.topology.nodes[ncomm.topology.node])
-            ch = ncomm._links.get("intra", (0, 0, None))[2]
-            agree((ch is not None) == (local > 1), f"{alg}: node of {local} ranks, channel {ch}")
+        for key, limit in (("intra", 1 << 30), ("intra/cma", 0)):    # all by shared memory / all by CMA
+            ncomm.shm_max_bytes = limit
+            a = ncomm.allreduce(x, algorithm=alg)
+            agree(np.array_equal(a, b), f"{alg} over {key}: transports differ")
+            if ncomm.topology.num_nodes > 1:
+                local = len(ncomm.topology.nodes[ncomm.topology.node])
+                ch = ncomm._links.get(key, (0, 0, None))[2]
+                agree((ch is not None) == (local > 1), f"{alg}: node of {local} ranks, {key} channel {ch}")
     finally:
+        ncomm.shm_max_bytes = shm.max_bytes()
         plain.free()
 
 

@@ -98,5 +98,22 @@ def test_hot_path_counts_like_the_slow_path():
         t.reset()
         hot.allreduce(x)
         agree(t.calls["allreduce"] == 1 and t.total == payload, "counts after reset")
+        # persistent buffers (out= and in place) keep a tally that is folded on reading
+        out = np.empty_like(x)
+        t.reset()
+        for _ in range(3):
+            hot.allreduce(x, out=out)
+        agree(t.calls["allreduce"] == 3 and t.total == 3 * payload, f"persistent out=: {t.snapshot()}")
+        with hot.phase("decode"):
+            for _ in range(2):
+                hot.allreduce(out, out=out)
+        hot.allreduce(x, out=out)
+        agree(t.calls["allreduce"] == 6 and t.by_phase.get("decode", 0) == 2 * payload
+              and t.by_phase[None] == 4 * payload, f"persistent, phases: {t.snapshot()}")
+        agree(t.messages == (6 if payload else 0), f"messages {t.messages}")
+        hot.allreduce(x, out=out)
+        t.reset()
+        hot.allreduce(x, out=out)
+        agree(t.calls["allreduce"] == 1 and t.total == payload, f"persistent after reset: {t.snapshot()}")
     finally:
         hot.free()
