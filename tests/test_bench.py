@@ -40,6 +40,18 @@ def test_rows_and_json(collective, n, tmp_path):
     assert "#wrong" in res.stdout and "busbw" in res.stdout
     sizes = sorted({r["size_bytes"] for r in rows if r["algorithm"] == "mpi"})
     assert len(sizes) == 4   # 4, 64, 1K, 16K (64K in bytes rounded to whole elements per rank)
+    assert "timed between those trials" in res.stdout     # the ceiling again, beside the largest size
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_large_allreduce_is_right(inplace):
+    """Above the shared-memory channel's limit the ring reads by CMA (where permitted):
+    the rows of a 5 MiB all-reduce at 3 ranks, in place or not, have nothing wrong."""
+    res = bench(3, "allreduce", "--min-bytes", "5M", "--max-bytes", "5M", "--iters", "2", "--trials", "1",
+                "--check", *(["--inplace"] if inplace else []))
+    rows = [line.split() for line in res.stdout.splitlines() if line.strip().startswith("5 MiB")]
+    assert [r[5] for r in rows] == ["mpi", "ring", "auto"], res.stdout
+    assert all(r[11] == "0" for r in rows), res.stdout
 
 
 def test_plot_written(tmp_path):

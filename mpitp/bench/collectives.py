@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import numpy as np
 
@@ -98,24 +99,30 @@ class Case:
         self.count = count
         self.x = xp.asarray(((np.arange(per_rank) + r) % 7).astype(dtype))
         self.out = xp.empty_like(self.x) if collective == "allreduce" and not inplace else None
+        self.call = self._bind()
+
+    def _bind(self):
+        """The call, with its arguments bound once: a timed iteration is one call, as for
+        the references below, so the harness adds the same to every row."""
+        c, alg, x, op = self.comm, self.alg, self.x, self.op
+        if self.coll == "allreduce":
+            return partial(c.allreduce, x, op, out=x if self.inplace else self.out, algorithm=alg)
+        if self.coll == "reduce_scatter":
+            return partial(c.reduce_scatter, x, op, algorithm=alg)
+        if self.coll == "allgather":
+            return partial(c.allgather, x, algorithm=alg)
+        if self.coll == "reduce":
+            return partial(c.reduce, x, op, 0, out=x if self.inplace else None, algorithm=alg)
+        if self.coll == "broadcast":
+            return partial(c.broadcast, x, 0)
+        if self.coll == "gather":
+            return partial(c.gather, x, 0)
+        if self.coll == "scatter":
+            return partial(c.scatter, x if c.rank == 0 else None, 0)
+        return partial(c.alltoall, x)
 
     def __call__(self):
-        c, alg = self.comm, self.alg
-        if self.coll == "allreduce":
-            return c.allreduce(self.x, op=self.op, out=self.x if self.inplace else self.out, algorithm=alg)
-        if self.coll == "reduce_scatter":
-            return c.reduce_scatter(self.x, op=self.op, algorithm=alg)
-        if self.coll == "allgather":
-            return c.allgather(self.x, algorithm=alg)
-        if self.coll == "reduce":
-            return c.reduce(self.x, op=self.op, root=0, out=self.x if self.inplace else None, algorithm=alg)
-        if self.coll == "broadcast":
-            return c.broadcast(self.x, root=0)
-        if self.coll == "gather":
-            return c.gather(self.x, root=0)
-        if self.coll == "scatter":
-            return c.scatter(self.x if c.rank == 0 else None, root=0)
-        return c.alltoall(self.x)
+        return self.call()
 
     def expected(self):
         """What a correct result holds on this rank (None: nothing to check here)."""
@@ -153,12 +160,13 @@ def count_wrong(case: Case, result) -> int:
 
 def time_case(case, iters: int, warmup: int) -> float:
     """Seconds per call on this rank (calls between two barriers)."""
+    call = case.call
     for _ in range(warmup):
-        case()
+        call()
     case.comm.mpi.Barrier()
     t0 = time.perf_counter()
     for _ in range(iters):
-        case()
+        call()
     case.comm.mpi.Barrier()
     return (time.perf_counter() - t0) / iters
 
@@ -182,23 +190,39 @@ class MpiReference:
         self.comm = comm
         self.x = (np.arange(nbytes // dt.itemsize) % 7).astype(dt)
         self.y = np.empty_like(self.x)
-        self.mdt, self.mop = mpi_datatype(dt), mpi_op(ReduceOp(op), dt)
+        mdt = mpi_datatype(dt)
+        self.call = partial(comm.mpi.Allreduce, [self.x, mdt], [self.y, mdt], mpi_op(ReduceOp(op), dt))
 
-    def __call__(self):
-        self.comm.mpi.Allreduce([self.x, self.mdt], [self.y, self.mdt], op=self.mop)
+
+class MemcpyReference:
+    """One copy of ``nbytes`` on this rank (every rank copying at once): the ceiling,
+    timed between the same trials as the collectives."""
+
+    def __init__(self, comm, nbytes: int):
+        self.comm = comm
+        self.a = np.ones(max(nbytes, 1), np.uint8)
+        self.b = np.empty_like(self.a)
+        self.call = partial(np.copyto, self.b, self.a)
 
 
 def measure_size(comm, collective: str, nbytes: int, algorithms: list[str], *, dtype="float32", op="sum",
                  iters: int | None = None, warmup: int = 2, check: bool = False, inplace: bool = False,
-                 xp=np, trials: int = 1, reference: bool = False) -> tuple[list[Row], float | None]:
-    """One row per algorithm at one size, and MPI's own time (``reference``, all-reduce).
+                 xp=np, trials: int = 1, reference: bool = False,
+                 memcpy: bool = False) -> tuple[list[Row], float | None, float | None]:
+    """One row per algorithm at one size, MPI's own time (``reference``, all-reduce) and
+    the copy bandwidth in GB/s of ``nbytes`` on every rank at once (``memcpy``).
 
-    Trials are interleaved — trial k times every algorithm (and the reference) once
+    Trials are interleaved — trial k times every algorithm (and the references) once
     before trial k+1 — so a slow spell of a shared machine hits all of them alike and
     the ratios between them stay meaningful; each time is the median over trials."""
     cases = [Case(comm, collective, nbytes, dtype, op, alg, inplace, xp) for alg in algorithms]
+    refs = {}
     if reference and collective == "allreduce" and comm.size > 1:
+        refs["mpi"] = len(cases)
         cases.append(MpiReference(comm, nbytes, dtype, op))
+    if memcpy:
+        refs["memcpy"] = len(cases)
+        cases.append(MemcpyReference(comm, nbytes))
     wrong: list[int | None] = [None] * len(algorithms)
     if check:   # one fresh call, checked, before timing (in place modifies the input)
         for k, case in enumerate(cases[:len(algorithms)]):
@@ -212,7 +236,8 @@ def measure_size(comm, collective: str, nbytes: int, algorithms: list[str], *, d
         for j, case in enumerate(cases):
             times[j].append(time_case(case, n, warmup if k == 0 else 0))
     per_rank = [comm.mpi.allgather(float(np.median(t))) for t in times]
-    ref = float(np.mean(per_rank[-1])) if len(cases) > len(algorithms) else None
+    ref = float(np.mean(per_rank[refs["mpi"]])) if "mpi" in refs else None
+    copy = nbytes / float(np.mean(per_rank[refs["memcpy"]])) / 1e9 if "memcpy" in refs else None
     rows = []
     for k, alg in enumerate(algorithms):
         ts = per_rank[k]
@@ -222,16 +247,19 @@ def measure_size(comm, collective: str, nbytes: int, algorithms: list[str], *, d
         rows.append(Row(collective, alg, data, cases[k].count, np.dtype(dtype).name,
                         op if collective in REDUCING else "none", comm.size, avg * 1e6, lo * 1e6, hi * 1e6,
                         algbw, algbw * BUSBW[collective](comm.size), wrong[k]))
-    return rows, ref
+    return rows, ref, copy
 
 
-def memcpy_bandwidth(nbytes: int = 64 << 20, reps: int = 5) -> float:
-    """Single-core copy bandwidth (GB/s: bytes copied per second), best of ``reps``."""
+def memcpy_bandwidth(nbytes: int = 64 << 20, reps: int = 5, comm=None) -> float:
+    """Single-core copy bandwidth (GB/s: bytes copied per second), best of ``reps``; with
+    ``comm`` (an MPI communicator) its ranks start each copy together."""
     a = np.ones(nbytes, np.uint8)
     b = np.empty_like(a)
     np.copyto(b, a)
     best = float("inf")
     for _ in range(reps):
+        if comm is not None:
+            comm.Barrier()
         t0 = time.perf_counter()
         np.copyto(b, a)
         best = min(best, time.perf_counter() - t0)

