@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from functools import partial
 
 import numpy as np
 
@@ -102,24 +101,29 @@ class Case:
         self.call = self._bind()
 
     def _bind(self):
-        """The call, with its arguments bound once: a timed iteration is one call, as for
-        the references below, so the harness adds the same to every row."""
+        """The call with its arguments bound once, as a closure: a timed iteration is one
+        Python call, as for the references below, so the harness adds the same to every
+        row (a ``functools.partial`` with keywords would build a dict on every call)."""
         c, alg, x, op = self.comm, self.alg, self.x, self.op
+        out = x if self.inplace else self.out
         if self.coll == "allreduce":
-            return partial(c.allreduce, x, op, out=x if self.inplace else self.out, algorithm=alg)
+            f = c.allreduce
+            return lambda: f(x, op, out=out, algorithm=alg)
         if self.coll == "reduce_scatter":
-            return partial(c.reduce_scatter, x, op, algorithm=alg)
+            return lambda: c.reduce_scatter(x, op, algorithm=alg)
         if self.coll == "allgather":
-            return partial(c.allgather, x, algorithm=alg)
+            return lambda: c.allgather(x, algorithm=alg)
         if self.coll == "reduce":
-            return partial(c.reduce, x, op, 0, out=x if self.inplace else None, algorithm=alg)
+            red = x if self.inplace else None
+            return lambda: c.reduce(x, op, 0, out=red, algorithm=alg)
         if self.coll == "broadcast":
-            return partial(c.broadcast, x, 0)
+            return lambda: c.broadcast(x, 0)
         if self.coll == "gather":
-            return partial(c.gather, x, 0)
+            return lambda: c.gather(x, 0)
         if self.coll == "scatter":
-            return partial(c.scatter, x if c.rank == 0 else None, 0)
-        return partial(c.alltoall, x)
+            src = x if c.rank == 0 else None
+            return lambda: c.scatter(src, 0)
+        return lambda: c.alltoall(x)
 
     def __call__(self):
         return self.call()
@@ -191,7 +195,8 @@ class MpiReference:
         self.x = (np.arange(nbytes // dt.itemsize) % 7).astype(dt)
         self.y = np.empty_like(self.x)
         mdt = mpi_datatype(dt)
-        self.call = partial(comm.mpi.Allreduce, [self.x, mdt], [self.y, mdt], mpi_op(ReduceOp(op), dt))
+        f, sx, sy, mop = comm.mpi.Allreduce, [self.x, mdt], [self.y, mdt], mpi_op(ReduceOp(op), dt)
+        self.call = lambda: f(sx, sy, mop)
 
 
 class MemcpyReference:
@@ -202,7 +207,8 @@ class MemcpyReference:
         self.comm = comm
         self.a = np.ones(max(nbytes, 1), np.uint8)
         self.b = np.empty_like(self.a)
-        self.call = partial(np.copyto, self.b, self.a)
+        a, b = self.a, self.b
+        self.call = lambda: np.copyto(b, a)
 
 
 def measure_size(comm, collective: str, nbytes: int, algorithms: list[str], *, dtype="float32", op="sum",

@@ -32,6 +32,11 @@ class Reductions:
             self._seq += 1
             hot[6][0] += 1
             return out
+        return self._small_allreduce(x, op, out, algorithm, nonblocking)
+
+    def _small_allreduce(self, x, op, out, algorithm: str, nonblocking: bool):
+        """Small host messages to MPI's own call, when checked once before; else the
+        checked path."""
         if type(x) is np.ndarray and not nonblocking:
             fast = self._fast.get((x.dtype, op, algorithm))
             if fast is not None and x.nbytes < fast[2] and fast[6] == self.traffic.epoch and (
@@ -69,6 +74,11 @@ class Reductions:
                     sent[0] += x.nbytes
                     sent[1] += 1
                 return dst
+        return self._checked_allreduce(x, op, out, algorithm, nonblocking)
+
+    def _checked_allreduce(self, x, op, out, algorithm: str, nonblocking: bool):
+        """All-reduce with every check (kept out of ``allreduce``: its closures would make
+        each call of the hot paths above build cells)."""
         seq, what = self._begin("allreduce")
         sig = lambda: self._sig("allreduce", x, op=str(op), algorithm=algorithm)  # noqa: E731
 
