@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
     p.add_argument("--factor", type=float, default=4.0, help="size multiplier between rows (default 4)")
     p.add_argument("--iters", type=int, default=None, help="timed calls per trial (default: by size, 1000 for small messages down to 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls before the first trial (default 2)")
-    p.add_argument("--trials", type=int, default=3, help="timed repetitions, interleaved across algorithms; the median counts (default 3)")
+    p.add_argument("--trials", type=int, default=5, help="timed repetitions, interleaved across algorithms; the median counts (default 5)")
     p.add_argument("--dtype", default="float32", help="element type (default float32)")
     p.add_argument("--op", default="sum", choices=["sum", "prod", "max", "min"], help="reduction (default sum)")
     p.add_argument("--algorithms", default="mpi,ring,auto",
