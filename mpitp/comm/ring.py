@@ -18,8 +18,9 @@ segments so that reducing segment k overlaps the transfer of segment k+1; a redu
 segment is forwarded at once, while still in cache (:func:`_pipeline`). The functions are generators of MPI
 requests (see :mod:`mpitp.comm.handle`); they only need arrays that slice like NumPy's,
 so CuPy device buffers work the same way when MPI is CUDA-aware. ``comm`` may instead be
-a shared-memory :class:`~mpitp.comm.shm.Channel` (ranks of one node, host arrays): the
-same segments, in the same order, are then copied into the neighbour's inbox.
+a :class:`~mpitp.comm.shm.Channel` (ranks of one node, host arrays; shared memory or
+CMA): the same segments, in the same order, then go through it (:func:`_shm_pipeline`),
+with the same result to the bit.
 """
 from __future__ import annotations
 
