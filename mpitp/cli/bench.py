@@ -13,7 +13,10 @@ columns: size and count of the buffer, dtype, reduction op, algorithm, time of o
 (average over ranks; min/max over ranks as in OSU), algbw = size/time, busbw = algbw x
 factor (allreduce 2(n-1)/n; reduce_scatter, allgather, alltoall (n-1)/n; others 1) as in
 nccl-tests, #wrong elements (with --check), and the speed relative to MPI's own call
-(mpi4py called directly, measured in the same run).
+(mpi4py called directly, measured in the same run). The header names the ring's
+transport on this machine (shared memory, cross-memory attach or MPI, by size); the
+closing lines give each algorithm's average busbw and, for the largest size, its share
+of a memcpy timed between the same trials.
 
 examples:
   mpiexec -n 2 mpitp bench allreduce --algorithms mpi,ring,auto --check
@@ -73,6 +76,31 @@ def _check_memory(comm, collective: str, max_bytes: int) -> str | None:
     return None
 
 
+def _transports(comm) -> str:
+    """What the ring's messages travel over on this machine, by size (collective: the CMA
+    probe reads each rank's neighbour on its node)."""
+    from mpi4py import MPI
+
+    from ..comm import cma
+    node = comm.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    try:
+        ok = cma.works(node)[0] if node.size > 1 else True
+        one_node = comm.mpi.allreduce(node.size, op=MPI.MIN) == comm.size
+    finally:
+        node.Free()
+    ok = comm.mpi.allreduce(ok, op=MPI.LAND)
+    where = "one node" if one_node else "within a node"
+    small = f"shared memory up to {bc.human(comm.shm_max_bytes)}" if comm.shm else "MPI point-to-point"
+    if not comm.cma:
+        large = "MPI point-to-point above (MPITP_CMA=0)"
+    elif ok:
+        large = "cross-memory attach above"
+    else:
+        large = "MPI point-to-point above (cross-memory attach not permitted here)"
+    tail = "" if one_node else "; MPI point-to-point between nodes"
+    return f"{where}: {small}, {large}{tail}"
+
+
 def _xp(device: str):
     if device == "cpu":
         return np
@@ -106,6 +134,8 @@ def run(args) -> int:
     lib = library_version()
     say(f"# mpitp bench {args.collective}: {comm.size} rank(s), {args.dtype}, {lib}")
     say(f"# single-core memcpy bandwidth (same run, all ranks copying): {memcpy:.2f} GB/s  <- ceiling")
+    transports = _transports(comm) if comm.size > 1 else "none (one rank)"
+    say(f"# ring transport ({transports})")
     say(f"# {'size':>10} {'count':>10} {'type':>8} {'redop':>6} {'algorithm':>10} {'time(us)':>10} "
         f"{'min(us)':>9} {'max(us)':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'vs MPI':>7}")
     rows: list[bc.Row] = []
