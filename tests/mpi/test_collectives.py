@@ -6,6 +6,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 
+import mpitp
+
 from conftest import agree, rank_inputs
 
 N = MPI.COMM_WORLD.size
@@ -64,11 +66,29 @@ def test_reduce_scatter(comm, dtype, op, rows, seed):
     for a in inputs[1:]:
         total = fn(total, a)
     want = np.array_split(total, N)[comm.rank]
-    for alg in ("mpi", "ring"):
+    for alg in ("mpi", "ring", "auto"):
         got = comm.reduce_scatter(inputs[comm.rank], op=op, algorithm=alg)
         ok = got.shape == want.shape and (np.allclose(got, want, rtol=1e-5, atol=1e-5) if got.dtype.kind == "f"
                                           else np.array_equal(got, want))
         agree(ok, f"reduce_scatter {alg} {dtype} {op} rows={rows}")
+
+
+def test_reduce_scatter_auto_follows_the_crossover():
+    """auto sends a reduce-scatter at or above its crossover (here a tuning table's 4 KiB)
+    to the ring on every rank, below it to MPI's own call; both give the same result."""
+    c = mpitp.Communicator()
+    c.tuning = {"reduce_scatter": {"1": 4096}}
+    try:
+        for n, alg in ((1000, "mpi"), (1024, "ring")):              # float32: 4000 and 4096 bytes
+            x = (np.arange(n) % 5 + c.rank).astype(np.float32)
+            c.traffic.reset()
+            got = c.reduce_scatter(x)
+            want = np.array_split(sum((np.arange(n) % 5 + r).astype(np.float32) for r in range(N)), N)[c.rank]
+            agree(np.array_equal(got, want), f"n={n}")
+            ring_bytes = sum(v for k, v in c.traffic.by_peer.items() if k != "mpi")
+            agree((ring_bytes > 0) == (alg == "ring" and N > 1), f"n={n}: expected {alg}, sent {dict(c.traffic.by_peer)}")
+    finally:
+        c.free()
 
 
 @pytest.mark.parametrize("root", [0, N - 1])

@@ -1,0 +1,52 @@
+"""auto's choice: the built-in crossovers per collective and MPI library, a tuning file
+over them, and the same answer for every rank-independent input."""
+import pytest
+
+from mpitp.comm import select
+from mpitp.comm.ops import ReduceOp
+from mpitp.errors import UnsupportedOperation
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+@pytest.fixture(params=["mpich", "openmpi", "other"])
+def flavor(request, monkeypatch):
+    monkeypatch.setattr(select, "_flavor", lambda: request.param)
+    return request.param
+
+
+def test_allreduce_crossovers(flavor):
+    two = {"mpich": 256 * KiB, "openmpi": 256 * KiB, "other": MiB}[flavor]
+    more = {"mpich": MiB, "openmpi": 4 * MiB, "other": 16 * MiB}[flavor]
+    assert select.crossover("allreduce", 2, None) == two
+    assert select.crossover("allreduce", 3, None) == select.crossover("allreduce", 4, None) == more
+    assert select.choose("allreduce", "auto", two - 1, 2, ReduceOp.parse("sum"), None) == "mpi"
+    assert select.choose("allreduce", "auto", two, 2, ReduceOp.parse("sum"), None) == "ring"
+
+
+def test_reduce_scatter_crossovers(flavor):
+    want = {"mpich": (256 * KiB, 64 * MiB), "openmpi": (256 * KiB, MiB), "other": (select.NEVER,) * 2}[flavor]
+    assert (select.crossover("reduce_scatter", 2, None), select.crossover("reduce_scatter", 4, None)) == want
+    big = 64 * MiB
+    assert select.choose("reduce_scatter", "auto", big, 2, ReduceOp.parse("sum"), None) == \
+        ("mpi" if flavor == "other" else "ring")
+
+
+def test_others_stay_with_mpi(flavor):
+    for coll in ("allgather", "broadcast", "reduce", "gather", "scatter", "alltoall"):
+        assert select.crossover(coll, 2, None) == select.NEVER
+        assert select.choose(coll, "auto", 1 << 30, 4, None, None) == "mpi"
+
+
+def test_tuning_file_overrides(flavor):
+    table = {"allreduce": {"2": 0, "4": 1 << 40}}
+    assert select.crossover("allreduce", 2, table) == 0
+    assert select.crossover("allreduce", 3, table) == 0          # nearest smaller size measured
+    assert select.crossover("allreduce", 8, table) == 1 << 40
+    assert select.choose("allreduce", "auto", 4, 2, ReduceOp.parse("sum"), None, table) == "ring"
+
+
+def test_one_rank_and_bad_requests():
+    assert select.choose("allreduce", "auto", 1 << 30, 1, ReduceOp.parse("sum"), None) == "mpi"
+    with pytest.raises(UnsupportedOperation, match="no algorithm 'ring'"):
+        select.choose("broadcast", "ring", 8, 2, None, None)
