@@ -77,6 +77,17 @@ def test_tune_writes_file_that_auto_reads(tmp_path):
     assert "ring bytes [64, 64]" in res.stdout   # 8 float64: each rank sends 2*8 - 4 - 4 elements of 8 B
 
 
+def test_tune_reduce_scatter_and_refuse_the_rest(tmp_path):
+    path = tmp_path / "tuning.json"
+    env = dict(os.environ, MPITP_TUNING=str(path))
+    bench(2, "reduce_scatter", "--tune", "--min-bytes", "1K", "--max-bytes", "1M", "--factor", "32", "--iters", "3",
+          env=env)
+    data = json.loads(path.read_text())
+    assert "2" in data["reduce_scatter"] and "allreduce" not in data
+    res = launch.run(2, MPITP + ["bench", "allgather", "--tune"], timeout=60, env=env)
+    assert res.returncode == 2 and "--tune applies to allreduce and reduce_scatter" in res.stderr
+
+
 def test_refuses_sizes_that_do_not_fit():
     res = launch.run(2, MPITP + ["bench", "allreduce", "--max-bytes", "1024G"], timeout=60)
     assert res.returncode == 2

@@ -25,6 +25,9 @@ examples:
 """
 
 
+TUNABLE = ("allreduce", "reduce_scatter")      # collectives whose auto picks by a size crossover
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark a collective for every algorithm (nccl-tests/OSU style)",
                        description="Benchmark one collective across message sizes for every algorithm "
@@ -47,8 +50,8 @@ def add_parser(sub) -> None:
     p.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw against size (needs matplotlib)")
     p.add_argument("--tune", action="store_true",
-                   help="allreduce only: measure where the ring overtakes MPI and write the tuning file "
-                        "that algorithm='auto' reads")
+                   help="allreduce, reduce_scatter: measure where the ring overtakes MPI and write the "
+                        "tuning file that algorithm='auto' reads")
     p.add_argument("--tune-file", default=None, help="where --tune writes (default: MPITP_TUNING or "
                                                      "~/.config/mpitp/tuning.json)")
 
@@ -119,8 +122,8 @@ def run(args) -> int:
     r0 = comm.rank == 0
     say = (lambda *a, **k: print(*a, **k, flush=True)) if r0 else (lambda *a, **k: None)
     lo, hi = bc.parse_size(args.min_bytes), bc.parse_size(args.max_bytes)
-    if args.tune and args.collective != "allreduce":
-        say("mpitp bench: --tune applies to allreduce", file=sys.stderr)
+    if args.tune and args.collective not in TUNABLE:
+        say(f"mpitp bench: --tune applies to {' and '.join(TUNABLE)} (where auto chooses by size)", file=sys.stderr)
         return 2
     problem = _check_memory(comm, args.collective, hi)
     if problem:
@@ -177,7 +180,7 @@ def run(args) -> int:
             busbw_plot(data, memcpy, args.plot, f"{args.collective}, {comm.size} ranks, {lib}")
     if args.tune:
         from ..comm import tuning
-        path = tuning.write_crossover(args.tune_file, "allreduce", comm.size, rows) if r0 else None
+        path = tuning.write_crossover(args.tune_file, args.collective, comm.size, rows) if r0 else None
         say(f"# tuning written to {path}")
     bad = comm.mpi.allreduce(sum(r.wrong or 0 for r in rows))
     comm.free()

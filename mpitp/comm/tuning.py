@@ -4,7 +4,8 @@ Written by ``mpitp bench allreduce --tune`` (in the spirit of MPICH's JSON colle
 selection files), read from ``MPITP_TUNING`` or ``~/.config/mpitp/tuning.json``::
 
     {"version": 1, "mpi_library": "MPICH Version: 5.0.2",
-     "allreduce": {"2": 262144, "4": 1048576}}      # world size -> crossover bytes
+     "allreduce": {"2": 262144, "4": 1048576},      # world size -> crossover bytes
+     "reduce_scatter": {"2": 262144}}
 
 Rank 0 reads it and broadcasts it, so every rank makes the same choice.
 """
