@@ -17,7 +17,7 @@ def flavor(request, monkeypatch):
 
 def test_allreduce_crossovers(flavor):
     two = {"mpich": 256 * KiB, "openmpi": 256 * KiB, "other": MiB}[flavor]
-    more = {"mpich": MiB, "openmpi": 4 * MiB, "other": 16 * MiB}[flavor]
+    more = {"mpich": 4 * MiB, "openmpi": 4 * MiB, "other": 16 * MiB}[flavor]
     assert select.crossover("allreduce", 2, None) == two
     assert select.crossover("allreduce", 3, None) == select.crossover("allreduce", 4, None) == more
     assert select.choose("allreduce", "auto", two - 1, 2, ReduceOp.parse("sum"), None) == "mpi"

