@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 import mpitp
-from conftest import agree, bound, close, numpy_reference, rank_inputs, same_on_all_ranks
+from conftest import agree, bound, close, cma_permitted, numpy_reference, rank_inputs, same_on_all_ranks
 
 N = MPI.COMM_WORLD.size
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=40,
@@ -227,13 +227,6 @@ def test_persistent_buffers():
         agree(np.array_equal(z, np.full(4, 0.5 * N, np.float32)), "with validation")
     finally:
         c.free()
-
-
-def cma_permitted() -> bool:
-    """Whether this node lets a rank read its neighbour's memory (the CMA transport's
-    own probe: ptrace permission, no seccomp filter in the way)."""
-    from mpitp.comm import cma
-    return N == 1 or cma.works(MPI.COMM_WORLD)[0]
 
 
 @pytest.mark.parametrize("seg_bytes,depth", [(512 * 1024, 4), (64, 1), (40, 2), (4096, 3)])
