@@ -22,11 +22,11 @@ import argparse
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 import mpitp
 from mpitp.bench.collectives import human, parse_size
 from mpitp.comm import ring
+from mpitp.comm.library import library_version
 
 
 def floor_work(r: int, N: int, x, y, left_x, left_y, seg: int):
@@ -56,7 +56,7 @@ def main() -> int:
     comm = mpitp.Communicator()
     mpi = comm.mpi
     say = print if comm.rank == 0 else (lambda *a, **k: None)
-    say(f"# {comm.size} rank(s), float32 sum, {MPI.Get_library_version().splitlines()[0].strip()}")
+    say(f"# {comm.size} rank(s), float32 sum, {library_version()}")
     say(f"# {'size':>8} {'MPI ms':>8} {'ring ms':>8} {'floor ms':>9} {'MPI/ring':>9} {'MPI/floor':>10} {'ring/floor':>11}")
     for nbytes in (parse_size(s) for s in args.sizes.split(",")):
         n = nbytes // 4
