@@ -16,6 +16,7 @@ from ..tp import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                   VocabParallelEmbedding)
 from ..tp.arena import pack
 from .config import LlamaConfig
+from .ops import attention, rms_norm, swiglu
 from .rope import Rotary
 
 
@@ -31,13 +32,7 @@ class RMSNorm:
         self.weight[...] = self.xp.asarray(src.read(), self.weight.dtype)
 
     def __call__(self, x):
-        xp = self.xp
-        x32 = x.astype(np.float32, copy=False)
-        var = (x32 * x32).sum(axis=-1, keepdims=True) / x.shape[-1]       # mean, without mean()'s Python
-        return (x32 / xp.sqrt(var + self.eps)).astype(x.dtype, copy=False) * self.weight
-
-
-_MASKED = np.finfo(np.float32).min
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Step:
@@ -79,7 +74,7 @@ class Attention:
         self.nh, self.nkv = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
 
     def __call__(self, x, step: "Step", cache: KVCache, layer: int):
-        xp, d = self.xp, self.head_dim
+        d = self.head_dim
         B, T, _ = x.shape
         qkv = self.qkv_proj(x)
         nq = self.nh + self.nkv                     # q and k sit side by side: one rotation for both
@@ -89,17 +84,11 @@ class Attention:
         cache.k[layer][:, s:s + T] = k
         cache.v[layer][:, s:s + T] = v.reshape(B, T, self.nkv, d)
         S = s + T
-        keys = cache.k[layer][:, :S].transpose(0, 2, 3, 1)                 # [B, kv, d, S]
+        keys = cache.k[layer][:, :S].transpose(0, 2, 1, 3)                 # [B, kv, S, d]
         vals = cache.v[layer][:, :S].transpose(0, 2, 1, 3)                 # [B, kv, S, d]
         g = self.nh // self.nkv
         qh = q.reshape(B, T, self.nkv, g, d).transpose(0, 2, 3, 1, 4)     # [B, kv, g, T, d]
-        scores = (qh @ keys[:, :, None]) * self.scale                       # [B, kv, g, T, S]
-        if step.masked:
-            scores = xp.where(step.allowed, scores, _MASKED)
-        scores = scores - scores.max(axis=-1, keepdims=True)
-        probs = xp.exp(scores)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        out = (probs.astype(vals.dtype, copy=False) @ vals[:, :, None])   # [B, kv, g, T, d]
+        out, _ = attention(qh, keys, vals, self.scale, step.allowed if step.masked else None)
         out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, self.nh * d)
         return self.o_proj(out)
 
@@ -115,8 +104,7 @@ class MLP:
     def __call__(self, x):
         gu = self.gate_up_proj(x)
         half = gu.shape[-1] // 2
-        gate, up = gu[..., :half], gu[..., half:]
-        return self.down_proj(gate / (1.0 + self.xp.exp(-gate)) * up)
+        return self.down_proj(swiglu(gu[..., :half], gu[..., half:]))
 
 
 class DecoderLayer:
