@@ -1,0 +1,99 @@
+"""A decoder layer's training forward and backward, with the inference ops.
+
+    x ─ rms_norm ─ qkv ─ RoPE(q, k) ─ attention ─ o ─(+x)= h ─ rms_norm ─ gate_up ─ swiglu ─ down ─(+h)= y
+
+``forward`` returns ``y`` and what ``backward`` needs (``Saved``); with activation
+recomputation the trainer keeps only ``x`` and calls ``forward`` again in backward.
+``p`` and ``g`` are the unit's parameter and gradient views (:meth:`UnitLayout.views`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..backend import xp_of
+from ..models.config import LlamaConfig
+from ..models.ops import attention, rms_norm, swiglu
+from ..models.rope import Rotary
+from .grads import attention_backward, linear_backward, rms_norm_backward, rope_backward, swiglu_backward
+
+
+@dataclass
+class Ctx:
+    """What every layer of one micro-batch shares: RoPE tables and the causal mask."""
+    cfg: LlamaConfig
+    rotary: Rotary
+    cos: Any
+    sin: Any
+    mask: Any
+
+    @classmethod
+    def build(cls, cfg: LlamaConfig, rotary: Rotary, B: int, T: int, xp=np) -> "Ctx":
+        cos, sin = rotary.tables(xp.broadcast_to(xp.arange(T), (B, T)))
+        return cls(cfg, rotary, cos, sin, xp.tril(xp.ones((T, T), bool)))
+
+
+@dataclass
+class Saved:
+    x: Any
+    h1: Any
+    q: Any
+    k: Any
+    v: Any
+    probs: Any
+    a: Any
+    h: Any
+    h2: Any
+    gate: Any
+    up: Any
+    m: Any
+
+
+def _linear(x, p: dict, w: str, b: str):
+    y = x @ p[w].T
+    return y + p[b] if b in p else y
+
+
+def forward(p: dict, x, c: Ctx, keep: bool = True):
+    cfg = c.cfg
+    B, T, _ = x.shape
+    d, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    h1 = rms_norm(x, p["ln1"], cfg.rms_norm_eps)
+    qkv = _linear(h1, p, "qkv", "bqkv")
+    nq = nh + nkv                                     # q and k side by side: one rotation for both
+    qk = c.rotary.apply(qkv[..., :nq * d].reshape(B, T, nq, d), c.cos, c.sin)
+    q = qk[:, :, :nh].reshape(B, T, nkv, nh // nkv, d).transpose(0, 2, 3, 1, 4)   # [B, kv, g, T, d]
+    k = qk[:, :, nh:].transpose(0, 2, 1, 3)                                         # [B, kv, T, d]
+    v = qkv[..., nq * d:].reshape(B, T, nkv, d).transpose(0, 2, 1, 3)
+    att, probs = attention(q, k, v, d ** -0.5, c.mask)
+    a = att.transpose(0, 3, 1, 2, 4).reshape(B, T, nh * d)
+    h = x + _linear(a, p, "o", "bo")
+    h2 = rms_norm(h, p["ln2"], cfg.rms_norm_eps)
+    gu = _linear(h2, p, "gate_up", "bgate_up")
+    I = cfg.intermediate_size
+    gate, up = gu[..., :I], gu[..., I:]
+    m = swiglu(gate, up)
+    y = h + _linear(m, p, "down", "bdown")
+    return y, (Saved(x, h1, q, k, v, probs, a, h, h2, gate, up, m) if keep else None)
+
+
+def backward(p: dict, g: dict, s: Saved, dy, c: Ctx):
+    """dL/dx for dL/dy = ``dy``; parameter gradients are added into ``g``."""
+    cfg = c.cfg
+    xp = xp_of(dy)
+    B, T, _ = dy.shape
+    d, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    dm = linear_backward(dy, s.m, p["down"], g["down"], g.get("bdown"))
+    dgate, dup = swiglu_backward(dm, s.gate, s.up)
+    dh2 = linear_backward(xp.concatenate([dgate, dup], axis=-1), s.h2, p["gate_up"], g["gate_up"], g.get("bgate_up"))
+    dh = dy + rms_norm_backward(dh2, s.h, p["ln2"], cfg.rms_norm_eps, g["ln2"])
+    da = linear_backward(dh, s.a, p["o"], g["o"], g.get("bo"))
+    datt = da.reshape(B, T, nkv, nh // nkv, d).transpose(0, 2, 3, 1, 4)
+    dq, dk, dv = attention_backward(datt, s.q, s.k, s.v, s.probs, d ** -0.5)
+    dqk = xp.concatenate([dq.transpose(0, 3, 1, 2, 4).reshape(B, T, nh, d), dk.transpose(0, 2, 1, 3)], axis=2)
+    dqk = rope_backward(c.rotary, dqk, c.cos, c.sin)
+    dqkv = xp.concatenate([dqk.reshape(B, T, -1), dv.transpose(0, 2, 1, 3).reshape(B, T, -1)], axis=-1)
+    dh1 = linear_backward(dqkv, s.h1, p["qkv"], g["qkv"], g.get("bqkv"))
+    return dh + rms_norm_backward(dh1, s.x, p["ln1"], cfg.rms_norm_eps, g["ln1"])

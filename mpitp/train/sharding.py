@@ -1,0 +1,162 @@
+"""Who holds what, per mode, on N data-parallel ranks (Ψ = parameter elements)::
+
+    mode    parameters      gradients                          AdamW moments   traffic per step
+    ddp     full            full, all-reduced per unit          full            2Ψ (all-reduce)
+    zero1   full            full, reduce-scattered at the end   own shard       2Ψ (reduce-scatter + all-gather)
+    zero2   full            own shard, reduce-scattered per     own shard       2Ψ
+                            unit as soon as backward leaves it
+    fsdp    own shard;      own shard (as zero2)                own shard       3Ψ (gather fwd + gather bwd
+            a unit is gathered before use and freed after                       + reduce-scatter)
+
+fsdp prefetches the next unit's all-gather (nonblocking) while the current one computes.
+A tied embedding is gathered once per step and kept until the embedding's backward has
+run (the head uses it in between), as torch FSDP keeps its root unit.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .layout import UnitLayout
+
+MODES = ("ddp", "zero1", "zero2", "fsdp")
+
+
+class Unit:
+    def __init__(self, layout: UnitLayout, n: int, rank: int, mode: str, dtype, keep: bool):
+        self.layout, self.keep = layout, keep
+        self.padded = layout.padded(n)
+        self.lo, self.hi = layout.owned(n, rank)
+        sharded_params = mode == "fsdp"
+        self.full = None if sharded_params else np.zeros(self.padded, dtype)
+        self.shard = np.zeros(self.hi - self.lo, dtype) if sharded_params else self.full[self.lo:self.hi]
+        self.grad = np.zeros(self.padded, dtype) if mode in ("ddp", "zero1") else None   # persistent full grads
+        self.gshard = None if mode == "ddp" else np.zeros(self.hi - self.lo, dtype)
+        self.pending = None        # a nonblocking gather or reduction in flight
+
+
+class Sharding:
+    """Parameters, gradients and the optimizer's slice of both, for one mode."""
+
+    def __init__(self, comm, layouts: list[UnitLayout], mode: str, dtype=np.float32, algorithm: str = "auto",
+                 keep: tuple[int, ...] = ()):
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+        self.comm, self.mode, self.dtype, self.algorithm = comm, mode, np.dtype(dtype), algorithm
+        self.n = comm.size if comm is not None else 1
+        self.rank = comm.rank if comm is not None else 0
+        self.units = [Unit(lay, self.n, self.rank, mode, self.dtype, i in keep) for i, lay in enumerate(layouts)]
+        self._reductions: list = []
+
+    # ---------------------------------------------------------------- parameters
+    def owned_params(self, i: int):
+        """The parameter elements this rank initialises, loads and saves: its range."""
+        return self.units[i].shard
+
+    def params(self, i: int, prefetch: int | None = None):
+        """Unit i's whole (padded) parameter buffer; fsdp gathers it (or waits for the
+        prefetch) and starts gathering unit ``prefetch``."""
+        u = self.units[i]
+        if self.mode == "fsdp":
+            if u.full is None:
+                self._start_gather(u)
+            if u.pending is not None:
+                u.pending.wait()
+                u.pending = None
+            if prefetch is not None and self.units[prefetch].full is None:
+                self._start_gather(self.units[prefetch])
+        return u.full
+
+    def _start_gather(self, u: Unit) -> None:
+        u.full = np.empty(u.padded, self.dtype)
+        if self.n == 1:
+            u.full[...] = u.shard
+            return
+        u.pending = self.comm.allgather(u.shard, out=u.full, algorithm=self.algorithm, nonblocking=True)
+
+    def release(self, i: int, force: bool = False) -> None:
+        """fsdp: free unit i's gathered parameters (kept units only when ``force``)."""
+        u = self.units[i]
+        if self.mode == "fsdp" and (force or not u.keep) and u.pending is None:
+            u.full = None
+
+    def sync_params(self) -> None:
+        """zero1/zero2: after the optimizer updated the shards, gather the full parameters."""
+        if self.mode in ("zero1", "zero2") and self.n > 1:
+            handles = [self.comm.allgather(u.full[u.lo:u.hi].copy(), out=u.full, algorithm=self.algorithm,
+                                           nonblocking=True) for u in self.units]
+            for h in handles:
+                h.wait()
+
+    # ---------------------------------------------------------------- gradients
+    def zero_grads(self) -> None:
+        for u in self.units:
+            if u.grad is not None:
+                u.grad[...] = 0
+            if u.gshard is not None:
+                u.gshard[...] = 0
+
+    def grad(self, i: int):
+        """Unit i's whole gradient buffer to accumulate into (zero2/fsdp: a fresh one that
+        :meth:`reduce` hands back)."""
+        u = self.units[i]
+        if u.grad is None:
+            u.grad = np.zeros(u.padded, self.dtype)
+        return u.grad
+
+    def reduce(self, i: int, last_micro: bool) -> None:
+        """Backward is done with unit i for this micro-batch: start its reduction."""
+        u = self.units[i]
+        if self.mode in ("zero2", "fsdp"):
+            if self.n == 1:
+                u.gshard += u.grad
+                u.grad = None
+            else:
+                self._reductions.append((u, self.comm.reduce_scatter(u.grad, algorithm=self.algorithm,
+                                                                     nonblocking=True)))
+        elif last_micro and self.n > 1:
+            if self.mode == "ddp":
+                self._reductions.append((u, self.comm.allreduce(u.grad, out=u.grad, algorithm=self.algorithm,
+                                                                nonblocking=True)))
+            else:
+                self._reductions.append((u, self.comm.reduce_scatter(u.grad, algorithm=self.algorithm,
+                                                                     nonblocking=True)))
+        elif last_micro and self.mode == "zero1":
+            u.gshard[...] = u.grad
+
+    def finish(self) -> None:
+        """Wait for every reduction started this micro-batch."""
+        for u, h in self._reductions:
+            res = h.wait()
+            if self.mode != "ddp":
+                u.gshard += res
+            if self.mode in ("zero2", "fsdp"):
+                u.grad = None
+        self._reductions.clear()
+
+    # ---------------------------------------------------------------- the optimizer's view
+    def opt_range(self, i: int) -> tuple[int, int]:
+        u = self.units[i]
+        return (0, u.padded) if self.mode == "ddp" else (u.lo, u.hi)
+
+    def opt_params(self, i: int):
+        u = self.units[i]
+        return u.full if self.mode == "ddp" else u.shard
+
+    def opt_grads(self, i: int):
+        u = self.units[i]
+        return u.grad if self.mode == "ddp" else u.gshard
+
+    def grad_sq_sum(self) -> float:
+        """Σ g² over the whole model: owned shards all-reduced (padding is zero), or, for
+        ddp, every rank's identical full gradients counted once."""
+        local = float(sum(float(np.dot(self.opt_grads(i), self.opt_grads(i))) for i in range(len(self.units))))
+        if self.mode == "ddp" or self.n == 1:
+            return local
+        return float(self.comm.allreduce(np.array([local]), algorithm="mpi")[0])
+
+    def persistent_bytes(self) -> dict:
+        """Bytes this rank holds between steps, by kind (AdamW moments: see optim)."""
+        it = self.dtype.itemsize
+        params = sum((u.shard.size if self.mode == "fsdp" else u.padded) for u in self.units) * it
+        grads = sum((u.padded if self.mode in ("ddp", "zero1") else u.hi - u.lo) for u in self.units) * it
+        return {"params": params, "grads": grads}
