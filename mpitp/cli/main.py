@@ -5,9 +5,10 @@ import argparse
 import sys
 
 from ..errors import MpitpError
-from . import bench, demo, generate, info, plan
+from . import bench, demo, export, generate, info, plan, train
 
-COMMANDS = {"info": info, "demo": demo, "generate": generate, "bench": bench, "plan": plan}
+COMMANDS = {"info": info, "demo": demo, "generate": generate, "train": train, "export": export, "bench": bench,
+            "plan": plan}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    if args.command != "plan" or getattr(args, "plan", None) == "fit":
+    if args.command not in ("plan", "export") or getattr(args, "plan", None) == "fit":
         from mpi4py import MPI
 
         from ..launch import check_not_singleton

@@ -84,6 +84,25 @@ class LlamaConfig:
             raise ConfigError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads}")
         return out
 
+    def to_dict(self) -> dict:
+        """A transformers-style ``config.json`` that :meth:`from_dict` (and transformers'
+        LlamaConfig / Qwen2Config) read back as this config."""
+        qwen = self.architecture == "Qwen2ForCausalLM"
+        out = {"architectures": [self.architecture], "model_type": "qwen2" if qwen else "llama",
+               "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+               "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+               "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+               "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+               "rope_scaling": self.rope_scaling or None, "max_position_embeddings": self.max_position_embeddings,
+               "tie_word_embeddings": self.tie_word_embeddings, "hidden_act": "silu",
+               "bos_token_id": self.bos_token_id, "eos_token_id": (self.eos_token_id[0] if len(self.eos_token_id) == 1
+                                                                    else (self.eos_token_id or None)),
+               "torch_dtype": self.torch_dtype}
+        if not qwen:
+            out["attention_bias"] = self.qkv_bias
+            out["mlp_bias"] = self.mlp_bias
+        return out
+
     @classmethod
     def from_path(cls, path: str | Path) -> "LlamaConfig":
         p = Path(path)

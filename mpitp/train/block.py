@@ -94,6 +94,6 @@ def backward(p: dict, g: dict, s: Saved, dy, c: Ctx):
     dq, dk, dv = attention_backward(datt, s.q, s.k, s.v, s.probs, d ** -0.5)
     dqk = xp.concatenate([dq.transpose(0, 3, 1, 2, 4).reshape(B, T, nh, d), dk.transpose(0, 2, 1, 3)], axis=2)
     dqk = rope_backward(c.rotary, dqk, c.cos, c.sin)
-    dqkv = xp.concatenate([dqk.reshape(B, T, -1), dv.transpose(0, 2, 1, 3).reshape(B, T, -1)], axis=-1)
+    dqkv = xp.concatenate([dqk.reshape(B, T, (nh + nkv) * d), dv.transpose(0, 2, 1, 3).reshape(B, T, nkv * d)], axis=-1)
     dh1 = linear_backward(dqkv, s.h1, p["qkv"], g["qkv"], g.get("bqkv"))
     return dh + rms_norm_backward(dh1, s.x, p["ln1"], cfg.rms_norm_eps, g["ln1"])

@@ -14,6 +14,8 @@ run (the head uses it in between), as torch FSDP keeps its root unit.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from .layout import UnitLayout
@@ -46,6 +48,7 @@ class Sharding:
         self.rank = comm.rank if comm is not None else 0
         self.units = [Unit(lay, self.n, self.rank, mode, self.dtype, i in keep) for i, lay in enumerate(layouts)]
         self._reductions: list = []
+        self.comm_wait = 0.0       # seconds spent waiting for communication (exposed)
 
     # ---------------------------------------------------------------- parameters
     def owned_params(self, i: int):
@@ -60,7 +63,7 @@ class Sharding:
             if u.full is None:
                 self._start_gather(u)
             if u.pending is not None:
-                u.pending.wait()
+                self._wait(u.pending)
                 u.pending = None
             if prefetch is not None and self.units[prefetch].full is None:
                 self._start_gather(self.units[prefetch])
@@ -85,7 +88,7 @@ class Sharding:
             handles = [self.comm.allgather(u.full[u.lo:u.hi].copy(), out=u.full, algorithm=self.algorithm,
                                            nonblocking=True) for u in self.units]
             for h in handles:
-                h.wait()
+                self._wait(h)
 
     # ---------------------------------------------------------------- gradients
     def zero_grads(self) -> None:
@@ -126,12 +129,18 @@ class Sharding:
     def finish(self) -> None:
         """Wait for every reduction started this micro-batch."""
         for u, h in self._reductions:
-            res = h.wait()
+            res = self._wait(h)
             if self.mode != "ddp":
                 u.gshard += res
             if self.mode in ("zero2", "fsdp"):
                 u.grad = None
         self._reductions.clear()
+
+    def _wait(self, handle):
+        t0 = time.perf_counter()
+        res = handle.wait()
+        self.comm_wait += time.perf_counter() - t0
+        return res
 
     # ---------------------------------------------------------------- the optimizer's view
     def opt_range(self, i: int) -> tuple[int, int]:

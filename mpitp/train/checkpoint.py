@@ -1,0 +1,189 @@
+"""Sharded, atomic, reshardable training checkpoints, and export to Hugging Face.
+
+    OUT/step-000100/meta.json              step, config, mode, N, each unit's tensors and
+                                           each rank's range, optimizer and data state,
+                                           sha256 of every file
+    OUT/step-000100/rank00003.safetensors  rank 3's range of every unit: u{i}.param,
+                                           u{i}.exp_avg, u{i}.exp_avg_sq
+    OUT/step-000100/tokenizer.json
+    OUT/latest                             name of the newest complete checkpoint
+
+Every rank writes its file into a temporary directory; rank 0 writes meta.json last, then
+renames the directory into place and only then updates ``latest`` (both renames atomic),
+so a crash mid-save leaves the previous checkpoint as it was. Ranges are in the unpadded
+flat buffer of each unit, so a run saved at N ranks resumes at any other N: each rank
+reads the pieces of the old ranges that overlap its new one (safetensors slices).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import MpitpError
+from ..models.config import LlamaConfig
+from .layout import UnitLayout
+
+FORMAT = "mpitp-train-1"
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+class CheckpointError(MpitpError, ValueError):
+    """A training checkpoint is missing, incomplete or corrupt."""
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _agree(comm, err: Exception | None, what: str) -> None:
+    """Raise the same error on every rank if any rank failed."""
+    msgs = [str(err) if err else ""] if comm is None else comm.mpi.allgather(str(err) if err else "")
+    bad = [(r, m) for r, m in enumerate(msgs) if m]
+    if bad:
+        raise CheckpointError(f"{what}: " + "; ".join(f"rank {r}: {m}" for r, m in bad))
+
+
+def save(out: Path, step: int, comm, layouts: list[UnitLayout], ranges: list[tuple[int, int]],
+         tensors: dict[str, np.ndarray], meta: dict, tokenizer: Path | None = None) -> Path:
+    """Collective. ``ranges[i]`` is this rank's [lo, hi) of unit i (unpadded); ``tensors``
+    maps ``u{i}.{kind}`` to this rank's values over that range."""
+    from safetensors.numpy import save_file
+
+    rank, n = (comm.rank, comm.size) if comm is not None else (0, 1)
+    name = f"step-{step:06d}"
+    tmp = out / f".{name}.tmp"
+    err = None
+    try:
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+    except OSError as e:
+        err = e
+    _agree(comm, err, f"cannot create {tmp}")
+    fname = f"rank{rank:05d}.safetensors"
+    digest = ""
+    try:
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / fname))
+        with open(tmp / fname, "rb+") as f:
+            os.fsync(f.fileno())
+        digest = sha256(tmp / fname)
+    except OSError as e:
+        err = e
+    _agree(comm, err, f"saving {tmp / fname}")
+    every = [(fname, digest, ranges)] if comm is None else comm.mpi.gather((fname, digest, ranges), root=0)
+    final = out / name
+    if rank == 0:
+        try:
+            full = dict(meta, format=FORMAT, step=step, world_size=n,
+                        units=[{"name": u.name, "numel": u.numel,
+                                "tensors": [[t.key, t.name, list(t.shape), t.offset] for t in u.tensors]}
+                               for u in layouts],
+                        ranks=[{"file": f, "sha256": d, "ranges": [list(r) for r in rg]} for f, d, rg in every])
+            if tokenizer is not None and Path(tokenizer).exists():
+                shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+            (tmp / "meta.json").write_text(json.dumps(full, indent=1))
+            _fsync_dir(tmp)
+            if final.exists():                       # saving the same step again
+                old = out / f".{name}.old"
+                shutil.rmtree(old, ignore_errors=True)
+                final.rename(old)
+                shutil.rmtree(old, ignore_errors=True)
+            tmp.rename(final)
+            (out / "latest.tmp").write_text(name + "\n")
+            (out / "latest.tmp").rename(out / "latest")
+            _fsync_dir(out)
+        except OSError as e:
+            err = e
+    _agree(comm, err, f"finishing checkpoint {final}")
+    return final
+
+
+def resolve(path: Path) -> Path:
+    """A checkpoint directory, or a training output directory (its ``latest``)."""
+    path = Path(path)
+    if (path / "meta.json").exists():
+        return path
+    if (path / "latest").exists():
+        return path / (path / "latest").read_text().strip()
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such directory")
+    raise CheckpointError(f"{path} holds no complete checkpoint (no meta.json, no 'latest')")
+
+
+class Reader:
+    """Reads any range of any unit from a checkpoint written at any N."""
+
+    def __init__(self, path: Path):
+        self.path = resolve(path)
+        try:
+            self.meta = json.loads((self.path / "meta.json").read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{self.path / 'meta.json'}: unreadable ({e})") from None
+        if self.meta.get("format") != FORMAT:
+            raise CheckpointError(f"{self.path}: not an mpitp training checkpoint (format {self.meta.get('format')!r})")
+        self.config = LlamaConfig.from_dict(self.meta["config"])
+        self._verified: set[str] = set()
+
+    def _open(self, rank_entry: dict):
+        from safetensors import safe_open
+        f = self.path / rank_entry["file"]
+        if f.name not in self._verified:
+            if not f.exists():
+                raise CheckpointError(f"{f}: missing")
+            if sha256(f) != rank_entry["sha256"]:
+                raise CheckpointError(f"{f}: checksum mismatch (the file is corrupt or was changed after saving)")
+            self._verified.add(f.name)
+        try:
+            return safe_open(str(f), framework="numpy")
+        except Exception as e:
+            raise CheckpointError(f"{f}: unreadable safetensors ({e})") from None
+
+    def read(self, unit: int, kind: str, lo: int, hi: int, dtype) -> np.ndarray:
+        """Values of ``u{unit}.{kind}`` over [lo, hi) of the unpadded flat buffer."""
+        out = np.zeros(max(hi - lo, 0), dtype)
+        for entry in self.meta["ranks"]:
+            a, b = entry["ranges"][unit]
+            s, e = max(a, lo), min(b, hi)
+            if s >= e:
+                continue
+            with self._open(entry) as h:
+                out[s - lo:e - lo] = h.get_slice(f"u{unit}.{kind}")[s - a:e - a]
+        return out
+
+
+def export_hf(ckpt: Path, out: Path) -> Path:
+    """A Hugging Face directory (config.json, model.safetensors, tokenizer.json)."""
+    from safetensors.numpy import save_file
+    r = Reader(ckpt)
+    tensors = {}
+    for i, unit in enumerate(r.meta["units"]):
+        flat = r.read(i, "param", 0, unit["numel"], np.float32)
+        for _key, name, shape, off in unit["tensors"]:
+            tensors[name] = flat[off:off + int(np.prod(shape))].reshape(shape)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = r.config.to_dict()
+    cfg["torch_dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if (r.path / "tokenizer.json").exists():
+        shutil.copyfile(r.path / "tokenizer.json", out / "tokenizer.json")
+    return out
