@@ -42,3 +42,38 @@ def plan(params: float, ranks: int, k: int = 12, grad_bytes: int = 2) -> dict:
                      "volume_bytes": v * params * grad_bytes,
                      "sent_per_rank_bytes": v * params * grad_bytes * (ranks - 1) / ranks})
     return {"params": params, "ranks": ranks, "K": k, "stages": rows}
+
+
+def fp32_memory(padded: list[int], ranks: int, mode: str) -> int:
+    """Bytes per rank held between steps by mpitp's trainer with fp32 parameters,
+    gradients and AdamW moments (K = 8): ``padded`` are the units' padded element counts
+    (each a multiple of ``ranks``). ddp 16Ψ; zero1 4Ψ + 4Ψ + 8Ψ/N; zero2 4Ψ + 12Ψ/N;
+    fsdp 16Ψ/N."""
+    psi, n = sum(padded), ranks
+    return {"ddp": 16 * psi, "zero1": 8 * psi + 8 * psi // n, "zero2": 4 * psi + 12 * psi // n,
+            "fsdp": 16 * psi // n}[mode]
+
+
+def train_step_bytes(padded: list[int], gathered_backward: list[bool], kept: list[bool], ranks: int, mode: str,
+                     itemsize: int, accum: int = 1) -> int:
+    """Bytes one rank sends per training step with ring collectives: each ring all-gather
+    or reduce-scatter of P elements sends (N-1)/N·P, an all-reduce twice that.
+
+    ddp: one all-reduce of every unit; zero1: one reduce-scatter and one all-gather; zero2:
+    a reduce-scatter per micro-batch and one all-gather; fsdp, per micro-batch: a gather of
+    every unit in forward, again in backward for the units that need it (not ``kept``
+    ones, whose gather lasts the step), and a reduce-scatter. Plus the loss (and, with
+    sharded gradients, the gradient norm): one float64 each, through MPI."""
+    n = ranks
+    if n == 1:
+        return 0
+    ring = lambda p: (n - 1) * (p // n) * itemsize  # noqa: E731
+    total = sum(padded)
+    if mode == "ddp":
+        return 2 * ring(total) + 8
+    if mode == "zero1":
+        return 2 * ring(total) + 16
+    if mode == "zero2":
+        return (accum + 1) * ring(total) + 16
+    bwd = sum(p for p, g, k in zip(padded, gathered_backward, kept) if g and not k)
+    return accum * (2 * ring(total) + ring(bwd)) + 16

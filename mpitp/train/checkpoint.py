@@ -52,10 +52,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _agree(comm, err: Exception | None, what: str) -> None:
+def agree(comm, err: Exception | None, what: str) -> None:
     """Raise the same error on every rank if any rank failed."""
     msgs = [str(err) if err else ""] if comm is None else comm.mpi.allgather(str(err) if err else "")
     bad = [(r, m) for r, m in enumerate(msgs) if m]
+    if len(bad) == 1 and len(msgs) == 1:
+        raise CheckpointError(f"{what}: {bad[0][1]}")
     if bad:
         raise CheckpointError(f"{what}: " + "; ".join(f"rank {r}: {m}" for r, m in bad))
 
@@ -77,7 +79,7 @@ def save(out: Path, step: int, comm, layouts: list[UnitLayout], ranges: list[tup
             tmp.mkdir()
     except OSError as e:
         err = e
-    _agree(comm, err, f"cannot create {tmp}")
+    agree(comm, err, f"cannot create {tmp}")
     fname = f"rank{rank:05d}.safetensors"
     digest = ""
     try:
@@ -87,7 +89,7 @@ def save(out: Path, step: int, comm, layouts: list[UnitLayout], ranges: list[tup
         digest = sha256(tmp / fname)
     except OSError as e:
         err = e
-    _agree(comm, err, f"saving {tmp / fname}")
+    agree(comm, err, f"saving {tmp / fname}")
     every = [(fname, digest, ranges)] if comm is None else comm.mpi.gather((fname, digest, ranges), root=0)
     final = out / name
     if rank == 0:
@@ -112,7 +114,7 @@ def save(out: Path, step: int, comm, layouts: list[UnitLayout], ranges: list[tup
             _fsync_dir(out)
         except OSError as e:
             err = e
-    _agree(comm, err, f"finishing checkpoint {final}")
+    agree(comm, err, f"finishing checkpoint {final}")
     return final
 
 

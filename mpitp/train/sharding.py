@@ -49,6 +49,7 @@ class Sharding:
         self.units = [Unit(lay, self.n, self.rank, mode, self.dtype, i in keep) for i, lay in enumerate(layouts)]
         self._reductions: list = []
         self.comm_wait = 0.0       # seconds spent waiting for communication (exposed)
+        self.peak_gathered = 0     # fsdp: most bytes of gathered parameters held at once
 
     # ---------------------------------------------------------------- parameters
     def owned_params(self, i: int):
@@ -71,6 +72,8 @@ class Sharding:
 
     def _start_gather(self, u: Unit) -> None:
         u.full = np.empty(u.padded, self.dtype)
+        held = sum(x.full.nbytes for x in self.units if x.full is not None)
+        self.peak_gathered = max(self.peak_gathered, held)
         if self.n == 1:
             u.full[...] = u.shard
             return
@@ -164,8 +167,8 @@ class Sharding:
         return float(self.comm.allreduce(np.array([local]), algorithm="mpi")[0])
 
     def persistent_bytes(self) -> dict:
-        """Bytes this rank holds between steps, by kind (AdamW moments: see optim)."""
-        it = self.dtype.itemsize
-        params = sum((u.shard.size if self.mode == "fsdp" else u.padded) for u in self.units) * it
-        grads = sum((u.padded if self.mode in ("ddp", "zero1") else u.hi - u.lo) for u in self.units) * it
+        """Bytes of the arrays this rank keeps between steps (AdamW moments: see optim)."""
+        fsdp = self.mode == "fsdp"
+        params = sum((u.shard if fsdp else u.full).nbytes for u in self.units)
+        grads = sum((u.grad if self.mode in ("ddp", "zero1") else u.gshard).nbytes for u in self.units)
         return {"params": params, "grads": grads}

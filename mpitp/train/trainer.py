@@ -109,7 +109,12 @@ class Trainer:
         self.opt = AdamW([b - a for a, b in ranges], [u.decay_mask(a, b) for u, (a, b) in zip(self.layouts, ranges)],
                          self.dtype, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.step = 0
-        self._load_state()
+        err = None
+        try:
+            self._load_state()
+        except (MpitpError, OSError, ValueError) as e:      # one rank's file: every rank must stop
+            err = e
+        checkpoint.agree(comm, err, "loading the parameters")
         self.history: list[dict] = []
 
     # ---------------------------------------------------------------- setup
