@@ -231,12 +231,14 @@ class Trainer:
             for g in grads:
                 g *= coef
         lr = self.lr_at(self.step)
+        t1 = time.perf_counter()
         self.opt.step([S.opt_params(i) for i in range(len(self.layouts))], grads, lr)
         S.sync_params()
         self.step += 1
-        dt = time.perf_counter() - t0
+        t2 = time.perf_counter()
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
-                "tokens_per_s": o.batch * o.seq / dt, "step_s": dt, "comm_wait_s": S.comm_wait}
+                "tokens_per_s": o.batch * o.seq / (t2 - t0), "step_s": t2 - t0,
+                "comm_wait_s": S.comm_wait, "optimizer_s": t2 - t1}
 
     def eval_loss(self) -> float | None:
         if self.eval_windows is None:
