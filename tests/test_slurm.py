@@ -118,3 +118,15 @@ def test_generate_job(tmp_path):
     assert res.returncode == 0, res.stderr + out
     assert "world of 2 rank(s)" in out and out.count("the quick brown") == 1
     assert "TP=2: prefill" in out and "tokens/s" in out
+
+
+def test_train_job_then_resume(tmp_path):
+    """The training script from scratch, then resubmitted: it resumes from the checkpoint."""
+    env = dict(MPITP_OUT=str(tmp_path / "run"), MPITP_STEPS="3", MPITP_SEQ="32", MPITP_BATCH="4",
+               MPITP_TRAIN_ARGS="--config tiny --data-default --eval-fraction 0")
+    res, out = sbatch("train.sbatch", tmp_path, **env)
+    assert res.returncode == 0, res.stderr + out
+    assert "train fsdp on 2 rank(s)" in out and "step 3: train loss" in out
+    res, out = sbatch("train.sbatch", tmp_path, **dict(env, MPITP_STEPS="5"))
+    assert res.returncode == 0, res.stderr + out
+    assert "steps 3->5" in out and "step 5: train loss" in out
