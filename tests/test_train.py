@@ -60,10 +60,11 @@ def reference(ids, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("n,mode", [(2, "fsdp"), (3, "fsdp"), (4, "fsdp"), (3, "ddp"), (3, "zero1"),
-                                    (3, "zero2"), (4, "zero2"), (2, "ddp")])
-def test_same_training_at_any_n_and_mode(ids, reference, tmp_path, n, mode):
-    train(n, tmp_path, ids, "--steps", 4, "--dtype", "float64", "--grad-accum", 2, "--mode", mode)
+@pytest.mark.parametrize("n,mode,extra", [(2, "fsdp", ()), (3, "fsdp", ()), (4, "fsdp", ()), (3, "ddp", ()),
+                                          (3, "zero1", ()), (3, "zero2", ()), (4, "zero2", ()), (2, "ddp", ()),
+                                          (3, "fsdp", ("--recompute",))])
+def test_same_training_at_any_n_and_mode(ids, reference, tmp_path, n, mode, extra):
+    train(n, tmp_path, ids, "--steps", 4, "--dtype", "float64", "--grad-accum", 2, "--mode", mode, *extra)
     assert rel(losses(tmp_path), losses(reference)) <= 1e-10
     assert rel(params(tmp_path), params(reference)) <= 1e-10
     assert losses(reference)[-1] < losses(reference)[0]          # it learns

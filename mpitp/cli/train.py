@@ -65,7 +65,8 @@ def add_parser(sub) -> None:
     o.add_argument("--seed", type=int, default=0, help="initialisation seed")
     o.add_argument("--algorithm", default="auto", help="collective algorithm (auto, mpi, ring)")
     r = p.add_argument_group("output")
-    r.add_argument("--out", help="directory for checkpoints, the log and loss.png")
+    r.add_argument("--out", help="directory for checkpoints, the log and loss.png (default with --resume: "
+                                 "the resumed run's)")
     r.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (and at the end)")
     r.add_argument("--log", help="JSONL file: one object per step (default OUT/log.jsonl)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -77,6 +78,9 @@ def run(args) -> int:
 
     if args.eval_fraction < 0 or args.eval_fraction >= 1:
         raise TrainError(f"--eval-fraction must lie in [0, 1), got {args.eval_fraction}")
+    if args.resume and not args.out:            # keep writing where the run lives
+        from ..train.checkpoint import resolve
+        args.out = str(resolve(args.resume).parent)
     opts = Options(config=args.config, init=args.init, data=args.data, data_default=args.data_default,
                    mode=args.mode, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, min_lr=args.min_lr,
                    weight_decay=args.weight_decay, betas=args.betas, eps=args.eps, grad_clip=args.grad_clip,
@@ -136,7 +140,10 @@ def _loop(t, comm) -> int:
     if o.out:
         where = t.save()
         if r0:
-            _plot(t.history, Path(o.out) / "loss.png")
+            history = t.history
+            if o.log and Path(o.log).exists():       # after a resume: the whole run
+                history = [json.loads(line) for line in open(o.log) if line.strip()]
+            _plot(history, Path(o.out) / "loss.png")
     if r0:
         last = t.history[-1]
         tps = sorted(h["tokens_per_s"] for h in t.history[1:] or t.history)

@@ -269,6 +269,8 @@ class Trainer:
         meta = {"config": self.cfg.to_dict(), "mode": o.mode, "dtype": o.dtype,
                 "optimizer": {"t": self.opt.t, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
                 "data": {"step": self.step, "batch": o.batch, "seq": o.seq, "shuffle": o.shuffle},
+                # nothing draws random numbers after initialisation: the seeds are the whole state
+                "rng": {"init_seed": o.seed, "shuffle_seed": o.shuffle},
                 "options": {k: v for k, v in asdict(o).items() if k != "extra"}}
         return checkpoint.save(Path(o.out), self.step, self.comm, self.layouts, ranges, tensors, meta, self.tokenizer)
 
