@@ -17,7 +17,6 @@ forward/backward compute with its Python.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import textwrap

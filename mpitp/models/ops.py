@@ -24,14 +24,14 @@ def norm_dtype(dtype) -> np.dtype:
     return np.promote_types(dtype, np.float32)
 
 
-def rms_inv(x):
-    """mean(x²) over the last axis (keepdims) in :func:`norm_dtype`, and x in that dtype."""
+def mean_square(x):
+    """(x, mean(x²) over the last axis, keepdims), both in :func:`norm_dtype`."""
     x32 = x.astype(norm_dtype(x.dtype), copy=False)
     return x32, (x32 * x32).sum(axis=-1, keepdims=True) / x.shape[-1]     # mean, without mean()'s Python
 
 
 def rms_norm(x, weight, eps: float):
-    x32, ms = rms_inv(x)
+    x32, ms = mean_square(x)
     return (x32 / xp_of(x).sqrt(ms + eps)).astype(x.dtype, copy=False) * weight
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..backend import xp_of
 from ..models.config import LlamaConfig
-from ..models.ops import attention, rms_norm, swiglu
+from ..models.ops import attention, causal_mask, rms_norm, swiglu
 from ..models.rope import Rotary
 from .grads import attention_backward, linear_backward, rms_norm_backward, rope_backward, swiglu_backward
 
@@ -32,7 +32,7 @@ class Ctx:
     @classmethod
     def build(cls, cfg: LlamaConfig, rotary: Rotary, B: int, T: int, xp=np) -> "Ctx":
         cos, sin = rotary.tables(xp.broadcast_to(xp.arange(T), (B, T)))
-        return cls(cfg, rotary, cos, sin, xp.tril(xp.ones((T, T), bool)))
+        return cls(cfg, rotary, cos, sin, causal_mask(T, xp))
 
 
 @dataclass

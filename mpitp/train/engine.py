@@ -11,7 +11,6 @@ Each step prefetches the next unit that needs gathering; a unit's gradients are 
 """
 from __future__ import annotations
 
-import numpy as np
 
 from ..models.config import LlamaConfig
 from ..models.ops import rms_norm

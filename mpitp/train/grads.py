@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import xp_of
-from ..models.ops import rms_inv
+from ..models.ops import mean_square
 
 
 def linear_backward(dy, x, w, dw, db=None):
@@ -22,7 +22,7 @@ def linear_backward(dy, x, w, dw, db=None):
 
 def rms_norm_backward(dy, x, w, eps: float, dw):
     """y = x · r · w with r = 1/sqrt(mean(x²) + eps): returns dx, adds Σ dy·x·r to dw."""
-    x32, ms = rms_inv(x)
+    x32, ms = mean_square(x)
     r = 1.0 / xp_of(x).sqrt(ms + eps)
     xhat = x32 * r
     dw += (dy * xhat).reshape(-1, x.shape[-1]).sum(axis=0)

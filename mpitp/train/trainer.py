@@ -7,10 +7,9 @@ gather the updated parameters. Rank 0 shows progress and writes the log.
 """
 from __future__ import annotations
 
-import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +59,6 @@ class Options:
     dtype: str = "float32"
     algorithm: str = "auto"
     progress: bool = True
-    extra: dict = field(default_factory=dict)
 
 
 def _on_root(comm, fn):
@@ -271,7 +269,7 @@ class Trainer:
                 "data": {"step": self.step, "batch": o.batch, "seq": o.seq, "shuffle": o.shuffle},
                 # nothing draws random numbers after initialisation: the seeds are the whole state
                 "rng": {"init_seed": o.seed, "shuffle_seed": o.shuffle},
-                "options": {k: v for k, v in asdict(o).items() if k != "extra"}}
+                "options": asdict(o)}
         return checkpoint.save(Path(o.out), self.step, self.comm, self.layouts, ranges, tensors, meta, self.tokenizer)
 
     def memory(self) -> dict:
