@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..comm.select import ALGORITHMS
+from ..units import human, parse_size  # noqa: F401  (re-exported for the CLI)
 
 BUSBW = {
     "allreduce": lambda n: 2 * (n - 1) / n,
@@ -54,28 +55,12 @@ class Row:
         return asdict(self)
 
 
-def parse_size(text: str) -> int:
-    """'4', '1K', '64M', '1G' (powers of 1024), '512B'."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    if t and t[-1] in mult:
-        return int(float(t[:-1]) * mult[t[-1]])
-    return int(t)
-
-
 def sizes(lo: int, hi: int, factor: float) -> list[int]:
     out, s = [], max(lo, 1)
     while s <= hi:
         out.append(int(s))
         s = s * factor if factor > 1 else hi + 1
     return out
-
-
-def human(n: float) -> str:
-    for unit, mult in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= mult:
-            return f"{n / mult:g} {unit}"
-    return f"{int(n)} B"
 
 
 class Case:
@@ -272,8 +257,15 @@ def memcpy_bandwidth(nbytes: int = 64 << 20, reps: int = 5, comm=None) -> float:
     return nbytes / best / 1e9
 
 
-def algorithms_for(collective: str, requested: list[str]) -> list[str]:
-    """The requested algorithms this collective has (always including MPI's own)."""
+def algorithms_for(collective: str, requested: str | None) -> list[str]:
+    """The algorithms of a comma list, checked against those this collective has; None:
+    those of mpi, ring and auto it has."""
     have = ("auto",) + ALGORITHMS[collective]
-    out = [a for a in requested if a in have]
-    return out or ["mpi"]
+    if requested is None:
+        return [a for a in ("mpi", "ring", "auto") if a in have]
+    wanted = [a.strip() for a in requested.split(",") if a.strip()]
+    unknown = [a for a in wanted if a not in have]
+    if unknown or not wanted:
+        raise ValueError(f"--algorithms {requested!r}: {collective} has {', '.join(have)}"
+                         + (f" (not {', '.join(unknown)})" if unknown else ""))
+    return list(dict.fromkeys(wanted))

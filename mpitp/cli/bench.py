@@ -34,16 +34,19 @@ def add_parser(sub) -> None:
                                    "mpitp has, against MPI's own call, in one run.",
                        epilog=EPILOG, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
     p.add_argument("collective", choices=bc.COLLECTIVES)
-    p.add_argument("--min-bytes", default="4", help="smallest message (4, 1K, 64M ...; default 4)")
-    p.add_argument("--max-bytes", default="64M", help="largest message (default 64M)")
+    p.add_argument("--min-bytes", default=4, type=_size, help="smallest message (4, 1K, 64M, 8MB ...: K/M/G and "
+                                                              "KiB/MiB/GiB are powers of 1024, KB/MB/GB of 1000; "
+                                                              "default 4)")
+    p.add_argument("--max-bytes", default=64 << 20, type=_size, help="largest message (default 64M)")
     p.add_argument("--factor", type=float, default=4.0, help="size multiplier between rows (default 4)")
     p.add_argument("--iters", type=int, default=None, help="timed calls per trial (default: by size, 1000 for small messages down to 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls before the first trial (default 2)")
     p.add_argument("--trials", type=int, default=5, help="timed repetitions, interleaved across algorithms; the median counts (default 5)")
     p.add_argument("--dtype", default="float32", help="element type (default float32)")
     p.add_argument("--op", default="sum", choices=["sum", "prod", "max", "min"], help="reduction (default sum)")
-    p.add_argument("--algorithms", default="mpi,ring,auto",
-                   help="comma list among mpi, ring, auto (those the collective has; default mpi,ring,auto)")
+    p.add_argument("--algorithms", default=None,
+                   help="comma list among mpi, ring, auto, hierarchical ... (an entry the collective does not "
+                        "have is an error; default: those of mpi, ring, auto that it has)")
     p.add_argument("--check", action="store_true", help="count wrong elements in each row")
     p.add_argument("--inplace", action="store_true", help="in-place allreduce/reduce")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="buffers on the host or on a GPU (CuPy)")
@@ -54,6 +57,16 @@ def add_parser(sub) -> None:
                         "tuning file that algorithm='auto' reads")
     p.add_argument("--tune-file", default=None, help="where --tune writes (default: MPITP_TUNING or "
                                                      "~/.config/mpitp/tuning.json)")
+
+
+def _size(text) -> int:
+    from argparse import ArgumentTypeError
+
+    from ..units import parse_size
+    try:
+        return text if isinstance(text, int) else parse_size(text, "message size")
+    except ValueError as e:
+        raise ArgumentTypeError(str(e)) from None
 
 
 def _available_bytes() -> int | None:
@@ -121,7 +134,13 @@ def run(args) -> int:
     comm = Communicator()
     r0 = comm.rank == 0
     say = (lambda *a, **k: print(*a, **k, flush=True)) if r0 else (lambda *a, **k: None)
-    lo, hi = bc.parse_size(args.min_bytes), bc.parse_size(args.max_bytes)
+    lo, hi = args.min_bytes, args.max_bytes
+    try:
+        algs = ["mpi", "ring"] if args.tune else bc.algorithms_for(args.collective, args.algorithms)
+    except ValueError as e:
+        say(f"mpitp bench: {e}", file=sys.stderr)
+        comm.free()
+        return 2
     if args.tune and args.collective not in TUNABLE:
         say(f"mpitp bench: --tune applies to {' and '.join(TUNABLE)} (where auto chooses by size)", file=sys.stderr)
         return 2
@@ -130,7 +149,6 @@ def run(args) -> int:
         say(f"mpitp bench: {problem}", file=sys.stderr)
         return 2
     xp = _xp(args.device)
-    algs = ["mpi", "ring"] if args.tune else bc.algorithms_for(args.collective, args.algorithms.split(","))
     sz = bc.sizes(lo, hi, args.factor)
     memcpy = bc.memcpy_bandwidth(min(max(hi, 1 << 20), 64 << 20), comm=comm.mpi)
     memcpy = float(np.mean(comm.mpi.allgather(memcpy)))

@@ -7,17 +7,16 @@ from ..plan import allreduce as par
 from ..plan import fsdp as pfsdp
 from ..plan import profiles
 from ..plan import tp as ptp
+from ..units import parse_size
 
 
 def _size(text: str) -> int:
-    """'8MB' (10^6), '8MiB' or '8M' (2^20), '4K', '1GB', plain bytes."""
-    t = text.strip().upper()
-    dec = {"KB": 10**3, "MB": 10**6, "GB": 10**9}
-    bin_ = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    for suffix, mult in sorted({**dec, **bin_}.items(), key=lambda kv: -len(kv[0])):
-        if t.endswith(suffix):
-            return int(float(t[: -len(suffix)]) * mult)
-    return int(t.removesuffix("B"))
+    """A size as every mpitp command reads it (:mod:`mpitp.units`)."""
+    from argparse import ArgumentTypeError
+    try:
+        return parse_size(text, "size")
+    except ValueError as e:
+        raise ArgumentTypeError(str(e)) from None
 
 
 def _mb(n: float) -> str:
@@ -45,7 +44,7 @@ def add_parser(sub) -> None:
     a = ps.add_parser("allreduce", help="bytes per link class and time per all-reduce algorithm")
     a.add_argument("--nodes", type=int, default=2)
     a.add_argument("--ranks-per-node", type=int, default=4)
-    a.add_argument("--size", default="8MB", help="bytes per rank (8MB = 8e6, 8MiB = 2^23; default 8MB)")
+    a.add_argument("--size", default="8MB", type=_size, help="bytes per rank (8MB = 8e6, 8MiB = 2^23; default 8MB)")
     common(a)
     t = ps.add_parser("tp", help="tensor-parallel shard shapes, all-reduces, bytes and time for a LLaMA model")
     t.add_argument("--model", default="llama2-7b", help=f"preset ({', '.join(ptp.PRESETS)}) or config.json path")
@@ -75,7 +74,7 @@ def run(args) -> int:
 
 def _allreduce(args):
     prof = _profile(args)
-    res = par.plan(args.nodes, args.ranks_per_node, _size(args.size), prof)
+    res = par.plan(args.nodes, args.ranks_per_node, args.size, prof)
     if args.json:
         print(json.dumps(res, indent=2))
         return
