@@ -18,7 +18,6 @@ suite does) register an adapter with :func:`register_device_type`.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -91,9 +90,10 @@ def cuda_aware_mpi() -> bool:
     (Open MPI, MPICH >= 4). An MPI that cannot say is treated as not CUDA-aware, which is
     always safe (host staging).
     """
-    env = os.environ.get("MPITP_CUDA_AWARE")
-    if env is not None and env.strip() != "":
-        return env.strip().lower() not in ("0", "false", "no", "off")
+    from . import settings
+    env = settings.current().cuda_aware
+    if env is not None:
+        return env
     from mpi4py import MPI
 
     query = getattr(MPI, "Query_cuda_support", None)

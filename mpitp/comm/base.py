@@ -2,13 +2,12 @@
 communicators, validation, the watchdog, host staging of device arrays, counters."""
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from .. import backend
+from .. import backend, settings
 from ..errors import MpitpError
 from . import cma, hierarchical, shm, tuning, validate
 from .handle import Handle, Steps, Watchdog, drive
@@ -23,10 +22,6 @@ _LOCAL_ERRORS = (MpitpError, ValueError, TypeError)
 _COLD = (object(),) * 7     # a hot-path entry no call matches
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
 class CommunicatorBase:
     """Setup and the helpers every collective uses (see :class:`mpitp.Communicator`)."""
 
@@ -39,12 +34,13 @@ class CommunicatorBase:
         self.rank, self.size = self.mpi.rank, self.mpi.size
         self._fast: dict = {}     # (dtype, op, algorithm) -> (MPI datatype, MPI op, size limit, plain, ...)
         self._hot = _COLD         # the last small all-reduce's buffers and bound MPI call
-        self.validate = _env_flag("MPITP_VALIDATE") if validate is None else bool(validate)
+        env = settings.current()
+        self.validate = env.validate if validate is None else bool(validate)
         self.watchdog = Watchdog.from_env(timeout, MPI.COMM_WORLD.rank)
         self.topology = Topology.detect(self.mpi, ranks_per_node)
         self.traffic = Traffic(on_epoch=self._cool)
-        self.segment_bytes = int(os.environ.get("MPITP_RING_SEGMENT", 512 * 1024))
-        self.ring_depth = int(os.environ.get("MPITP_RING_DEPTH", 4))   # receive segments in flight
+        self.segment_bytes = env.ring_segment
+        self.ring_depth = env.ring_depth        # receive segments in flight
         self._staging = None      # decided on first device array (asks MPI once)
         self._seq = 0
         self._workspace = Workspace()

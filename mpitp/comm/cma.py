@@ -32,6 +32,7 @@ import os
 import numpy as np
 from mpi4py import MPI
 
+from .. import settings
 from . import shm
 
 _PR_SET_PTRACER = 0x59616D61
@@ -82,15 +83,14 @@ def allow_readers() -> None:
 
 def enabled() -> bool:
     """``MPITP_CMA=0`` keeps the ring off cross-memory attach."""
-    return os.environ.get("MPITP_CMA", "1").strip() not in ("0", "false", "no", "off")
+    return settings.current().cma
 
 
 def segment_bytes() -> int:
     """Bytes per CMA read (``MPITP_CMA_SEGMENT``; default 2 MiB: of 64 KiB-4 MiB, 2-4 MiB
     were fastest for 8-64 MiB all-reduces on the 2-core Zen 4 measured, 64 KiB half as
     fast; each read is a system call that pins the pages it copies)."""
-    env = os.environ.get("MPITP_CMA_SEGMENT", "").strip()
-    return max(64, int(env)) if env else 2 << 20
+    return settings.current().cma_segment
 
 
 def works(comm: MPI.Comm) -> tuple[bool, list[int]]:

@@ -28,8 +28,8 @@ class Watchdog:
     @classmethod
     def from_env(cls, timeout: float | None, rank: int) -> "Watchdog":
         if timeout is None:
-            env = os.environ.get("MPITP_TIMEOUT", "").strip()
-            timeout = float(env) if env else None
+            from .. import settings
+            timeout = settings.current().timeout
         return cls(timeout, rank)
 
     def wait(self, reqs: list, what: str) -> None:

@@ -29,6 +29,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from .. import settings
+
 HEADER = 4096            # bytes: flags (own cache lines for each writer), slots page-aligned
 _CONSUMED = 2048         # byte offset of ``consumed``: away from the ``full`` flags' lines
 
@@ -164,13 +166,12 @@ def max_bytes() -> int:
     cross-memory attach (:mod:`mpitp.comm.cma`), which copies each byte once, was faster
     on the machine measured (4 MiB: in 4 of 5 interleaved runs at 2 and 4 ranks, by up
     to 1.5x; 16-64 MiB: up to 4x while that virtual machine's cores sat far apart)."""
-    env = os.environ.get("MPITP_SHM_MAX", "").strip()
-    return int(env) if env else 2 << 20
+    return settings.current().shm_max
 
 
 def enabled() -> bool:
     """``MPITP_SHM=0`` turns the shared-memory transport off (the ring then uses MPI)."""
-    return os.environ.get("MPITP_SHM", "1").strip() not in ("0", "false", "no", "off")
+    return settings.current().shm
 
 
 def open_channel(comm: MPI.Comm, segment_bytes: int, depth: int, watchdog) -> Channel | None:

@@ -9,7 +9,6 @@ split can be exercised without a cluster. The last simulated node may be smaller
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -25,8 +24,8 @@ class Topology:
     @classmethod
     def detect(cls, comm: MPI.Comm, ranks_per_node: int | None = None) -> "Topology":
         if ranks_per_node is None:
-            env = os.environ.get("MPITP_RANKS_PER_NODE", "").strip()
-            ranks_per_node = int(env) if env else None
+            from .. import settings
+            ranks_per_node = settings.current().ranks_per_node
         if ranks_per_node is not None:
             if ranks_per_node < 1:
                 raise ValueError(f"ranks per node must be >= 1, got {ranks_per_node}")

@@ -17,7 +17,8 @@ from pathlib import Path
 
 
 def default_path() -> Path:
-    env = os.environ.get("MPITP_TUNING")
+    from .. import settings
+    env = settings.current().tuning
     if env:
         return Path(env)
     base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")

