@@ -3,9 +3,11 @@
 Collectives on NumPy/CuPy arrays (:class:`Communicator`), hand-written ring and
 two-level algorithms, tensor-parallel LLaMA and FSDP/ZeRO-3 — all under ``mpiexec``.
 """
+from .failfast import install as _install_failfast
 from .threads import set_default_threads
 
 set_default_threads()        # before NumPy loads its BLAS: a thread pool per core, not per rank
+_install_failfast()          # under a multi-rank launcher: an uncaught exception aborts the whole job
 
 from .comm import Communicator, Handle, ReduceOp, Topology, Traffic  # noqa: E402
 from .errors import CollectiveMismatchError, MpitpError, UnsupportedOperation  # noqa: E402

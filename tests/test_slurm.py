@@ -130,3 +130,29 @@ def test_train_job_then_resume(tmp_path):
     res, out = sbatch("train.sbatch", tmp_path, **dict(env, MPITP_STEPS="5"))
     assert res.returncode == 0, res.stderr + out
     assert "steps 3->5" in out and "step 5: train loss" in out
+
+
+@pytest.mark.parametrize("case", ["exception", "kill -9"])
+def test_a_failing_rank_ends_the_srun_job(tmp_path, case):
+    """Through bin/mpitp-run (srun --kill-on-bad-exit=1): an uncaught exception or a rank
+    killed by a signal ends the step in seconds, not when the allocation runs out."""
+    from test_failfast import KILL, RAISE
+    script = tmp_path / "job.py"
+    script.write_text(RAISE if case == "exception" else KILL)
+    arg = "1" if case == "exception" else "auto"
+    e = dict(os.environ, SLURM_CONF=CONF, PYTHON=sys.executable,
+             PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    out = tmp_path / "job.out"
+    res = subprocess.run(["sbatch", "--wait", "--ntasks=3", "--overcommit", "--time=2", f"--output={out}",
+                          f"--wrap={ROOT / 'bin' / 'mpitp-run'} -- python {script} {arg}"],
+                         capture_output=True, text=True, env=e, timeout=120)
+    text = out.read_text()
+    (SLURM_DIR / "out").mkdir(parents=True, exist_ok=True)
+    (SLURM_DIR / "out" / f"failing-rank-{case.replace(' ', '')}.out").write_text(text)
+    assert res.returncode != 0
+    assert "CANCELLED" in text or "Terminat" in text, text       # srun ended the step, no time-out
+    assert "DUE TO TIME LIMIT" not in text
+    if case == "exception":
+        assert text.count("Traceback (most recent call last)") == 1 and "[rank 1/3 " in text
+    else:
+        assert "task 2: Killed" in text, text                    # srun names the lost rank

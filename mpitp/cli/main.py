@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import failfast
 from ..errors import MpitpError
 from . import bench, demo, export, generate, info, plan, train
 
@@ -40,11 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(COMMANDS[args.command].run(args) or 0)
     except MpitpError as e:
-        # argument, config and checkpoint errors: the same on every rank, said once
-        from mpi4py import MPI
-        if MPI.COMM_WORLD.rank == 0:
-            print(f"mpitp {args.command}: {e}", file=sys.stderr, flush=True)
-        return 2
+        # argument, config and checkpoint errors: said once when every rank has the same;
+        # a rank alone with its error aborts the job rather than leave the others waiting
+        return failfast.usage_error(str(e), f"mpitp {args.command}")
 
 
 if __name__ == "__main__":

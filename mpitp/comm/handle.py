@@ -8,8 +8,6 @@ job with a message instead of hanging it.
 """
 from __future__ import annotations
 
-import os
-import sys
 import time
 from typing import Any, Generator
 
@@ -55,10 +53,8 @@ class Watchdog:
         self._end(f"mpitp: rank {self.rank} failed in {what}: {reason}. Aborting the job.")
 
     def _end(self, msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-        time.sleep(0.2)             # let the launcher forward the message before it tears the job down
-        MPI.COMM_WORLD.Abort(3)
-        os._exit(3)                 # should Abort ever return
+        from ..failfast import EXIT_WATCHDOG, abort
+        abort(EXIT_WATCHDOG, msg)
 
 
 def _as_list(reqs) -> list:

@@ -1,0 +1,106 @@
+"""When something goes wrong on one rank, the job ends in seconds instead of hanging:
+an uncaught exception on rank 0, 1 or the last (traceback printed once, with its rank,
+exit 1), MPITP_ABORT_ON_ERROR=0 (the watchdog ends it, exit 3), kill -9 of a rank during
+an all-reduce loop and during ``mpitp generate``, an input error on one rank only (exit
+2). Runs under whichever wheel's mpiexec sits next to this Python (.ci/run runs it under
+both); the srun cases are in test_slurm.py."""
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from mpitp import launch
+
+FIXTURE = Path(__file__).parent / "fixtures" / "mha"
+
+RAISE = textwrap.dedent("""
+    import sys, numpy as np, mpitp
+    comm = mpitp.Communicator()
+    bad = int(sys.argv[1]) % comm.size
+    x = np.ones(4)
+    comm.allreduce(x)
+    if comm.rank == bad:
+        raise RuntimeError("boom on purpose")
+    comm.allreduce(x)
+    print("rank", comm.rank, "went on")
+""")
+
+KILL = textwrap.dedent("""
+    import os, signal, sys, numpy as np, mpitp
+    comm = mpitp.Communicator()
+    x = np.ones(1 << 16, np.float32)
+    for i in range(10 ** 6):
+        comm.allreduce(x, out=x, algorithm=sys.argv[1])
+        x[:] = 1
+        if i == 20 and comm.rank == comm.size - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+KILL_IN_GENERATE = textwrap.dedent("""
+    import os, signal, sys
+    import mpitp
+    import mpitp.models.generate as g
+    real, calls = g.sample, [0]
+    def sample(*a, **k):
+        calls[0] += 1
+        if calls[0] == 5 and mpitp.failfast.launched_rank()[0] == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*a, **k)
+    g.sample = sample
+    from mpitp.cli.main import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+ONE_RANK_INPUT_ERROR = textwrap.dedent("""
+    import sys, mpitp
+    from mpitp import failfast
+    comm = mpitp.Communicator()
+    if comm.rank == 1:
+        sys.exit(failfast.usage_error("only this rank's file is missing", "test"))
+    comm.barrier()
+""")
+
+
+def run(n, script, *args, env=None, timeout=60):
+    res = launch.run(n, [sys.executable, "-c", script, *map(str, args)], timeout=timeout,
+                     env=None if env is None else {**__import__("os").environ, **env})
+    assert res.returncode != 124, f"hung: {res.stderr[-2000:]}"
+    return res, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("which", ["first", "second", "last"])
+def test_uncaught_exception_aborts_the_job(n, which):
+    bad = {"first": 0, "second": 1, "last": n - 1}[which]
+    res, out = run(n, RAISE, bad)
+    assert res.returncode == 1, out[-2000:]
+    assert out.count("Traceback (most recent call last)") == 1, out
+    assert f"[rank {bad}/{n} " in out and "RuntimeError: boom on purpose" in out
+    assert "aborting the whole job" in out and "went on" not in out
+
+
+def test_opting_out_leaves_it_to_the_watchdog():
+    res, out = run(3, RAISE, 1, env={"MPITP_ABORT_ON_ERROR": "0", "MPITP_TIMEOUT": "3"})
+    assert res.returncode == 3, out[-2000:]
+    assert "mpitp watchdog" in out and "[rank " not in out       # the plain traceback, no hook
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "ring"])
+def test_kill_9_during_allreduce_loop(algorithm):
+    res, out = run(3, KILL, algorithm)
+    assert res.returncode not in (0, 124), out[-2000:]
+    # the launcher says which process was lost (hydra: its PID and signal; Open MPI: its rank)
+    assert "signal 9" in out or "KILLED BY SIGNAL: 9" in out or "Killed" in out, out[-2000:]
+
+
+def test_kill_9_during_generate():
+    res, out = run(3, KILL_IN_GENERATE, "generate", "--model", FIXTURE, "--prompt", "the quick brown",
+                   "--max-new-tokens", "50")
+    assert res.returncode not in (0, 124), out[-2000:]
+
+
+def test_input_error_on_one_rank_only():
+    res, out = run(3, ONE_RANK_INPUT_ERROR)
+    assert res.returncode == 2, out[-2000:]
+    assert "[rank 1/3 " in out and "only this rank's file is missing" in out
