@@ -50,7 +50,11 @@ def test_inside_allocation_uses_srun_with_the_right_pmi(tmp_path, flavor, pmi):
     out = run(["--dry-run", "--threads", "2", "mpitp", "info"], SLURM_JOB_ID="42", SLURM_NTASKS="8",
               MPITP_MPI_FLAVOR=flavor, PATH=f"{tmp_path}:{Path(sys.executable).parent}:{os.environ['PATH']}")
     assert out.returncode == 0, out.stderr
-    assert f"srun --mpi={pmi} --ntasks=8 --cpus-per-task=2" in out.stdout
+    assert f"srun --mpi={pmi} --kill-on-bad-exit=1 --ntasks=8 --cpus-per-task=2" in out.stdout
+    # a site's (or user's) own choice is kept
+    out = run(["--dry-run", "mpitp", "info"], SLURM_JOB_ID="42", SLURM_NTASKS="8", SLURM_KILL_BAD_EXIT="0",
+              MPITP_MPI_FLAVOR=flavor, PATH=f"{tmp_path}:{Path(sys.executable).parent}:{os.environ['PATH']}")
+    assert "--kill-on-bad-exit" not in out.stdout
 
 
 def test_flavor_detected_from_mpi4py():
