@@ -119,10 +119,13 @@ class Case:
         per = self.x.size
         base = [((np.arange(per) + q) % 7) for q in range(n)]
         if self.coll in REDUCING:
-            fn = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}[self.op]
+            fn = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum,
+                  "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}[self.op]
             total = base[0]
             for b in base[1:]:
                 total = fn(total, b)
+            if self.op == "avg":
+                total = total / n
             if self.coll == "reduce_scatter":
                 return np.array_split(total, n)[r]
             return total if (self.coll == "allreduce" or r == 0) else None

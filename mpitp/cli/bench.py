@@ -42,8 +42,10 @@ def add_parser(sub) -> None:
     p.add_argument("--iters", type=int, default=None, help="timed calls per trial (default: by size, 1000 for small messages down to 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls before the first trial (default 2)")
     p.add_argument("--trials", type=int, default=5, help="timed repetitions, interleaved across algorithms; the median counts (default 5)")
-    p.add_argument("--dtype", default="float32", help="element type (default float32)")
-    p.add_argument("--op", default="sum", choices=["sum", "prod", "max", "min"], help="reduction (default sum)")
+    p.add_argument("--dtype", default="float32", type=_dtype,
+                   help="element type: float32 (default), float64, float16, bfloat16, int32, ...")
+    p.add_argument("--op", default="sum", choices=["sum", "avg", "prod", "max", "min", "band", "bor", "bxor"],
+                   help="reduction (default sum; avg for floating types, band/bor/bxor for integers)")
     p.add_argument("--algorithms", default=None,
                    help="comma list among mpi, ring, auto, hierarchical ... (an entry the collective does not "
                         "have is an error; default: those of mpi, ring, auto that it has)")
@@ -57,6 +59,16 @@ def add_parser(sub) -> None:
                         "tuning file that algorithm='auto' reads")
     p.add_argument("--tune-file", default=None, help="where --tune writes (default: MPITP_TUNING or "
                                                      "~/.config/mpitp/tuning.json)")
+
+
+def _dtype(text: str) -> str:
+    from argparse import ArgumentTypeError
+
+    from ..comm.ops import SUPPORTED_DTYPES
+    names = {str(d): str(d) for d in SUPPORTED_DTYPES}
+    if text not in names:
+        raise ArgumentTypeError(f"unknown dtype {text!r}; choose from {', '.join(names)}")
+    return text
 
 
 def _size(text) -> int:

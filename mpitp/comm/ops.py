@@ -2,14 +2,21 @@
 
 ``ReduceOp`` names an operation once; from it come MPI's own op (for ``algorithm="mpi"``)
 and the element-wise ufunc the hand-written algorithms apply on the array's own device.
+``avg`` is a sum divided by the number of ranks afterwards (Horovod's and torch's AVG,
+floating dtypes only); ``band``/``bor``/``bxor`` are bitwise, for integers and bool.
+bfloat16 (``ml_dtypes``) travels as 16-bit words; each addition of two bfloat16 operands
+is computed in float32 and rounded once (ml_dtypes' ufuncs), as torch's bf16 all-reduce
+does per hop, and MPI's own call reduces it with a user op applying the same ufunc.
 """
 from __future__ import annotations
 
 import enum
 from functools import lru_cache
 
+import ml_dtypes
 import numpy as np
 from mpi4py import MPI
+from mpi4py.util import dtlib
 
 from ..errors import UnsupportedOperation
 
@@ -19,6 +26,15 @@ class ReduceOp(str, enum.Enum):
     PROD = "prod"
     MAX = "max"
     MIN = "min"
+    AVG = "avg"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
+
+    @property
+    def base(self) -> "ReduceOp":
+        """The op the algorithms run (avg: a sum, divided afterwards)."""
+        return ReduceOp.SUM if self is ReduceOp.AVG else self
 
     @property
     def commutative(self) -> bool:
@@ -35,7 +51,9 @@ class ReduceOp(str, enum.Enum):
             raise UnsupportedOperation(f"unknown reduction op {op!r}; expected one of {names}") from None
 
 
-SUPPORTED_DTYPES = tuple(
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+SUPPORTED_DTYPES = (BFLOAT16,) + tuple(
     np.dtype(t)
     for t in (
         "float16", "float32", "float64",
@@ -46,8 +64,11 @@ SUPPORTED_DTYPES = tuple(
     )
 )
 
-_UFUNC = {ReduceOp.SUM: "add", ReduceOp.PROD: "multiply", ReduceOp.MAX: "maximum", ReduceOp.MIN: "minimum"}
-_MPI_OP = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD, ReduceOp.MAX: MPI.MAX, ReduceOp.MIN: MPI.MIN}
+_UFUNC = {ReduceOp.SUM: "add", ReduceOp.PROD: "multiply", ReduceOp.MAX: "maximum", ReduceOp.MIN: "minimum",
+          ReduceOp.BAND: "bitwise_and", ReduceOp.BOR: "bitwise_or", ReduceOp.BXOR: "bitwise_xor"}
+_MPI_OP = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD, ReduceOp.MAX: MPI.MAX, ReduceOp.MIN: MPI.MIN,
+           ReduceOp.BAND: MPI.BAND, ReduceOp.BOR: MPI.BOR, ReduceOp.BXOR: MPI.BXOR}
+_BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
 
 def check_dtype(dtype: np.dtype) -> np.dtype:
@@ -61,34 +82,61 @@ def check_dtype(dtype: np.dtype) -> np.dtype:
 
 
 def check_reducible(op: ReduceOp, dtype: np.dtype) -> None:
-    """Refuse combinations that have no meaning (bool sum, complex max, ...)."""
+    """Refuse combinations that have no meaning (bool sum, complex max, float xor, ...)."""
+    if op in _BITWISE and dtype.kind not in "iub":
+        raise UnsupportedOperation(f"op {op.value!r} is bitwise: it needs an integer or bool dtype, not {dtype}")
+    if op is ReduceOp.AVG and not (dtype.kind in "fc" or dtype == BFLOAT16):
+        raise UnsupportedOperation(f"op 'avg' needs a floating dtype (an average of {dtype} is not one); "
+                                   "use 'sum' and divide")
     if dtype == np.bool_ and op in (ReduceOp.SUM, ReduceOp.PROD):
         raise UnsupportedOperation(f"op {op.value!r} is not defined for bool arrays (use 'max' or 'min')")
     if dtype.kind == "c" and op in (ReduceOp.MAX, ReduceOp.MIN):
         raise UnsupportedOperation(f"op {op.value!r} is not defined for complex arrays")
 
 
+def average(a, n: int):
+    """``a / n`` in place (bfloat16 through float32, rounded once)."""
+    if n == 1:
+        return a
+    if a.dtype == BFLOAT16:
+        a[...] = (a.astype(np.float32) / n).astype(BFLOAT16)
+    else:
+        a /= n
+    return a
+
+
 def ufunc(op: ReduceOp, xp=np):
-    """Element-wise binary function of ``op`` in namespace ``xp`` (numpy or cupy)."""
-    return getattr(xp, _UFUNC[op])
-
-
-def mpi_datatype(dtype: np.dtype) -> MPI.Datatype:
-    """MPI's predefined datatype for a NumPy dtype (C_BOOL for bool, C_FLOAT16-like for half)."""
-    dtype = np.dtype(dtype)
-    if dtype == np.float16:
-        return _float16_datatype()
-    return MPI._typedict[dtype.char]
+    """Element-wise binary function of ``op`` (its ``base``) in namespace ``xp`` (numpy or cupy)."""
+    return getattr(xp, _UFUNC[op.base])
 
 
 @lru_cache(maxsize=None)
-def _float16_datatype() -> MPI.Datatype:
-    # MPICH carries half floats as MPIX_C_FLOAT16; mpi4py maps typecode 'e' when the MPI
-    # library has one. Otherwise ship the bytes (reductions then use a user op).
-    dt = MPI._typedict.get("e")
-    if dt is not None and dt != MPI.DATATYPE_NULL:
-        return dt
-    return MPI.UINT16_T
+def mpi_datatype(dtype: np.dtype) -> MPI.Datatype:
+    """MPI's predefined datatype for a NumPy dtype (mpi4py's public mapping, ``dtlib``);
+    16-bit words for bfloat16, and for float16 where the MPI library has no half type
+    (reductions then use a user op)."""
+    dtype = np.dtype(dtype)
+    if dtype == BFLOAT16:
+        return MPI.UINT16_T
+    try:
+        dt = dtlib.from_numpy_dtype(dtype)
+    except ValueError:
+        dt = MPI.DATATYPE_NULL
+    if dt == MPI.DATATYPE_NULL:
+        if dtype.itemsize == 2:
+            return MPI.UINT16_T
+        raise UnsupportedOperation(f"MPI has no datatype for {dtype}")
+    return dt
+
+
+@lru_cache(maxsize=None)
+def inferred(dtype: np.dtype) -> bool:
+    """Whether mpi4py infers ``mpi_datatype(dtype)`` from a buffer of this dtype by itself
+    (then a plain array may be handed to MPI without a datatype)."""
+    try:
+        return dtlib.from_numpy_dtype(np.dtype(dtype)) == mpi_datatype(dtype) and np.dtype(dtype) != BFLOAT16
+    except ValueError:
+        return False
 
 
 def _probe_values(dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -114,7 +162,9 @@ def _native_reduction_ok(op: ReduceOp, dtype_char: str) -> bool:
     component saturates 8- and 16-bit integer sums instead of wrapping). Either way mpitp
     then uses a user-defined op that applies the NumPy ufunc.
     """
-    dtype = np.dtype(dtype_char)
+    dtype = _dtype(dtype_char)
+    if dtype == BFLOAT16:          # 16-bit words to MPI: its SUM would add the bit patterns
+        return False
     a, b = _probe_values(dtype)
     want = ufunc(op)(a, b)
     mpi_op = _bool_op(op) if dtype == np.bool_ else _MPI_OP[op]
@@ -135,7 +185,7 @@ def _bool_op(op: ReduceOp) -> MPI.Op:
 @lru_cache(maxsize=None)
 def _user_op(op: ReduceOp, dtype_char: str) -> MPI.Op:
     """A user-defined MPI op applying the NumPy ufunc, for dtypes MPI cannot reduce itself."""
-    dtype = np.dtype(dtype_char)
+    dtype = _dtype(dtype_char)
     fn = ufunc(op)
 
     def apply(inbuf, inoutbuf, datatype):
@@ -146,10 +196,15 @@ def _user_op(op: ReduceOp, dtype_char: str) -> MPI.Op:
     return MPI.Op.Create(apply, commute=True)
 
 
+def _dtype(char: str) -> np.dtype:
+    return BFLOAT16 if char == BFLOAT16.char else np.dtype(char)
+
+
 def mpi_op(op: ReduceOp, dtype: np.dtype) -> MPI.Op:
-    """The MPI op to hand to MPI's own collectives for ``op`` on ``dtype``."""
+    """The MPI op to hand to MPI's own collectives for ``op`` (its ``base``) on ``dtype``."""
     dtype = np.dtype(dtype)
     check_reducible(op, dtype)
+    op = op.base
     if _native_reduction_ok(op, dtype.char):
         return _bool_op(op) if dtype == np.bool_ else _MPI_OP[op]
     return _user_op(op, dtype.char)

@@ -11,7 +11,7 @@ from .. import backend
 from . import hierarchical, native, ring, select
 from .base import _value
 from .handle import Steps
-from .ops import ReduceOp, check_reducible, mpi_datatype, mpi_op, ufunc
+from .ops import ReduceOp, average, check_reducible, inferred, mpi_datatype, mpi_op, ufunc
 
 _HOT_BYTES = 256 << 10      # the hot path keeps its buffers alive: only small ones
 
@@ -104,6 +104,8 @@ class Reductions:
         return self._finish(res, x if inplace else out)
 
     def _allreduce(self, a, dst, op: ReduceOp, alg: str, seq: int, nonblocking: bool) -> Steps:
+        if op is ReduceOp.AVG:
+            return (yield from _averaged(self._allreduce(a, dst, ReduceOp.SUM, alg, seq, nonblocking), self.size))
         if self.size == 1:
             if dst is not a:
                 dst[...] = a
@@ -129,12 +131,12 @@ class Reductions:
 
     def _remember_fast(self, x, op, algorithm, o: ReduceOp, a, alg: str) -> None:
         """Cache MPI handles for (dtype, op, algorithm) when small host calls go to MPI."""
-        if (alg != "mpi" or self.validate or self.watchdog.timeout is not None
+        if (alg != "mpi" or self.validate or self.watchdog.timeout is not None or o is ReduceOp.AVG
                 or type(x) is not np.ndarray or not isinstance(op, (str, ReduceOp))):
             return
         limit = 1 << 62 if algorithm == "mpi" else select.crossover("allreduce", self.size, self.tuning)
         dt = mpi_datatype(a.dtype)
-        plain = MPI._typedict.get(a.dtype.char) == dt       # mpi4py infers the same datatype
+        plain = inferred(a.dtype)                 # mpi4py infers the same datatype from the buffer
         t = self.traffic
         sent = t.cell("allreduce", "mpi") if self.size > 1 else [0, 0]     # alone, nothing goes to others
         self._fast[(a.dtype, op, algorithm)] = (dt, mpi_op(o, a.dtype), limit, plain, t.calls_cell("allreduce"),
@@ -170,6 +172,8 @@ class Reductions:
             self._record_mpi("reduce", 0 if is_root else a.nbytes)
             steps = native.reduce(self.mpi, src, dst, mpi_datatype(a.dtype), mpi_op(o, a.dtype), root,
                                   self._direct(nonblocking))
+        if o is ReduceOp.AVG:
+            steps = _averaged(steps, self.size)
         if staged:
             steps = self._staged(steps, x, out)
         res = self._run(steps, what, nonblocking)
@@ -230,6 +234,8 @@ class Reductions:
             self._record_mpi("reduce_scatter", src.nbytes - elems[self.rank] * a.dtype.itemsize)
             steps = native.reduce_scatter(self.mpi, src, dst, elems, dt, mpi_op(o, a.dtype),
                                           self._direct(nonblocking))
+        if o is ReduceOp.AVG:
+            steps = _averaged(steps, self.size)
         if staged:
             steps = self._staged(steps, x, None)
         return self._run(steps, f"{what} ({alg})", nonblocking)
@@ -246,3 +252,9 @@ class Reductions:
                 on_send=self._on_send("reduce_scatter"))
             dst.reshape(-1)[...] = full[lo:lo + elems[self.rank]]
         return dst
+
+
+def _averaged(steps: Steps, n: int) -> Steps:
+    """The result of a sum's ``steps`` divided by ``n`` (None, off the root, stays None)."""
+    res = yield from steps
+    return res if res is None else average(res, n)
