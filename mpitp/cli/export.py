@@ -1,8 +1,6 @@
 """``mpitp export``: a training checkpoint as a Hugging Face model directory."""
 from __future__ import annotations
 
-import sys
-
 
 def add_parser(sub) -> None:
     p = sub.add_parser("export", help="write a training checkpoint as a Hugging Face directory",
@@ -16,5 +14,6 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from ..train.checkpoint import export_hf
     out = export_hf(args.checkpoint, args.out)
-    print(f"[mpitp] exported {args.checkpoint} -> {out}", file=sys.stderr)
+    from ..log import get_logger
+    get_logger("export").info(f"exported {args.checkpoint} -> {out}")
     return 0

@@ -21,6 +21,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, mod in COMMANDS.items():
         mod.add_parser(sub)
+    for q in sub.choices.values():
+        q.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper,
+                       help="log level of every rank (default: INFO on rank 0, WARNING elsewhere; "
+                            "MPITP_LOG_LEVEL; MPITP_LOG_DIR adds a file per rank)")
     return p
 
 
@@ -38,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             print(problem, file=sys.stderr, flush=True)
             return 2
+    from ..log import setup
+    setup(level=args.log_level)
     try:
         return int(COMMANDS[args.command].run(args) or 0)
     except MpitpError as e:

@@ -6,7 +6,10 @@ import json
 import sys
 from pathlib import Path
 
+from ..log import get_logger
 from ..train.trainer import Options
+
+log = get_logger("train")
 
 EXAMPLE = """examples:
   mpiexec -n 2 mpitp train --config small --data-default --mode fsdp --steps 200 --out runs/small
@@ -105,14 +108,14 @@ def _loop(t, comm) -> int:
         return 0
     if r0:
         mem = t.memory()
-        print(f"[mpitp] train {o.mode} on {comm.size} rank(s): {mem['psi'] / 1e6:.2f}M parameters, "
+        log.info(f"train {o.mode} on {comm.size} rank(s): {mem['psi'] / 1e6:.2f}M parameters, "
               f"{t.windows.count} windows of {o.seq}+1 tokens, global batch {o.batch}, steps {t.step}->{o.steps}; "
               f"held per rank {mem['total'] / 2**20:.1f} MiB (params {mem['params'] / 2**20:.1f}, "
-              f"grads {mem['grads'] / 2**20:.1f}, AdamW {mem['optimizer'] / 2**20:.1f})", file=sys.stderr, flush=True)
-    log = None
+              f"grads {mem['grads'] / 2**20:.1f}, AdamW {mem['optimizer'] / 2**20:.1f})")
+    jsonl = None
     if r0 and o.log:
         Path(o.log).parent.mkdir(parents=True, exist_ok=True)
-        log = open(o.log, "a" if o.resume else "w")
+        jsonl = open(o.log, "a" if o.resume else "w")
     bar = None
     if r0 and o.progress:
         from tqdm import tqdm
@@ -123,9 +126,9 @@ def _loop(t, comm) -> int:
             if o.eval_every and (t.step % o.eval_every == 0 or t.step == o.steps):
                 rec["eval_loss"] = t.eval_loss()
             t.history.append(rec)
-            if log:
-                log.write(json.dumps(rec) + "\n")
-                log.flush()
+            if jsonl:
+                jsonl.write(json.dumps(rec) + "\n")
+                jsonl.flush()
             if bar is not None:
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
                 bar.update(1)
@@ -134,8 +137,8 @@ def _loop(t, comm) -> int:
     finally:
         if bar is not None:
             bar.close()
-        if log:
-            log.close()
+        if jsonl:
+            jsonl.close()
     final_eval = t.eval_loss()
     if o.out:
         where = t.save()
@@ -147,10 +150,10 @@ def _loop(t, comm) -> int:
     if r0:
         last = t.history[-1]
         tps = sorted(h["tokens_per_s"] for h in t.history[1:] or t.history)
-        print(f"[mpitp] step {t.step}: train loss {last['loss']:.4f}"
+        log.info(f"step {t.step}: train loss {last['loss']:.4f}"
               + (f", eval loss {final_eval:.4f}" if final_eval is not None else "")
               + f", median {tps[len(tps) // 2]:.0f} tokens/s"
-              + (f"; checkpoint {where}" if o.out else ""), file=sys.stderr, flush=True)
+              + (f"; checkpoint {where}" if o.out else ""))
     return 0
 
 
@@ -160,7 +163,7 @@ def _plot(history: list, path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("[mpitp] matplotlib is not installed: no loss.png (pip install matplotlib)", file=sys.stderr)
+        log.warning("matplotlib is not installed: no loss.png (pip install matplotlib)")
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train")

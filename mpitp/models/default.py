@@ -51,7 +51,8 @@ def ensure(comm=None) -> Path | None:
     if rank == 0 and not (out / "config.json").exists():
         from .gguf_import import convert
         out.parent.mkdir(parents=True, exist_ok=True)
-        print(f"[mpitp] importing the default model from {src.name} into {out} (once)", flush=True)
+        from ..log import get_logger
+        get_logger("models").info(f"importing the default model from {src.name} into {out} (once)")
         convert(src, out)
     if comm is not None and comm.size > 1:
         comm.barrier()
