@@ -18,6 +18,7 @@ suite does) register an adapter with :func:`register_device_type`.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -61,6 +62,33 @@ if cupy is not None:
             ascontiguous=lambda a: a if a.flags.c_contiguous else a.copy(order="C"),
         ),
     )
+
+
+def device_for_rank(environ, device_count: int) -> int | None:
+    """The GPU a rank should use: its local rank modulo the GPUs it sees, unless
+    ``CUDA_VISIBLE_DEVICES`` already narrows it to one (the scheduler's or launcher's
+    choice, e.g. ``srun --gpus-per-task=1``), or no launcher says its local rank."""
+    from .threads import local_rank
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and len([v for v in visible.split(",") if v.strip()]) <= 1:
+        return None
+    lr = local_rank(environ)
+    if lr is None or device_count <= 1:
+        return None
+    return lr % device_count
+
+
+def select_gpu(environ=os.environ) -> int | None:
+    """Make this rank's GPU CuPy's current device (see :func:`device_for_rank`)."""
+    if cupy is None:
+        return None
+    try:
+        idx = device_for_rank(environ, cupy.cuda.runtime.getDeviceCount())
+        if idx is not None:
+            cupy.cuda.Device(idx).use()
+        return idx
+    except Exception:         # no driver, no device: CuPy reports it when first used
+        return None
 
 
 def is_device(a: Any) -> bool:
@@ -130,3 +158,6 @@ def versions() -> dict[str, str | None]:
     if cupy is not None:
         out["cupy"] = cupy.__version__
     return out
+
+
+select_gpu()        # at import: before any device memory is allocated through mpitp

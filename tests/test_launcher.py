@@ -57,6 +57,32 @@ def test_inside_allocation_uses_srun_with_the_right_pmi(tmp_path, flavor, pmi):
     assert "--kill-on-bad-exit" not in out.stdout
 
 
+def _fake(tmp_path, name, body):
+    f = tmp_path / name
+    f.write_text("#!/bin/sh\n" + body + "\n")
+    f.chmod(f.stat().st_mode | stat.S_IEXEC)
+
+
+def test_site_mpi_default_is_kept(tmp_path):
+    _fake(tmp_path, "srun", "exit 99")
+    _fake(tmp_path, "scontrol", 'echo "MpiDefault              = pmix_v4"')
+    path = f"{tmp_path}:{Path(sys.executable).parent}:{os.environ['PATH']}"
+    out = run(["--dry-run", "mpitp", "info"], SLURM_JOB_ID="42", SLURM_NTASKS="2", MPITP_MPI_FLAVOR="mpich", PATH=path)
+    assert "srun --kill-on-bad-exit=1 --ntasks=2" in out.stdout and "--mpi" not in out.stdout, out.stdout
+    asked = run(["--dry-run", "--mpi", "pmi2", "mpitp", "info"], SLURM_JOB_ID="42", SLURM_NTASKS="2",
+                MPITP_MPI_FLAVOR="mpich", PATH=path)
+    assert "srun --mpi=pmi2" in asked.stdout
+
+
+def test_intel_mpi_gets_slurms_pmi_library(tmp_path):
+    _fake(tmp_path, "srun", "exit 99")
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libpmi2.so").write_bytes(b"")
+    out = run(["--dry-run", "mpitp", "info"], SLURM_JOB_ID="42", SLURM_NTASKS="2", MPITP_MPI_FLAVOR="intel",
+              SLURM_ROOT=str(tmp_path), PATH=f"{tmp_path}:{Path(sys.executable).parent}:{os.environ['PATH']}")
+    assert f"I_MPI_PMI_LIBRARY={tmp_path}/lib/libpmi2.so" in out.stderr, out.stderr
+
+
 def test_flavor_detected_from_mpi4py():
     out = run(["--dry-run", "true"])
     assert "flavor=mpich" in out.stderr or "flavor=openmpi" in out.stderr

@@ -156,3 +156,20 @@ def test_a_failing_rank_ends_the_srun_job(tmp_path, case):
         assert text.count("Traceback (most recent call last)") == 1 and "[rank 1/3 " in text
     else:
         assert "task 2: Killed" in text, text                    # srun names the lost rank
+
+
+@pytest.mark.parametrize("tasks,cpus", [(1, 2), (2, 1)])
+def test_threads_follow_cpus_per_task_under_srun(tmp_path, tasks, cpus):
+    code = ("import os, mpitp; from mpitp import threads; from mpi4py import MPI; "
+            "print(MPI.COMM_WORLD.rank, os.environ['OPENBLAS_NUM_THREADS'], threads.CHOICE[1])")
+    e = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
+                                                          "MKL_NUM_THREADS")}
+    e["SLURM_CONF"] = CONF
+    out = tmp_path / "t.out"
+    res = subprocess.run(["sbatch", "--wait", f"--ntasks={tasks}", f"--cpus-per-task={cpus}", f"--output={out}",
+                          f"--wrap=srun --mpi=pmi2 {sys.executable} -c \"{code}\""],
+                         capture_output=True, text=True, env=e, timeout=300)
+    text = out.read_text()
+    assert res.returncode == 0, res.stderr + text
+    lines = [ln for ln in text.splitlines() if "SLURM_CPUS_PER_TASK" in ln]
+    assert len(lines) == tasks and all(ln.split()[1] == str(cpus) for ln in lines), text

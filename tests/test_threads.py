@@ -4,7 +4,8 @@ import subprocess
 import sys
 
 from mpitp import launch
-from mpitp.threads import VARS, local_ranks, set_default_threads
+from mpitp.backend import device_for_rank
+from mpitp.threads import VARS, choose, local_rank, local_ranks, set_default_threads
 
 CODE = ("import mpitp, os; from mpi4py import MPI; "
         "r = MPI.COMM_WORLD.gather(tuple(os.environ.get(v) for v in {vars})); "
@@ -37,3 +38,27 @@ def test_under_mpiexec_every_rank_gets_cores_over_ranks():
     assert res.returncode == 0, res.stderr[-2000:]
     per = str(max(1, len(os.sched_getaffinity(0)) // 3))
     assert res.stdout.strip() == str([(per, per, per)] * 3), res.stdout
+
+
+def test_slurm_cpus_per_task_decides_inside_a_step():
+    env = {"SLURM_CPUS_PER_TASK": "6", "SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "4", "SLURM_LOCALID": "0"}
+    assert choose(env) == (6, "SLURM_CPUS_PER_TASK")
+    assert set_default_threads(env, modules={}) == 6 and env["OPENBLAS_NUM_THREADS"] == "6"
+    # the batch script itself (no step): the launcher's rank count decides, as before
+    assert choose({"SLURM_CPUS_PER_TASK": "6", "MPI_LOCALNRANKS": "2"})[0] == max(1, len(os.sched_getaffinity(0)) // 2)
+
+
+def test_gpu_per_local_rank():
+    assert local_rank({"OMPI_COMM_WORLD_LOCAL_RANK": "2"}) == 2 and local_rank({}) is None
+    assert device_for_rank({"SLURM_LOCALID": "3"}, 2) == 1                       # local rank mod GPUs seen
+    assert device_for_rank({"MPI_LOCALRANKID": "1", "CUDA_VISIBLE_DEVICES": "0,1"}, 2) == 1
+    assert device_for_rank({"SLURM_LOCALID": "3", "CUDA_VISIBLE_DEVICES": "2"}, 1) is None   # already narrowed
+    assert device_for_rank({}, 4) is None and device_for_rank({"SLURM_LOCALID": "1"}, 1) is None
+
+
+def test_each_rank_picks_its_own_gpu_under_mpiexec():
+    code = ("import os, mpitp; from mpitp.backend import device_for_rank; from mpi4py import MPI; "
+            "r = MPI.COMM_WORLD.gather(device_for_rank(os.environ, 4)); MPI.COMM_WORLD.rank or print(r)")
+    res = launch.run(3, [sys.executable, "-c", code], timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[0, 1, 2]", res.stdout

@@ -22,11 +22,18 @@ def collect(comm) -> dict:
 
     lib = library_version()
     topo = comm.topology
+    path, kind = mpi_library_path() if comm.rank == 0 else (None, None)
+    from .. import threads
+    per, why = threads.CHOICE
     return {
         "mpitp": __version__,
         "python": platform.python_version(),
         "mpi4py": mpi4py.__version__,
         "mpi_library": lib,
+        "mpi_library_path": path,
+        "mpi_library_kind": kind,
+        "threads_per_rank": per,
+        "threads_reason": why,
         "mpi_standard": "%d.%d" % MPI.Get_version(),
         "world_size": comm.size,
         "processor": MPI.Get_processor_name(),
@@ -36,6 +43,23 @@ def collect(comm) -> dict:
         "cuda_aware_mpi": backend.cuda_aware_mpi(),
         **backend.versions(),
     }
+
+
+def mpi_library_path() -> tuple[str | None, str]:
+    """The MPI shared library mpi4py loaded (``python -m mpi4py --mpi-library``) and what it
+    is: a PyPI wheel inside this Python environment, or a site MPI (modules, system)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    try:
+        out = subprocess.run([sys.executable, "-m", "mpi4py", "--mpi-library"], capture_output=True, text=True,
+                             timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None, "unknown"
+    if not out:
+        return None, "unknown"
+    inside = Path(out).resolve().is_relative_to(Path(sys.prefix).resolve())
+    return out, "PyPI wheel in this Python environment" if inside else "site MPI (not from this environment)"
 
 
 def run(args) -> int:
@@ -49,6 +73,9 @@ def run(args) -> int:
         else:
             print(f"mpitp {data['mpitp']}  (python {data['python']}, mpi4py {data['mpi4py']})")
             print(f"MPI library:    {data['mpi_library']}  (MPI {data['mpi_standard']})")
+            print(f"                {data['mpi_library_path']}: {data['mpi_library_kind']}")
+            per = data["threads_per_rank"]
+            print(f"BLAS threads:   {per if per else 'unchanged'} per rank ({data['threads_reason']})")
             print(f"world size:     {data['world_size']}")
             print(f"CUDA-aware MPI: {'yes' if data['cuda_aware_mpi'] else 'no (device arrays are staged through host memory)'}")
             print(f"numpy {data['numpy']}, cupy {data['cupy'] or 'not installed'}")
