@@ -98,8 +98,11 @@ def test_unknown_architecture_and_missing_field(tmp_path):
 
 
 def test_not_a_checkpoint(tmp_path):
-    with pytest.raises(CheckpointError, match="not a checkpoint directory"):
+    with pytest.raises(CheckpointError, match="nothing: no such directory"):
         LlamaForCausalLM.from_pretrained(tmp_path / "nothing")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(CheckpointError, match="not a checkpoint directory"):
+        LlamaForCausalLM.from_pretrained(tmp_path / "afile")
     (tmp_path / "config.json").write_text((FIX / "mha" / "config.json").read_text())
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
         LlamaForCausalLM.from_pretrained(tmp_path)

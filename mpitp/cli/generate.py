@@ -56,20 +56,38 @@ def run(args) -> int:
     if not args.model:
         args.model = str(default.ensure(comm))
         chat = True if chat is None else chat
+    from ..models.generate import check_prompts, check_sampling
+    from ..models.loader import CheckpointError
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)     # before loading anything
+    if not Path(args.model).is_dir():
+        comm.free()
+        raise CheckpointError(f"--model {args.model}: no such directory")
     tok_file = Path(args.model) / "tokenizer.json"
     if not tok_file.exists():
-        if r0:
-            print(f"mpitp generate: no tokenizer.json in {args.model}", file=sys.stderr)
         comm.free()
-        return 2
-    tok = Tokenizer.from_file(str(tok_file))
+        raise CheckpointError(f"no tokenizer.json in {args.model}")
+    try:
+        tok = Tokenizer.from_file(str(tok_file))
+    except Exception as e:
+        comm.free()
+        raise CheckpointError(f"{tok_file}: not a readable tokenizer ({e})") from None
     try:
         model = LlamaForCausalLM.from_pretrained(args.model, comm=comm, dtype=args.dtype, device=args.device)
     except Exception:
         comm.free()
         raise
+    if tok.get_vocab_size(with_added_tokens=True) > model.config.vocab_size:
+        from ..log import get_logger
+        get_logger("generate").warning(
+            f"{tok_file} has {tok.get_vocab_size(with_added_tokens=True)} tokens but the model's vocabulary is "
+            f"{model.config.vocab_size}: a prompt that uses the extra ones will be refused")
     prompts = args.prompt or ["Hello"]
     ids = [tok.encode(CHAT.format(prompt=p) if chat else p).ids for p in prompts]
+    try:
+        check_prompts(model, ids, args.max_new_tokens)
+    except Exception:
+        comm.free()
+        raise
     shown = [""] * len(ids)
 
     def stream(step, new, done):

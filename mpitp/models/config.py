@@ -43,6 +43,16 @@ class LlamaConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "LlamaConfig":
+        """Parse and check a config; anything malformed is a :class:`ConfigError`."""
+        try:
+            return cls._from_dict(cfg)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError, ZeroDivisionError, AttributeError, OverflowError) as e:
+            raise ConfigError(f"config.json: a field has an unusable value ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def _from_dict(cls, cfg: dict) -> "LlamaConfig":
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
@@ -82,7 +92,23 @@ class LlamaConfig:
         out.torch_dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
         if out.head_dim * heads != hidden and "head_dim" not in cfg:
             raise ConfigError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads}")
+        out.check()
         return out
+
+    def check(self) -> None:
+        """Refuse shapes no model can have, naming the fields and numbers."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"config.json: {name} = {getattr(self, name)}; it must be at least 1")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"config.json: num_attention_heads = {self.num_attention_heads} is not a multiple of "
+                              f"num_key_value_heads = {self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"config.json: head_dim = {self.head_dim} is odd; rotary embeddings need pairs")
+        if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
+            raise ConfigError(f"config.json: rms_norm_eps = {self.rms_norm_eps} and rope_theta = {self.rope_theta} "
+                              "must be positive")
 
     def to_dict(self) -> dict:
         """A transformers-style ``config.json`` that :meth:`from_dict` (and transformers'
@@ -109,4 +135,10 @@ class LlamaConfig:
         f = p / "config.json" if p.is_dir() else p
         if not f.exists():
             raise ConfigError(f"no config.json in {p}")
-        return cls.from_dict(json.loads(f.read_text()))
+        try:
+            cfg = json.loads(f.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{f}: not valid JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{f}: expected a JSON object, got {type(cfg).__name__}")
+        return cls.from_dict(cfg)

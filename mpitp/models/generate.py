@@ -12,6 +12,37 @@ import time
 
 import numpy as np
 
+from ..errors import MpitpError
+
+
+class GenerationError(MpitpError, ValueError):
+    """A prompt or sampling option the model cannot serve."""
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+        raise GenerationError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
+    if not (temperature >= 0 and np.isfinite(temperature)):
+        raise GenerationError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    if not isinstance(top_k, (int, np.integer)) or top_k < 0:
+        raise GenerationError(f"top_k must be a whole number >= 0 (0 = all tokens), got {top_k!r}")
+    if not 0 < top_p <= 1:
+        raise GenerationError(f"top_p must lie in (0, 1] (1 = off), got {top_p!r}")
+
+
+def check_prompts(model, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """Every prompt non-empty, inside the vocabulary, and short enough for the context."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise GenerationError("every prompt needs at least one token")
+    context = model.config.max_position_embeddings
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > context:
+        raise GenerationError(f"a prompt of {longest} tokens plus max_new_tokens {max_new_tokens} exceeds the "
+                              f"model's context of {context} tokens (max_position_embeddings); shorten the prompt "
+                              "or ask for fewer new tokens")
+    for p in prompts:
+        model.check_ids(p)
+
 
 def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 0.0, top_k: int = 0,
            top_p: float = 1.0) -> np.ndarray:
@@ -43,10 +74,8 @@ def generate(model, input_ids, max_new_tokens: int = 32, temperature: float = 0.
     prompts = [list(map(int, p)) for p in (input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids)]
     if prompts and isinstance(prompts[0], int):
         prompts = [prompts]
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-    for p in prompts:
-        model.check_ids(p)
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    check_prompts(model, prompts, max_new_tokens)
     stops = set(model.config.eos_token_id if stop_tokens is None else stop_tokens)
     B, T = len(prompts), max(len(p) for p in prompts)
     ids = np.zeros((B, T), np.int64)

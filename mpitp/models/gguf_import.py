@@ -48,9 +48,16 @@ def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+_REQUIRED = object()
+
+
 def _field(reader, key, default=None):
     f = reader.fields.get(key)
-    return default if f is None else f.contents()
+    if f is None:
+        if default is _REQUIRED:
+            raise GGUFError(f"the GGUF file has no {key!r} field")
+        return default
+    return f.contents()
 
 
 def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
@@ -58,23 +65,30 @@ def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
     import gguf
     from safetensors.numpy import save_file
 
-    reader = gguf.GGUFReader(str(gguf_path))
-    arch = _field(reader, "general.architecture")
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+        arch = _field(reader, "general.architecture")
+    except Exception as e:            # truncated, corrupt, or not a GGUF file at all
+        raise GGUFError(f"{gguf_path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     if arch != "llama":
         raise GGUFError(f"{gguf_path}: architecture {arch!r}; only 'llama' GGUF files are imported")
-    g = lambda k, d=None: _field(reader, f"llama.{k}", d)  # noqa: E731
+    g = lambda k, d=_REQUIRED: _field(reader, f"llama.{k}", d)  # noqa: E731
     heads, kv = int(g("attention.head_count")), int(g("attention.head_count_kv", g("attention.head_count")))
     tensors = {}
     for t in reader.tensors:
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        w = w.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+            w = w.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+        except Exception as e:        # data cut short: the header promised more bytes
+            raise GGUFError(f"{gguf_path}: tensor {t.name} cannot be read ({type(e).__name__}: {e}; "
+                            "truncated file?)") from None
         name = hf_name(t.name)
         if t.name.endswith("attn_q.weight"):
             w = unpermute(w, heads)
         elif t.name.endswith("attn_k.weight"):
             w = unpermute(w, kv)
         tensors[name] = np.ascontiguousarray(w)
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    tokens = _field(reader, "tokenizer.ggml.tokens", _REQUIRED)
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": int(g("embedding_length")), "intermediate_size": int(g("feed_forward_length")),
@@ -110,7 +124,7 @@ def _tokenizer(reader, tokens: list[str]):
     kind = _field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise GGUFError(f"tokenizer model {kind!r}; only byte-level BPE ('gpt2') is imported")
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", _REQUIRED)]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False)])

@@ -46,6 +46,18 @@ def checkpoint_files(path: Path) -> list[Path]:
     return found
 
 
+def open_safetensors(f: Path):
+    """``safe_open`` with a message naming the file when it is not a safetensors file
+    (truncated, corrupt header, something else renamed)."""
+    from safetensors import safe_open
+    if f.stat().st_size < 8:
+        raise CheckpointError(f"{f}: {f.stat().st_size} bytes, too short for a safetensors file (truncated?)")
+    try:
+        return safe_open(str(f), framework="numpy")
+    except Exception as e:
+        raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
+
+
 def locate(model, name: str):
     """(module, param, shard_id) for a checkpoint tensor name, or None to skip it."""
     if name.endswith(IGNORED):
@@ -92,19 +104,22 @@ def required(model) -> set[str]:
 
 
 def load_weights(model, path: Path) -> dict:
-    from safetensors import safe_open
-
     seen: set[str] = set()
     bytes_read = 0
     for f in checkpoint_files(path):
-        with safe_open(str(f), framework="numpy") as h:
+        with open_safetensors(f) as h:
             for name in h.keys():
                 target = locate(model, name)
                 if target is None:
                     continue
                 obj, param, shard = target
-                src = SafetensorsSource(h, name, dtype=np.float32)
-                obj.weight_loader(param, src, shard)
+                try:
+                    src = SafetensorsSource(h, name, dtype=np.float32)
+                    obj.weight_loader(param, src, shard)
+                except MpitpError:
+                    raise
+                except Exception as e:          # a header that lies about the data, a short file
+                    raise CheckpointError(f"{f}: tensor {name} cannot be read ({e})") from None
                 bytes_read += src.bytes_read
                 seen.add(name)
     missing = sorted(required(model) - seen)
@@ -119,6 +134,8 @@ def load_weights(model, path: Path) -> dict:
 
 def load_pretrained(cls, path, comm=None, dtype: str = "float32", device: str = "cpu"):
     path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such directory")
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a checkpoint directory (config.json + *.safetensors)")
     cfg = LlamaConfig.from_path(path)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from ..models.config import LlamaConfig
-from ..models.loader import CheckpointError, checkpoint_files
+from ..models.loader import CheckpointError, checkpoint_files, open_safetensors
 from ..tp import SafetensorsSource
 from .layout import UnitLayout, init_unit
 
@@ -37,11 +37,10 @@ class HFReader:
     """Ranges of units read from a Hugging Face safetensors checkpoint."""
 
     def __init__(self, path: Path):
-        from safetensors import safe_open
         self.path = Path(path)
         self.handles, self.where = [], {}
         for f in checkpoint_files(self.path):
-            h = safe_open(str(f), framework="numpy")
+            h = open_safetensors(f)
             self.handles.append(h)
             for name in h.keys():
                 self.where[name] = h
