@@ -153,8 +153,8 @@ class LlamaForCausalLM:
         if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
             from .generate import GenerationError
             bad = int(ids.max() if ids.max() >= self.config.vocab_size else ids.min())
-            raise GenerationError(f"token id {bad} is outside the model's vocabulary [0, {self.config.vocab_size}) "
-                                  "(does the tokenizer belong to this model?)")
+            raise GenerationError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size}) of "
+                                  "this model (does the tokenizer belong to it?)")
 
     def forward(self, ids, positions, cache: KVCache, last_only: bool = False):
         """Logits [B, T, vocab] for ``ids`` [B, T] appended to ``cache`` at ``cache.length``
