@@ -154,3 +154,21 @@ def test_prompt_ids_outside_the_vocabulary():
     with pytest.raises(GenerationError, match="temperature"):
         m.generate([[1, 2]], max_new_tokens=2, temperature=float("nan"))
     assert np.asarray(m([[1, 2, 3]])).shape == (1, 3, 250)
+
+
+WORDS = ["generate", "train", "bench", "plan", "export", "info", "allreduce", "tp", "--model", "--steps", "--batch",
+         "--max-bytes", "--size", "--algorithms", "--temperature", "--top-p", "--mode", "fsdp", "--dtype",
+         "bfloat16", "--log-level", "-1", "0", "8MB", "nan", "1e9", "x", "--betas", "0.9,2", "--", ""]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(WORDS), max_size=7))
+@example(["train", "--betas", "0.9,2"])
+@example(["bench", "allreduce", "--max-bytes", "x"])
+def test_fuzz_cli_parser(argv):
+    """Every argument list either parses or is a usage error (exit 2), never a traceback."""
+    from mpitp.cli.main import build_parser
+    try:
+        build_parser().parse_args(argv)
+    except SystemExit as e:
+        assert e.code in (0, 2)

@@ -7,6 +7,7 @@
     optim.py       AdamW on the owned shards, global-norm clipping, learning-rate schedule
     engine.py      one training step: forward and backward through the units
     data.py        token streams, windows and global batches
+    init.py        presets, fresh initialisation, reading a Hugging Face checkpoint's ranges
     checkpoint.py  sharded, atomic, reshardable checkpoints; Hugging Face export
     trainer.py     the loop behind ``mpitp train``
 """
