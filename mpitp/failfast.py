@@ -84,8 +84,8 @@ def install(environ=os.environ) -> bool:
     rn = launched_rank(environ)
     if rn is None or rn[1] <= 1:
         return False
-    flag = environ.get("MPITP_ABORT_ON_ERROR", "").strip().lower()
-    if flag in ("0", "false", "no", "off"):      # the settings module rejects other spellings later
+    from .settings import Settings
+    if not Settings.from_env(environ).abort_on_error:
         return False
     sys.excepthook = _hook
     return True
