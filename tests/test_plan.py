@@ -69,9 +69,14 @@ def test_gqa_presets_and_config_path(tmp_path):
     assert res["shards"]["q_proj"] == [512, 256] and res["prefill"]["allreduces"] == 16
 
 
-def test_bad_tp_degree_is_a_clear_error():
-    out = subprocess.run(MPITP + ["tp", "--model", "llama2-7b", "--tp", "3"], capture_output=True, text=True)
-    assert out.returncode != 0 and "not divisible by tp=3" in out.stderr
+def test_uneven_tp_and_the_one_clear_error():
+    res = plan("tp", "--model", "llama2-7b", "--tp", "3")
+    ranks = res["shards"]["per_rank"]
+    assert [r["q_heads"][1] - r["q_heads"][0] for r in ranks] == [11, 11, 10]      # 32 heads on 3 ranks
+    assert sum(r["intermediate"] for r in ranks) == 11008
+    out = subprocess.run(MPITP + ["tp", "--model", "llama2-7b", "--tp", "40"], capture_output=True, text=True)
+    assert out.returncode == 2 and "tensor-parallel size 40 exceeds the number of attention heads = 32" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_zero_paper_table_1():

@@ -108,6 +108,15 @@ def _tp(args):
           f"(shard k starts at sum(output_sizes[:k]) / tp); KV heads per rank {s['kv_heads_per_rank']}, "
           f"each replicated on {s['kv_replication']} rank(s)")
     print(f"  merged gate_up_proj local rows: gate at 0, up at {s['gate_up_local_offsets']['up']}")
+    nb = ptp.DTYPE_BYTES[args.dtype.lower()]
+    ranks = s["per_rank"]
+    print("per rank: query heads, KV heads, intermediate columns, vocabulary rows, weights, bytes streamed per token")
+    for r in ranks:
+        print(f"  rank {r['rank']:>2}: q {r['q_heads'][0]:>3}-{r['q_heads'][1] - 1:<3} kv {r['kv_heads'][0]:>2}-"
+              f"{r['kv_heads'][1] - 1:<2} inter {r['intermediate']:>6} vocab {r['vocab_rows']:>7}  "
+              f"{_mb(r['weights'] * nb):>12} {_mb(r['streamed'] * nb):>12}")
+    streamed = [r["streamed"] for r in ranks]
+    print(f"  most-loaded rank streams {max(streamed) * len(streamed) / sum(streamed):.3f}x the average")
     print(f"weights: {_mb(res['weights_total_bytes'])} in all, {_mb(res['weights_per_rank_bytes'])} per rank")
     for label, c, shape in (("forward", pre, f"batch {args.batch} x seq {args.seq}"), ("decode step", dec, f"batch {args.batch} x 1")):
         print(f"{label} ({shape}): {c['allreduces']} all-reduces (2 per layer x {m.layers}) of "

@@ -10,10 +10,13 @@ all-gather of the logits in the head. Every rank ends with the full logits.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..tp import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
                   VocabParallelEmbedding)
+from ..tp import partition
 from ..tp.arena import pack
 from .config import LlamaConfig
 from .ops import attention, rms_norm, swiglu
@@ -62,15 +65,16 @@ class KVCache:
 
 
 class Attention:
-    def __init__(self, cfg: LlamaConfig, comm, rotary: Rotary, dtype, xp):
+    def __init__(self, cfg: LlamaConfig, comm, rotary: Rotary, dtype, xp, split: partition.AttentionSplit):
         self.xp, self.rotary, self.head_dim = xp, rotary, cfg.head_dim
         # a Python float, as transformers' ``scaling``: a NumPy float64 here would promote
         # the scores and the softmax to float64 (NEP 50)
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, bias=cfg.qkv_bias, comm=comm, dtype=dtype, xp=xp)
+                                          cfg.num_key_value_heads, bias=cfg.qkv_bias, comm=comm, split=split,
+                                          dtype=dtype, xp=xp)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias,
-                                        comm=comm, dtype=dtype, xp=xp)
+                                        comm=comm, sizes=[q * cfg.head_dim for q in split.q], dtype=dtype, xp=xp)
         self.nh, self.nkv = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
 
     def __call__(self, x, step: "Step", cache: KVCache, layer: int):
@@ -94,12 +98,12 @@ class Attention:
 
 
 class MLP:
-    def __init__(self, cfg: LlamaConfig, comm, dtype, xp):
+    def __init__(self, cfg: LlamaConfig, comm, dtype, xp, sizes: list[int]):
         self.xp = xp
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
-                                                       bias=cfg.mlp_bias, comm=comm, dtype=dtype, xp=xp)
+                                                       bias=cfg.mlp_bias, comm=comm, sizes=sizes, dtype=dtype, xp=xp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, comm=comm,
-                                           dtype=dtype, xp=xp)
+                                           sizes=sizes, dtype=dtype, xp=xp)
 
     def __call__(self, x):
         gu = self.gate_up_proj(x)
@@ -108,15 +112,31 @@ class MLP:
 
 
 class DecoderLayer:
-    def __init__(self, cfg: LlamaConfig, comm, rotary: Rotary, dtype, xp):
+    def __init__(self, cfg: LlamaConfig, comm, rotary: Rotary, dtype, xp, plan: "TPPlan"):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, xp)
-        self.self_attn = Attention(cfg, comm, rotary, dtype, xp)
+        self.self_attn = Attention(cfg, comm, rotary, dtype, xp, plan.attention)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, xp)
-        self.mlp = MLP(cfg, comm, dtype, xp)
+        self.mlp = MLP(cfg, comm, dtype, xp, plan.mlp)
 
     def __call__(self, x, step, cache, layer):
         h = x + self.self_attn(self.input_layernorm(x), step, cache, layer)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """How every decoder layer is cut over p ranks: attention by KV-head groups, the MLP's
+    intermediate columns balancing what each rank streams (:mod:`mpitp.tp.partition`)."""
+    attention: partition.AttentionSplit
+    mlp: list[int]
+
+    @classmethod
+    def of(cls, c: LlamaConfig, p: int) -> "TPPlan":
+        att = partition.attention(c.num_attention_heads, c.num_key_value_heads, p)
+        if p > c.intermediate_size:
+            raise partition.ShardingError(f"tensor-parallel size {p} exceeds intermediate_size = "
+                                          f"{c.intermediate_size}")
+        return cls(att, partition.mlp(c.intermediate_size, c.hidden_size, c.head_dim, att))
 
 
 class LlamaForCausalLM:
@@ -128,7 +148,9 @@ class LlamaForCausalLM:
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, min(c.max_position_embeddings, 4096),
                              xp=xp, dtype=np.float32)
         self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, comm=comm, dtype=self.dtype, xp=xp)
-        self.layers = [DecoderLayer(c, comm, self.rotary, self.dtype, xp) for _ in range(c.num_hidden_layers)]
+        self.plan = TPPlan.of(c, comm.size if comm is not None else 1)
+        self.layers = [DecoderLayer(c, comm, self.rotary, self.dtype, xp, self.plan)
+                       for _ in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, xp)
         self.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size, comm=comm, dtype=self.dtype, xp=xp)
         if c.tie_word_embeddings:

@@ -52,6 +52,8 @@ PRESETS = {
     "llama3-8b": ModelShape("llama3-8b", 4096, 32, 32, 8, 14336, 128256),
     "llama3-70b": ModelShape("llama3-70b", 8192, 80, 64, 8, 28672, 128256),
     "tinyllama-1.1b": ModelShape("tinyllama-1.1b", 2048, 22, 32, 4, 5632, 32000),
+    "smollm2-135m": ModelShape("smollm2-135m", 576, 30, 9, 3, 1536, 49152, tied=True),
+    "qwen2-7b": ModelShape("qwen2-7b", 3584, 28, 28, 4, 18944, 152064),
 }
 
 
@@ -63,51 +65,59 @@ def load_model(name_or_path: str) -> ModelShape:
     if p.is_dir():
         p = p / "config.json"
     if not p.exists():
-        raise SystemExit(f"unknown model {name_or_path!r}: not a preset ({', '.join(PRESETS)}) "
-                         "and no config.json there")
+        from ..tp.partition import ShardingError
+        raise ShardingError(f"unknown model {name_or_path!r}: not a preset ({', '.join(PRESETS)}) "
+                            "and no config.json there")
     cfg = json.loads(p.read_text())
     try:
         return ModelShape(p.parent.name or "model", cfg["hidden_size"], cfg["num_hidden_layers"],
                           cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
                           cfg["intermediate_size"], cfg["vocab_size"], bool(cfg.get("tie_word_embeddings", False)))
     except KeyError as e:
-        raise SystemExit(f"{p}: config has no {e.args[0]!r}; is it a LLaMA-family config?") from None
+        from ..tp.partition import ShardingError
+        raise ShardingError(f"{p}: config has no {e.args[0]!r}; is it a LLaMA-family config?") from None
 
 
 def shard_shapes(m: ModelShape, p: int) -> dict:
-    """Per-rank weight shapes ([in, out] like the seed) and the merged-QKV local layout."""
-    if m.heads % p:
-        raise SystemExit(f"{m.heads} attention heads are not divisible by tp={p}")
-    if m.kv_heads % p and p % m.kv_heads:
-        raise SystemExit(f"{m.kv_heads} KV heads neither divide nor are divisible by tp={p}")
-    if m.intermediate % p:
-        raise SystemExit(f"intermediate size {m.intermediate} is not divisible by tp={p}")
-    d = m.head_dim
-    q = m.heads // p * d
-    kv_per_rank = max(m.kv_heads // p, 1)
-    kv = kv_per_rank * d
-    vocab_padded = -(-m.vocab // (64 * p)) * 64 * p
+    """Per-rank weight shapes ([in, out] like the seed), cut by the TP layers' own rules
+    (:mod:`mpitp.tp.partition`: uneven, GQA-aware, MLP balancing the bytes each rank
+    streams). Top-level keys are rank 0's; ``per_rank`` has every rank's."""
+    from ..tp import partition
+    att = partition.attention(m.heads, m.kv_heads, p)
+    inter = partition.mlp(m.intermediate, m.hidden, m.head_dim, att)
+    vocab_padded, vocab_rows = partition.vocab(m.vocab, p)
+    d, h = m.head_dim, m.hidden
+    ranks = []
+    for r in range(p):
+        q, q0, kv, kv0 = att.rank(r)
+        layer = (2 * q + 2 * kv) * d * h + 3 * h * inter[r] + 2 * h
+        ranks.append({"rank": r, "q_heads": [q0, q0 + q], "kv_heads": [kv0, kv0 + kv], "intermediate": inter[r],
+                      "vocab_rows": vocab_rows[r],
+                      "weights": m.layers * layer + vocab_rows[r] * h * (1 if m.tied else 2) + h,
+                      "streamed": m.layers * layer + vocab_rows[r] * h + h})
+    q, kv, i0 = att.q[0] * d, att.kv[0] * d, inter[0]
     return {
-        "q_proj": [m.hidden, q], "k_proj": [m.hidden, kv], "v_proj": [m.hidden, kv],
-        "o_proj": [q, m.hidden],
-        "gate_proj": [m.hidden, m.intermediate // p], "up_proj": [m.hidden, m.intermediate // p],
-        "down_proj": [m.intermediate // p, m.hidden],
-        "embed_tokens": [vocab_padded // p, m.hidden], "lm_head": [m.hidden, vocab_padded // p],
+        "q_proj": [h, q], "k_proj": [h, kv], "v_proj": [h, kv], "o_proj": [q, h],
+        "gate_proj": [h, i0], "up_proj": [h, i0], "down_proj": [i0, h],
+        "embed_tokens": [vocab_rows[0], h], "lm_head": [h, vocab_rows[0]],
         "vocab_padded": vocab_padded,
-        "kv_heads_per_rank": kv_per_rank, "kv_replication": max(p // m.kv_heads, 1),
-        # seed 000: merged qkv_proj, output_sizes [q, kv, kv]; shard k starts at sum(sizes[:k]) / p
+        "kv_heads_per_rank": att.kv[0], "kv_replication": max(1, -(-p // m.kv_heads)) if p > m.kv_heads else 1,
+        # merged qkv_proj: [Q_r | K_r | V_r]; merged gate_up_proj: [gate_r ; up_r]
         "qkv_local_offsets": {"q": 0, "k": q, "v": q + kv},
-        "gate_up_local_offsets": {"gate": 0, "up": m.intermediate // p},
+        "gate_up_local_offsets": {"gate": 0, "up": i0},
+        "per_rank": ranks,
     }
 
 
 def weight_bytes_per_rank(m: ModelShape, p: int, nbytes: int) -> int:
-    s = shard_shapes(m, p)
-    h = m.hidden
-    per_layer = sum(s[k][0] * s[k][1] for k in
-                    ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")) + 2 * h
-    emb = s["embed_tokens"][0] * h * (1 if m.tied else 2)
-    return (m.layers * per_layer + emb + h) * nbytes
+    """The most any rank holds (element counts from :func:`shard_shapes`)."""
+    return max(r["weights"] for r in shard_shapes(m, p)["per_rank"]) * nbytes
+
+
+def balance(m: ModelShape, p: int) -> float:
+    """The most-loaded rank's streamed bytes per token over the average."""
+    s = [r["streamed"] for r in shard_shapes(m, p)["per_rank"]]
+    return max(s) * len(s) / sum(s)
 
 
 def comm_plan(m: ModelShape, p: int, batch: int, seq: int, nbytes: int, prof: Profile) -> dict:

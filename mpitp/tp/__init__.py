@@ -2,8 +2,9 @@
 from .embedding import ParallelLMHead, VocabParallelEmbedding
 from .linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
                      RowParallelLinear, ShardingError)
+from .partition import AttentionSplit
 from .source import ArraySource, SafetensorsSource, TensorSource
 
 __all__ = ["ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear", "ReplicatedLinear",
            "RowParallelLinear", "ShardingError", "VocabParallelEmbedding", "ParallelLMHead", "ArraySource",
-           "SafetensorsSource", "TensorSource"]
+           "SafetensorsSource", "TensorSource", "AttentionSplit"]

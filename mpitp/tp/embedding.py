@@ -1,9 +1,11 @@
 """Vocabulary-parallel embedding and LM head.
 
-The vocabulary is padded to a multiple of ``PAD * p`` and cut into ``p`` row blocks::
+The vocabulary is padded to whole blocks of ``PAD`` rows (at least one per rank) and cut
+into ``p`` runs of blocks that differ by at most one block::
 
     vocab 250, p = 4, PAD = 64  ->  padded 256, rank r holds ids [64r, 64r+64)
     rank 3 rows 250..255 are padding: zero, never looked up, trimmed from the logits
+    vocab 1001, p = 3           ->  padded 1024 (16 blocks): 6 + 5 + 5 blocks
 
 Embedding: each rank looks up the ids in its block (others give zero rows), then one
 all-reduce sums the blocks. LM head: each rank computes the logits of its block, an
@@ -13,10 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import partition
 from .linear import ShardingError, gather_last_dim
+from .partition import PAD  # noqa: F401  (re-exported)
 from .source import TensorSource
-
-PAD = 64
 
 
 class VocabParallelEmbedding:
@@ -25,9 +27,9 @@ class VocabParallelEmbedding:
         p = comm.size if comm is not None else 1
         self.tp_size, self.tp_rank = p, (comm.rank if comm is not None else 0)
         self.vocab_size, self.hidden = vocab_size, hidden
-        self.padded = -(-vocab_size // (PAD * p)) * PAD * p
-        self.per_rank = self.padded // p
-        self.start = self.tp_rank * self.per_rank
+        self.padded, self.sizes = partition.vocab(vocab_size, p)
+        self.per_rank = self.sizes[self.tp_rank]
+        self.start = partition.starts(self.sizes)[self.tp_rank]
         self.end = self.start + self.per_rank
         self._wt = xp.zeros((hidden, self.per_rank), self.dtype)     # [hidden, rows]: the head's GEMV
         self.weight = self._wt.T                                       # [rows, hidden] view
@@ -67,5 +69,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __call__(self, h):
         logits = h @ self._wt
         if self.tp_size > 1:
-            logits = gather_last_dim(self.comm, logits)
+            logits = gather_last_dim(self.comm, logits, self.sizes)
         return logits[..., :self.vocab_size]

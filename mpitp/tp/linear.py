@@ -4,7 +4,9 @@ Weights are addressed in the Hugging Face layout ``W[out, in]`` (``layer.weight`
 stored transposed once at construction (llm.c style); ``y = x @ W.T (+ b)``. ``p`` ranks,
 rank ``r``. Every layer has a ``weight_loader(param, source, shard_id)`` that reads only
 this rank's slice from a :class:`~mpitp.tp.source.TensorSource` (a safetensors slice on
-disk, or an array), so the checkpoint loader stays generic.
+disk, or an array), so the checkpoint loader stays generic. Cuts need not be equal:
+``sizes`` gives each rank's share (default: as even as possible, differing by one), and
+:mod:`mpitp.tp.partition` chooses GQA-aware, byte-balanced ones for a whole model.
 
     ColumnParallelLinear: W cut by rows (output)      RowParallelLinear: W cut by columns (input)
 
@@ -21,18 +23,17 @@ from typing import Any
 import numpy as np
 
 from .. import backend
-from ..errors import MpitpError
+from . import partition
+from .partition import ShardingError
 from .source import TensorSource
 
 
-class ShardingError(MpitpError, ValueError):
-    """A layer cannot be cut over this many ranks, or a tensor has the wrong shape."""
-
-
-def _divide(n: int, p: int, what: str) -> int:
-    if n % p:
-        raise ShardingError(f"{what} = {n} is not divisible by the tensor-parallel size {p}")
-    return n // p
+def _cut(n: int, p: int, sizes, what: str) -> list[int]:
+    """Per-rank sizes of a dimension of ``n``: ``sizes`` checked, or an even split."""
+    sizes = partition.even(n, p) if sizes is None else list(sizes)
+    if len(sizes) != p or sum(sizes) != n or min(sizes) < 0:
+        raise ShardingError(f"{what}: sizes {sizes} do not cut {n} over {p} ranks")
+    return sizes
 
 
 class LinearBase:
@@ -84,25 +85,25 @@ class ColumnParallelLinear(LinearBase):
     ``gather_output`` (then every rank gets the whole output, ranks in order)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False, comm=None,
-                 gather_output: bool = False, dtype=np.float32, xp=np):
-        p = comm.size if comm is not None else 1
-        super().__init__(in_features, _divide(out_features, p, "output size"), bias=bias, comm=comm,
-                         dtype=dtype, xp=xp)
+                 gather_output: bool = False, sizes=None, dtype=np.float32, xp=np):
+        p, r = (comm.size, comm.rank) if comm is not None else (1, 0)
+        self.sizes = _cut(out_features, p, sizes, "output")
+        self.start = partition.starts(self.sizes)[r]
+        super().__init__(in_features, self.sizes[r], bias=bias, comm=comm, dtype=dtype, xp=xp)
         self.full_out = out_features
         self.gather_output = gather_output
 
     def weight_loader(self, param: str, src: TensorSource, shard_id: Any = None) -> None:
         full = (self.full_out, self.in_features) if param == "weight" else (self.full_out,)
         self._check_full(src, full)
-        n = self.out_features
-        self._put(param, src.rows(self.tp_rank * n, (self.tp_rank + 1) * n))
+        self._put(param, src.rows(self.start, self.start + self.out_features))
 
     def __call__(self, x):
         y = self.matmul(x)
         if self.bias is not None:
             y = y + self.bias
         if self.gather_output and self.tp_size > 1:
-            y = gather_last_dim(self.comm, y)
+            y = gather_last_dim(self.comm, y, self.sizes)
         return y
 
 
@@ -111,10 +112,11 @@ class RowParallelLinear(LinearBase):
     all-reduced (``reduce_results``) and the bias is added once, after the reduction."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False, comm=None,
-                 input_is_parallel: bool = True, reduce_results: bool = True, dtype=np.float32, xp=np):
-        p = comm.size if comm is not None else 1
-        super().__init__(_divide(in_features, p, "input size"), out_features, bias=bias, comm=comm,
-                         dtype=dtype, xp=xp)
+                 input_is_parallel: bool = True, reduce_results: bool = True, sizes=None, dtype=np.float32, xp=np):
+        p, r = (comm.size, comm.rank) if comm is not None else (1, 0)
+        self.sizes = _cut(in_features, p, sizes, "input")
+        self.start = partition.starts(self.sizes)[r]
+        super().__init__(self.sizes[r], out_features, bias=bias, comm=comm, dtype=dtype, xp=xp)
         self.full_in = in_features
         self.input_is_parallel, self.reduce_results = input_is_parallel, reduce_results
 
@@ -124,13 +126,11 @@ class RowParallelLinear(LinearBase):
             self._put("bias", src.read())
             return
         self._check_full(src, (self.out_features, self.full_in))
-        n = self.in_features
-        self._put("weight", src.cols(self.tp_rank * n, (self.tp_rank + 1) * n))
+        self._put("weight", src.cols(self.start, self.start + self.in_features))
 
     def __call__(self, x):
         if not self.input_is_parallel:
-            n = self.in_features
-            x = x[..., self.tp_rank * n:(self.tp_rank + 1) * n]
+            x = x[..., self.start:self.start + self.in_features]
         y = self.matmul(x)
         if self.reduce_results and self.tp_size > 1:
             self.comm.allreduce(y, out=y)
@@ -138,58 +138,55 @@ class RowParallelLinear(LinearBase):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel outputs in one weight (gate_up_proj). Locally
-    ``[gate_r ; up_r]``: shard k lands at local row ``sum(output_sizes[:k]) / p``."""
+    """Several column-parallel outputs in one weight (gate_up_proj), each cut by its own
+    per-rank sizes (``sizes``: one list for all outputs of equal length, e.g. the
+    intermediate cut). Locally ``[gate_r ; up_r]``: shard k lands at the local row where
+    the rank's shards before it end (with even cuts, ``sum(output_sizes[:k]) / p``)."""
 
     def __init__(self, in_features: int, output_sizes: list[int], *, bias: bool = False, comm=None,
-                 dtype=np.float32, xp=np):
-        p = comm.size if comm is not None else 1
-        for k, s in enumerate(output_sizes):
-            _divide(s, p, f"output_sizes[{k}]")
+                 sizes=None, dtype=np.float32, xp=np):
+        p, r = (comm.size, comm.rank) if comm is not None else (1, 0)
         self.output_sizes = list(output_sizes)
-        super().__init__(in_features, sum(output_sizes), bias=bias, comm=comm, dtype=dtype, xp=xp)
+        self.cuts = [_cut(n, p, sizes, f"output_sizes[{k}]") for k, n in enumerate(output_sizes)]
+        mine = [c[r] for c in self.cuts]
+        self.shard_offsets = partition.starts(mine)
+        self.shard_starts = [partition.starts(c)[r] for c in self.cuts]
+        super().__init__(in_features, sum(output_sizes), bias=bias, comm=comm,
+                         sizes=[sum(c[q] for c in self.cuts) for q in range(p)], dtype=dtype, xp=xp)
 
     def weight_loader(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
-        p, r = self.tp_size, self.tp_rank
         size = self.output_sizes[shard_id]
         self._check_full(src, (size, self.in_features) if param == "weight" else (size,))
-        n, off = size // p, sum(self.output_sizes[:shard_id]) // p
+        n, off, start = self.cuts[shard_id][self.tp_rank], self.shard_offsets[shard_id], self.shard_starts[shard_id]
         dst = getattr(self, param)
-        value = src.rows(r * n, (r + 1) * n)
-        dst[off:off + n] = self.xp.asarray(value, dtype=self.dtype)
+        dst[off:off + n] = self.xp.asarray(src.rows(start, start + n), dtype=self.dtype)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Q, K and V projections in one weight, cut by heads. Locally ``[Q_r | K_r | V_r]``.
-
-    With ``p <= kv_heads`` rank r holds KV heads ``[r*kv/p, (r+1)*kv/p)``; with
-    ``p > kv_heads`` each rank holds one KV head, ``r // (p/kv)``, replicated on p/kv
-    ranks (the query heads of a rank always share that KV head)."""
+    """Q, K and V projections in one weight, cut by whole KV-head groups
+    (:func:`mpitp.tp.partition.attention`). Locally ``[Q_r | K_r | V_r]``: the rank's query
+    heads, then its KV heads — its own share of them, or, with more ranks than KV heads,
+    the one KV head its query heads use (replicated on the ranks that share it)."""
 
     def __init__(self, hidden_size: int, head_dim: int, total_heads: int, total_kv_heads: int, *,
-                 bias: bool = False, comm=None, dtype=np.float32, xp=np):
-        p = comm.size if comm is not None else 1
-        self.num_heads = _divide(total_heads, p, "number of attention heads")
-        if total_kv_heads % p and p % total_kv_heads:
-            raise ShardingError(f"number of KV heads = {total_kv_heads} neither divides nor is divisible by "
-                                f"the tensor-parallel size {p}")
-        self.num_kv_heads = max(1, total_kv_heads // p)
+                 bias: bool = False, comm=None, split: "partition.AttentionSplit | None" = None,
+                 dtype=np.float32, xp=np):
+        p, r = (comm.size, comm.rank) if comm is not None else (1, 0)
+        self.split_plan = split or partition.attention(total_heads, total_kv_heads, p)
+        self.num_heads, self.q_head_start, self.num_kv_heads, self.kv_start = self.split_plan.rank(r)
         self.total_heads, self.total_kv_heads, self.head_dim = total_heads, total_kv_heads, head_dim
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        super().__init__(hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim * p, bias=bias,
-                         comm=comm, dtype=dtype, xp=xp)
-
-    def kv_head_start(self) -> int:
-        p, r, kv = self.tp_size, self.tp_rank, self.total_kv_heads
-        return r * self.num_kv_heads if p <= kv else r // (p // kv)
+        local = [(q + 2 * k) * head_dim for q, k in zip(self.split_plan.q, self.split_plan.kv)]
+        super().__init__(hidden_size, sum(local), bias=bias, comm=comm, sizes=local, dtype=dtype, xp=xp)
+        self.full_out = (total_heads + 2 * total_kv_heads) * head_dim      # q, k, v as the checkpoint has them
 
     def weight_loader(self, param: str, src: TensorSource, shard_id: str = "q") -> None:
         d = self.head_dim
         if shard_id == "q":
-            full, start, n, off = self.total_heads * d, self.tp_rank * self.q_size, self.q_size, 0
+            full, start, n, off = self.total_heads * d, self.q_head_start * d, self.q_size, 0
         else:
-            full, start, n = self.total_kv_heads * d, self.kv_head_start() * d, self.kv_size
+            full, start, n = self.total_kv_heads * d, self.kv_start * d, self.kv_size
             off = self.q_size + (0 if shard_id == "k" else self.kv_size)
         self._check_full(src, (full, self.in_features) if param == "weight" else (full,))
         dst = getattr(self, param)
@@ -202,10 +199,14 @@ class QKVParallelLinear(ColumnParallelLinear):
         return q, k, v
 
 
-def gather_last_dim(comm, y):
-    """All-gather a tensor sharded equally along its last dimension (ranks in order)."""
+def gather_last_dim(comm, y, sizes=None):
+    """All-gather a tensor sharded along its last dimension (ranks in order; ``sizes``
+    per rank, default equal)."""
     xp = backend.xp_of(y)
     part = xp.moveaxis(y, -1, 0)
-    full = backend.empty((part.shape[0] * comm.size,) + tuple(part.shape[1:]), y.dtype, y)
-    comm.allgather(part, out=full)        # equal shards: out's shape spares the count exchange
+    if sizes is None or len(set(sizes)) == 1:
+        full = backend.empty((part.shape[0] * comm.size,) + tuple(part.shape[1:]), y.dtype, y)
+        comm.allgather(part, out=full)        # equal shards: out's shape spares the count exchange
+    else:
+        full = comm.allgather(part)
     return xp.moveaxis(full, 0, -1)

@@ -7,6 +7,7 @@ from mpi4py import MPI
 
 import mpitp
 from conftest import agree
+from mpitp.tp import partition
 from mpitp.tp import (ArraySource, ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
                       QKVParallelLinear, ReplicatedLinear, RowParallelLinear, ShardingError, VocabParallelEmbedding)
 
@@ -79,14 +80,55 @@ def test_qkv_heads_and_replication(tp, heads, kv):
     agree(close(v, (x @ V[kv_start * d:(kv_start + nkv) * d].T).astype(np.float32)), "v heads")
 
 
-def test_qkv_refuses_bad_head_counts(tp):
+@pytest.mark.parametrize("heads,kv", [(N + 1, 1), (3 * N + 3, 3), (9, 3), (2 * N + 2, N + 1)])
+def test_qkv_uneven_by_kv_groups(tp, heads, kv):
+    """Head counts that do not divide p: each rank's q heads and the KV heads they use,
+    against the reference weights cut by the same partition."""
+    if N > heads:
+        pytest.skip("more ranks than heads")
+    d = 2
+    Q, K, V = (rng.standard_normal((h * d, 8)) for h in (heads, kv, kv))
+    m = QKVParallelLinear(8, d, heads, kv, comm=tp)
+    for sid, w in zip("qkv", (Q, K, V)):
+        m.weight_loader("weight", ArraySource(sid, w), sid)
+    x = rng.standard_normal((2, 8)).astype(np.float32)
+    q, k, v = m.split(m(x))
+    a = partition.attention(heads, kv, N)
+    nq, q0, nkv, k0 = a.rank(tp.rank)
+    agree(close(q, (x @ Q[q0 * d:(q0 + nq) * d].T).astype(np.float32)), f"q heads {q0}..{q0 + nq - 1}")
+    agree(close(k, (x @ K[k0 * d:(k0 + nkv) * d].T).astype(np.float32)), f"k heads {k0}..")
+    agree(close(v, (x @ V[k0 * d:(k0 + nkv) * d].T).astype(np.float32)), "v heads")
+
+
+def test_uneven_column_and_row(tp):
+    out = 7 * N + 3
+    sizes = partition.mlp(out, 10, 2, partition.attention(N, 1, N))        # a balancing cut, not n/p
+    W1, W2 = rng.standard_normal((out, 10)), rng.standard_normal((5, out))
+    x = rng.standard_normal((3, 10)).astype(np.float32)
+    col = ColumnParallelLinear(10, out, comm=tp, sizes=sizes)
+    col.weight_loader("weight", ArraySource("w1", W1))
+    lo = partition.starts(sizes)[tp.rank]
+    y_ref = x @ W1.T
+    y = col(x)
+    agree(close(y, y_ref[:, lo:lo + sizes[tp.rank]].astype(np.float32)), "column output = reference cut")
+    row = RowParallelLinear(out, 5, comm=tp, sizes=sizes)
+    row.weight_loader("weight", ArraySource("w2", W2))
+    agree(close(row(y), (y_ref @ W2.T).astype(np.float32), 1e-4), "row output after the all-reduce")
+    gathered = ColumnParallelLinear(10, out, comm=tp, sizes=sizes, gather_output=True)
+    gathered.weight_loader("weight", ArraySource("w1", W1))
+    agree(close(gathered(x), y_ref.astype(np.float32)), "uneven gather_output")
+    m = MergedColumnParallelLinear(10, [out, out], comm=tp, sizes=sizes)
+    m.weight_loader("weight", ArraySource("gate", W1), 0)
+    m.weight_loader("weight", ArraySource("up", W1 * 2), 1)
+    n = sizes[tp.rank]
+    agree(close(m.weight, np.concatenate([W1[lo:lo + n], 2 * W1[lo:lo + n]]).astype(np.float32)), "[gate_r ; up_r]")
+
+
+def test_more_ranks_than_heads_is_refused(tp):
     if N < 2:
-        pytest.skip("every head count divides 1")
-    with pytest.raises(ShardingError, match=f"attention heads = {N + 1} is not divisible"):
-        QKVParallelLinear(8, 2, N + 1, 1, comm=tp)
-    if N == 4:
-        with pytest.raises(ShardingError, match="KV heads = 3 neither divides"):
-            QKVParallelLinear(8, 2, 12, 3, comm=tp)
+        pytest.skip("one rank always has a head")
+    with pytest.raises(ShardingError, match=f"tensor-parallel size {N} exceeds the number of attention heads = {N - 1}"):
+        QKVParallelLinear(8, 2, N - 1, 1, comm=tp)
 
 
 @pytest.mark.parametrize("vocab", [50, 64 * N, 64 * N + 1])
@@ -96,7 +138,8 @@ def test_vocab_parallel_embedding_and_head(tp, vocab):
     emb.weight_loader("weight", ArraySource("emb", E))
     ids = np.array([[0, vocab - 1, 3 % vocab], [vocab // 2, 1 % vocab, 0]])
     agree(close(emb(ids), E[ids]), f"embedding lookup vocab={vocab}")
-    agree(emb.padded % (64 * N) == 0 and emb.padded >= vocab, "padded to a multiple of 64*p")
+    agree(emb.padded % 64 == 0 and emb.padded >= vocab and max(emb.sizes) - min(emb.sizes) <= 64,
+          "padded to whole blocks of 64, cut differing by at most one block")
     head = ParallelLMHead(vocab, 6, comm=tp)
     head.tie(emb)
     h = rng.standard_normal((2, 3, 6)).astype(np.float32)

@@ -1,0 +1,102 @@
+"""How a model is cut over any number of ranks p: uneven, GQA-aware partitions.
+
+Attention is cut by whole KV-head groups, so every rank's query heads use only its own
+KV heads (g = query heads per KV head)::
+
+    9 heads / 3 KV, p = 2:   rank 0: KV 0-1, q 0-5      rank 1: KV 2, q 6-8
+    32 / 8, p = 3:           KV 3 + 3 + 2 -> q 12 + 12 + 8
+    9 / 3, p = 4 (p > KV):   each rank one KV head; KV 0 on ranks 0-1 (q 0-1 | 2),
+                             KV 1 on rank 2 (q 3-5), KV 2 on rank 3 (q 6-8)
+
+The MLP's intermediate columns then balance what each rank streams per token: a rank
+with fewer attention bytes takes more columns, so the slowest rank (which sets the pace
+of every all-reduce) carries no more than its share. The vocabulary is cut in blocks of
+``PAD`` rows, as evenly as blocks allow. Every split is a list of (start, size) per rank,
+computed the same way on every rank, so nothing is exchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import MpitpError
+
+PAD = 64            # vocabulary rows per block
+
+
+class ShardingError(MpitpError, ValueError):
+    """A layer cannot be cut over this many ranks, or a tensor has the wrong shape."""
+
+
+def even(n: int, p: int, block: int = 1) -> list[int]:
+    """``n`` (a multiple of ``block``) in ``p`` parts that differ by at most one block."""
+    q, r = divmod(n // block, p)
+    return [(q + (i < r)) * block for i in range(p)]
+
+
+def starts(sizes: list[int]) -> list[int]:
+    out, s = [], 0
+    for n in sizes:
+        out.append(s)
+        s += n
+    return out
+
+
+@dataclass(frozen=True)
+class AttentionSplit:
+    q: list[int]            # query heads per rank
+    q_start: list[int]
+    kv: list[int]           # KV heads each rank holds (1 when replicated)
+    kv_start: list[int]
+
+    def rank(self, r: int) -> tuple[int, int, int, int]:
+        return self.q[r], self.q_start[r], self.kv[r], self.kv_start[r]
+
+
+def attention(heads: int, kv_heads: int, p: int) -> AttentionSplit:
+    if heads % kv_heads:
+        raise ShardingError(f"number of attention heads = {heads} is not a multiple of the KV heads = {kv_heads}")
+    if p > heads:
+        raise ShardingError(f"tensor-parallel size {p} exceeds the number of attention heads = {heads}: "
+                            "some rank would hold no head")
+    g = heads // kv_heads
+    if p <= kv_heads:
+        kv = even(kv_heads, p)
+        return AttentionSplit([k * g for k in kv], [s * g for s in starts(kv)], kv, starts(kv))
+    q, q_start, kv_start = [], [], []
+    for head, ranks in enumerate(even(p, kv_heads)):        # ranks sharing each KV head
+        for size, off in zip(even(g, ranks), starts(even(g, ranks))):
+            q.append(size)
+            q_start.append(head * g + off)
+            kv_start.append(head)
+    return AttentionSplit(q, q_start, [1] * p, kv_start)
+
+
+def vocab(vocab_size: int, p: int) -> tuple[int, list[int]]:
+    """(padded vocabulary, rows per rank): padded to whole blocks of PAD, at least one per rank."""
+    blocks = max(-(-vocab_size // PAD), p)
+    return blocks * PAD, even(blocks * PAD, p, PAD)
+
+
+def mlp(intermediate: int, hidden: int, head_dim: int, att: AttentionSplit, fixed: list[int] | None = None,
+        block: int = 1) -> list[int]:
+    """Intermediate columns per rank that balance the bytes each rank streams per token:
+    attention (q, k, v and o rows) + 3·hidden per column (gate, up, down) + ``fixed``
+    (e.g. the rank's vocabulary rows); every rank keeps at least one block."""
+    p = len(att.q)
+    fixed = fixed or [0] * p
+    other = [(2 * q + 2 * k) * head_dim * hidden + f for q, k, f in zip(att.q, att.kv, fixed)]
+    per_col = 3 * hidden
+    target = (sum(other) + per_col * intermediate) / p
+    units = intermediate // block
+    want = [max(1.0, (target - o) / (per_col * block)) for o in other]
+    scale = units / sum(want)
+    sizes = [max(1, int(w * scale)) for w in want]
+    order = sorted(range(p), key=lambda i: want[i] * scale - sizes[i], reverse=True)
+    i = 0
+    while sum(sizes) < units:           # hand out what rounding left, largest remainders first
+        sizes[order[i % p]] += 1
+        i += 1
+    while sum(sizes) > units:
+        j = max(range(p), key=lambda k: sizes[k])
+        sizes[j] -= 1
+    return [s * block for s in sizes]
