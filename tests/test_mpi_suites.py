@@ -18,6 +18,7 @@ SUITES = sorted(p.name for p in (HERE / "mpi").glob("test_*.py"))
 FLAVOR = launch.flavor()
 MIN_RANKS = {"test_validation.py": 2}   # a mismatch needs two ranks to disagree
 EXTRA_SIZES = [(s, n) for s in ("test_hierarchical.py",) for n in (5, 6, 7, 8)]   # 3 nodes need room
+EXTRA_SIZES += [(s, 5) for s in ("test_tp_layers.py", "test_llama.py")]            # uneven cuts at 5 ranks
 # the ring over MPI point-to-point, as across nodes (one node uses shared memory by default)
 MPI_TRANSPORT = [(s, n) for s in ("test_allreduce.py", "test_collectives.py", "test_traffic.py") for n in (2, 3, 4)]
 

@@ -1,6 +1,7 @@
 """Tensor-parallel LLaMA at the launcher's world size: Hugging Face parity on the
 committed fixtures, equality with the single-process model, traffic per forward, and
-clear load-time errors where the config cannot be cut this many ways."""
+clear load-time errors where the config cannot be cut this many ways (more ranks than
+heads); every other world size, uneven ones included, must match Hugging Face."""
 from pathlib import Path
 
 import numpy as np
@@ -18,10 +19,10 @@ NAMES = ["mha", "gqa", "tied", "llama3_rope", "bf16", "sharded", "qwen2"]
 
 
 def cuttable(name: str) -> bool:
+    """Any p up to the number of heads (uneven, GQA-aware cuts); beyond, a clear error."""
     import json
     cfg = json.loads((FIX / name / "config.json").read_text())
-    h, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    return h % N == 0 and (kv % N == 0 or N % kv == 0) and cfg["intermediate_size"] % N == 0
+    return N <= cfg["num_attention_heads"]
 
 
 @pytest.fixture(scope="module")
