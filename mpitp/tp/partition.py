@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..comm.ring import chunk_counts, offsets
 from ..errors import MpitpError
 
 PAD = 64            # vocabulary rows per block
@@ -28,17 +29,12 @@ class ShardingError(MpitpError, ValueError):
 
 
 def even(n: int, p: int, block: int = 1) -> list[int]:
-    """``n`` (a multiple of ``block``) in ``p`` parts that differ by at most one block."""
-    q, r = divmod(n // block, p)
-    return [(q + (i < r)) * block for i in range(p)]
+    """``n`` (a multiple of ``block``) in ``p`` parts that differ by at most one block
+    (the ring's chunking, in blocks)."""
+    return [c * block for c in chunk_counts(n // block, p)]
 
 
-def starts(sizes: list[int]) -> list[int]:
-    out, s = [], 0
-    for n in sizes:
-        out.append(s)
-        s += n
-    return out
+starts = offsets        # where each rank's part begins
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..comm.ring import chunk_counts, offsets
 from ..errors import MpitpError
 
 LLMC_MAGIC = 20240520          # llm.c's .bin header: 256 int32, magic, version, token count
@@ -84,10 +85,10 @@ def step_windows(step: int, batch: int, count: int, perm: np.ndarray | None = No
 
 
 def local_rows(batch: int, n: int, rank: int) -> slice:
-    """Rank's rows of a global batch, as ``numpy.array_split`` cuts it."""
-    q, r = divmod(batch, n)
-    start = rank * q + min(rank, r)
-    return slice(start, start + q + (rank < r))
+    """Rank's rows of a global batch, as ``numpy.array_split`` cuts it (the ring's chunks)."""
+    counts = chunk_counts(batch, n)
+    start = offsets(counts)[rank]
+    return slice(start, start + counts[rank])
 
 
 def split_eval(tokens: np.ndarray, fraction: float, seq: int) -> tuple[np.ndarray, np.ndarray | None]:

@@ -61,29 +61,11 @@ def test_merged_gate_up_layout(tp):
     agree(close(m.weight, want.astype(np.float32)), "local [gate_r ; up_r], up at local row I/p")
 
 
-@pytest.mark.parametrize("heads,kv", [(4 * N, 2 * N), (4 * N, 1), (4 * N, 4 * N)])
-def test_qkv_heads_and_replication(tp, heads, kv):
-    if kv % N and N % kv:
-        pytest.skip("config not cuttable at this size")
-    d = 3
-    Q, K, V = (rng.standard_normal((h * d, 8)) for h in (heads, kv, kv))
-    m = QKVParallelLinear(8, d, heads, kv, comm=tp)
-    for sid, w in zip("qkv", (Q, K, V)):
-        m.weight_loader("weight", ArraySource(sid, w), sid)
-    x = rng.standard_normal((2, 8)).astype(np.float32)
-    q, k, v = m.split(m(x))
-    nh = heads // N
-    kv_start = tp.rank * (kv // N) if N <= kv else tp.rank // (N // kv)
-    nkv = max(1, kv // N)
-    agree(close(q, (x @ Q[tp.rank * nh * d:(tp.rank + 1) * nh * d].T).astype(np.float32)), "q heads")
-    agree(close(k, (x @ K[kv_start * d:(kv_start + nkv) * d].T).astype(np.float32)), f"k heads from {kv_start}")
-    agree(close(v, (x @ V[kv_start * d:(kv_start + nkv) * d].T).astype(np.float32)), "v heads")
-
-
-@pytest.mark.parametrize("heads,kv", [(N + 1, 1), (3 * N + 3, 3), (9, 3), (2 * N + 2, N + 1)])
-def test_qkv_uneven_by_kv_groups(tp, heads, kv):
-    """Head counts that do not divide p: each rank's q heads and the KV heads they use,
-    against the reference weights cut by the same partition."""
+@pytest.mark.parametrize("heads,kv", [(4 * N, 2 * N), (4 * N, 1), (4 * N, 4 * N),          # p divides
+                                      (N + 1, 1), (3 * N + 3, 3), (9, 3), (2 * N + 2, N + 1)])  # it does not
+def test_qkv_heads_by_kv_groups(tp, heads, kv):
+    """Each rank's q heads and the KV heads they use (its share, or the one it shares when
+    p exceeds the KV heads), against the reference weights cut by the same partition."""
     if N > heads:
         pytest.skip("more ranks than heads")
     d = 2
