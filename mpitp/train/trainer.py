@@ -245,7 +245,8 @@ class Trainer:
         count = min(self.eval_windows.count, o.eval_batches * o.batch)
         mine = np.arange(count)[data.local_rows(count, self.n, self.rank)]
         per = -(-o.batch // self.n) * o.grad_accum                # rows per forward, as in training
-        chunks = -(-(-(-count // self.n)) // per)                  # the same number on every rank
+        most = -(-count // self.n)                                 # the most rows any rank has
+        chunks = max(1, -(-most // per))                           # the same number on every rank
         local = 0.0
         for part in np.array_split(mine, chunks):
             ids, targets = self.eval_windows.batch(part)
