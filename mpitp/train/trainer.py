@@ -244,7 +244,7 @@ class Trainer:
         o = self.o
         count = min(self.eval_windows.count, o.eval_batches * o.batch)
         mine = np.arange(count)[data.local_rows(count, self.n, self.rank)]
-        per = -(-o.batch // self.n) * o.grad_accum                # rows per forward, as in training
+        per = -(-o.batch // self.n)                                # rows per forward: a step's share
         most = -(-count // self.n)                                 # the most rows any rank has
         chunks = max(1, -(-most // per))                           # the same number on every rank
         local = 0.0
