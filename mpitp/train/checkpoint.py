@@ -29,7 +29,6 @@ from ..models.config import LlamaConfig
 from .layout import UnitLayout
 
 FORMAT = "mpitp-train-1"
-KINDS = ("param", "exp_avg", "exp_avg_sq")
 
 
 class CheckpointError(MpitpError, ValueError):
