@@ -25,8 +25,8 @@ import numpy as np
 
 import mpitp
 from mpitp.bench.collectives import human, parse_size
-from mpitp.comm import ring
-from mpitp.comm.library import library_version
+from mpitp.comm.algorithms import ring
+from mpitp.comm.algorithms.tuning import library_version
 
 
 def floor_work(r: int, N: int, x, y, left_x, left_y, seg: int):

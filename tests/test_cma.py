@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from mpitp.comm import cma
+from mpitp.comm.transport import cma
 
 
 def _permitted() -> bool:

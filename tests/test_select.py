@@ -2,7 +2,7 @@
 over them, and the same answer for every rank-independent input."""
 import pytest
 
-from mpitp.comm import select
+from mpitp.comm.algorithms import select
 from mpitp.comm.ops import ReduceOp
 from mpitp.errors import UnsupportedOperation
 
@@ -11,7 +11,7 @@ KiB, MiB = 1 << 10, 1 << 20
 
 @pytest.fixture(params=["mpich", "openmpi", "other"])
 def flavor(request, monkeypatch):
-    monkeypatch.setattr(select, "_flavor", lambda: request.param)
+    monkeypatch.setattr(select.tuning, "mpi_flavor", lambda: request.param)
     return request.param
 
 

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..comm.select import ALGORITHMS
+from ..comm.algorithms.select import ALGORITHMS
 from ..units import human, parse_size  # noqa: F401  (re-exported for the CLI)
 
 BUSBW = {

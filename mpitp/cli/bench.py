@@ -109,7 +109,7 @@ def _transports(comm) -> str:
     probe reads each rank's neighbour on its node)."""
     from mpi4py import MPI
 
-    from ..comm import cma
+    from ..comm.transport import cma
     node = comm.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
     try:
         ok = cma.works(node)[0] if node.size > 1 else True
@@ -141,7 +141,7 @@ def _xp(device: str):
 
 def run(args) -> int:
     from ..comm import Communicator
-    from ..comm.library import library_version
+    from ..comm.algorithms.tuning import library_version
 
     comm = Communicator()
     r0 = comm.rank == 0
@@ -209,7 +209,7 @@ def run(args) -> int:
             from ..bench.plot import busbw_plot
             busbw_plot(data, memcpy, args.plot, f"{args.collective}, {comm.size} ranks, {lib}")
     if args.tune:
-        from ..comm import tuning
+        from ..comm.algorithms import tuning
         path = tuning.write_crossover(args.tune_file, args.collective, comm.size, rows) if r0 else None
         say(f"# tuning written to {path}")
     bad = comm.mpi.allreduce(sum(r.wrong or 0 for r in rows))

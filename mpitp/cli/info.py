@@ -18,7 +18,7 @@ def collect(comm) -> dict:
     from mpi4py import MPI
 
     from .. import __version__, backend
-    from ..comm.library import library_version
+    from ..comm.algorithms.tuning import library_version
 
     lib = library_version()
     topo = comm.topology

@@ -9,7 +9,9 @@ from mpi4py import MPI
 
 from .. import backend, settings
 from ..errors import MpitpError
-from . import cma, hierarchical, shm, tuning, validate
+from . import transport, validate
+from .algorithms import hierarchical, tuning
+from .transport import cma, shm
 from .handle import Handle, Steps, Watchdog, drive
 from .ops import check_dtype
 from .topology import Topology
@@ -45,17 +47,15 @@ class CommunicatorBase:
         self._seq = 0
         self._workspace = Workspace()
         self._node_comms: hierarchical.NodeComms | None = None
-        # the ring's shared-memory transport (mpitp.comm.shm): opened on first use, when
+        # the ring's shared-memory transport (mpitp.comm.transport.shm): opened on first use, when
         # every rank is on one node; ``shm = False`` (or MPITP_SHM=0) keeps MPI's transport
         self.shm = shm.enabled()
         self.shm_max_bytes = shm.max_bytes()    # the largest buffer it takes (see shm.py)
-        # larger buffers: single-copy reads from the neighbour's memory (mpitp.comm.cma);
+        # larger buffers: single-copy reads from the neighbour's memory (mpitp.comm.transport.cma);
         # ``cma = False`` (or MPITP_CMA=0) gives them MPI's transport
         self.cma = cma.enabled()
         self.cma_segment_bytes = cma.segment_bytes()
-        # scope ("flat": all ranks, "intra": this rank's node; "/cma" added for CMA channels)
-        # -> (slot bytes, depth, channel or None where it cannot open); alike on every rank
-        self._links: dict[str, tuple[int, int, shm.Channel | None]] = {}
+        self._links = transport.Links(self.watchdog, self._meta)    # channels opened so far
         self.tuning = self.mpi.bcast(tuning.load() if self.rank == 0 else None, root=0)
 
     @property
@@ -81,10 +81,7 @@ class CommunicatorBase:
         self._cool()
         if self._node_comms is not None:
             self._node_comms.free()
-        for _, _, ch in self._links.values():
-            if ch is not None:
-                ch.free()
-        self._links.clear()
+        self._links.free()
         for c in (self._meta, self._algo, self.mpi):
             if c != MPI.COMM_NULL:
                 c.Free()
@@ -205,39 +202,10 @@ class CommunicatorBase:
         return max(1, self.segment_bytes // np.dtype(dtype).itemsize)
 
     def _ring_transport(self, a, nbytes: int, nonblocking: bool, what: str, scope: str = "flat"):
-        """What a ring runs over, for blocking calls on host arrays whose ranks share a node
-        (all ranks for ``"flat"``, this node's for ``"intra"``): by ``nbytes`` (the call's
-        whole buffer, the same on every rank), the shared-memory channel up to
-        ``shm_max_bytes``, cross-memory attach above; where that one is off or cannot open,
-        the MPI communicator. Collective: every rank of a call decides alike (same flags,
-        sizes, kind of buffer, state of ``_links``)."""
+        """The MPI communicator or the channel a ring over ``scope`` (``"flat"``: all ranks,
+        ``"intra"``: this node's) runs over (:mod:`mpitp.comm.transport`). Collective."""
         comm = self._algo if scope == "flat" else self.node_comms.intra
-        if nonblocking or self.size == 1 or type(a) is not np.ndarray:
-            return comm
-        if nbytes <= self.shm_max_bytes:
-            slot = max(self._segment(a.dtype) * a.dtype.itemsize, self.segment_bytes)
-            ch = self._link(scope, comm, -(-slot // 64) * 64, shm.open_channel, what) if self.shm else None
-        else:
-            ch = self._link(scope + "/cma", comm, self.cma_segment_bytes, cma.open_channel, what) if self.cma else None
-        if ch is None:
-            return comm
-        ch.what = what          # what the watchdog names if this call never completes
-        return ch
-
-    def _link(self, key: str, comm, slot: int, opener, what: str):
-        """The channel ``opener`` makes over ``comm`` with ``slot`` bytes per segment (None
-        where it cannot), opened on first use and again when the segment size or the
-        depth changes."""
-        link = self._links.get(key)
-        if link is None or slot != link[0] or link[1] != self.ring_depth:
-            # opening is a blocking collective: first make sure every rank is in this call,
-            # under the watchdog, so a rank that never comes aborts the job instead of hanging it
-            self.watchdog.wait([self._meta.Ibarrier()], what)
-            if link is not None and link[2] is not None:
-                link[2].free()
-            ch = opener(comm, slot, self.ring_depth, self.watchdog) if comm.size > 1 else None
-            link = self._links[key] = (slot, self.ring_depth, ch)
-        return link[2]
+        return self._links.pick(comm, a, nbytes, nonblocking, what, scope, self)
 
     def _slots(self, chunk: int, dtype) -> int:
         """Elements of receive scratch for the ring: ``ring_depth`` segments, at most ``chunk``

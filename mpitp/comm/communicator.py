@@ -17,13 +17,12 @@ CUDA-aware and through host copies otherwise (:mod:`mpitp.backend`).
 """
 from __future__ import annotations
 
-from .base import CommunicatorBase
 from .gathers import Gathers
 from .p2p import PointToPoint
 from .reductions import Reductions
 
 
-class Communicator(Reductions, Gathers, PointToPoint, CommunicatorBase):
+class Communicator(Reductions, Gathers, PointToPoint):
     """A duplicated MPI communicator with array collectives, algorithms and counters.
 
     >>> comm = Communicator()                      # Dup of MPI.COMM_WORLD

@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from . import native, ring, select
+from .algorithms import native, ring, select
 from .handle import Steps
+from .base import CommunicatorBase
 from .ops import mpi_datatype
 
 
-class Gathers:
+class Gathers(CommunicatorBase):
     def _rows(self, a) -> tuple[int, tuple, int]:
         """(rows, trailing shape, elements per row) for axis-0 concatenation."""
         shape = tuple(a.shape) or (1,)

@@ -5,11 +5,12 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import backend
-from . import native
+from .algorithms import native
+from .base import CommunicatorBase
 from .ops import mpi_datatype
 
 
-class PointToPoint:
+class PointToPoint(CommunicatorBase):
     def barrier(self, *, nonblocking: bool = False):
         seq, what = self._begin("barrier")
         if self.validate:

@@ -1,5 +1,5 @@
 """All-reduce, reduce, broadcast and reduce-scatter: MPI's own call, the ring, or the
-two-level algorithm, chosen per call (:mod:`mpitp.comm.select`)."""
+two-level algorithm, chosen per call (:mod:`mpitp.comm.algorithms.select`)."""
 from __future__ import annotations
 
 from functools import partial
@@ -8,15 +8,15 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import backend
-from . import hierarchical, native, ring, select
-from .base import _value
+from .algorithms import hierarchical, native, ring, select
+from .base import CommunicatorBase, _value
 from .handle import Steps
 from .ops import ReduceOp, average, check_reducible, inferred, mpi_datatype, mpi_op, ufunc
 
 _HOT_BYTES = 256 << 10      # the hot path keeps its buffers alive: only small ones
 
 
-class Reductions:
+class Reductions(CommunicatorBase):
     # ------------------------------------------------------------------ all-reduce
     def allreduce(self, x, op: "ReduceOp | str" = "sum", *, out=None, algorithm: str = "auto",
                   nonblocking: bool = False):

@@ -1,7 +1,7 @@
 """All-reduce plans: bytes per link class and predicted time, per algorithm.
 
 Bytes are exact for the algorithms mpitp runs (the same chunk rounding as
-:mod:`mpitp.comm.ring`), so a run's traffic counters must equal them to the byte.
+:mod:`mpitp.comm.algorithms.ring`), so a run's traffic counters must equal them to the byte.
 ``naive`` and ``hierarchical_sharp`` are models only (seed 000's baseline, and the
 in-network reduction mpitp cannot run on a CPU cluster). Times use the alpha-beta model
 ``T_link(X) = alpha + X/beta`` with seed 000's formulas for the two model-only rows:
@@ -16,7 +16,7 @@ with B bytes per rank, L ranks per node, M nodes, N = L*M.
 """
 from __future__ import annotations
 
-from ..comm.ring import chunk_counts
+from ..comm.algorithms.ring import chunk_counts
 from .profiles import Profile
 
 ALGORITHMS = ("naive", "ring", "hierarchical", "hierarchical_leader", "hierarchical_sharp")

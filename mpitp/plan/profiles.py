@@ -8,7 +8,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..comm.tuning import default_path
+from ..comm.algorithms.tuning import default_path
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..comm.ring import chunk_counts, offsets
+from ..comm.algorithms.ring import chunk_counts, offsets
 from ..errors import MpitpError
 
 PAD = 64            # vocabulary rows per block

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..comm.ring import chunk_counts, offsets
+from ..comm.algorithms.ring import chunk_counts, offsets
 from ..errors import MpitpError
 
 LLMC_MAGIC = 20240520          # llm.c's .bin header: 256 int32, magic, version, token count

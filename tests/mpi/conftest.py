@@ -84,6 +84,6 @@ def same_on_all_ranks(y) -> bool:
 def cma_permitted() -> bool:
     """Whether this node lets a rank read its neighbour's memory (the CMA transport's
     own probe: ptrace permission, no seccomp filter in the way). Collective."""
-    from mpitp.comm import cma
+    from mpitp.comm.transport import cma
     world = MPI.COMM_WORLD
     return world.size == 1 or cma.works(world)[0]

@@ -258,7 +258,7 @@ def test_ring_transports_agree_bitwise(seg_bytes, depth):
                 agree(np.array_equal(y, b), f"in-place all-reduce n={n}: {name} differs")
                 agree(np.array_equal(c.reduce_scatter(x, algorithm="ring"), rs_b), f"reduce-scatter n={n}: {name}")
                 agree(np.array_equal(c.allgather(x, algorithm="ring"), ag_b), f"all-gather n={n}: {name}")
-        used = {name: {k: v[2] is not None for k, v in c._links.items()} for name, c in
+        used = {name: c._links.opened() for name, c in
                 (("shm", fast), ("cma", direct), ("mpi", plain))}
         want = {"shm": {"flat": True}, "cma": {"flat/cma": True}, "mpi": {}} if N > 1 else \
             {"shm": {}, "cma": {}, "mpi": {}}          # one rank: nothing to move
@@ -277,12 +277,12 @@ def test_transport_by_size():
     c.shm, c.cma, c.shm_max_bytes = True, False, 4000
     try:
         x = np.ones(1001, np.float32)                  # 4004 bytes: over the limit
-        agree(np.all(c.allreduce(x, algorithm="ring") == N) and not c._links, "CMA off: a large buffer opened a channel")
-        agree(np.all(c.allreduce(x[:1000], algorithm="ring") == N) and (list(c._links) == ["flat"] or N == 1),
+        agree(np.all(c.allreduce(x, algorithm="ring") == N) and not c._links.opened(), "CMA off: a large buffer opened a channel")
+        agree(np.all(c.allreduce(x[:1000], algorithm="ring") == N) and (list(c._links.opened()) == ["flat"] or N == 1),
               "a buffer at the limit did not use the shared-memory channel")
         c.cma = True
         agree(np.all(c.allreduce(x, algorithm="ring") == N)
-              and (c._links.get("flat/cma", (0, 0, None))[2] is not None or N == 1),
-              f"a buffer over the limit did not go by CMA: {c._links}")
+              and (c._links.opened().get("flat/cma") or N == 1),
+              f"a buffer over the limit did not go by CMA: {c._links.opened()}")
     finally:
         c.free()

@@ -6,7 +6,7 @@ from mpi4py import MPI
 
 import mpitp
 from conftest import agree, bound, close, cma_permitted, rank_inputs, same_on_all_ranks
-from mpitp.comm import shm
+from mpitp.comm.transport import shm
 from mpitp.plan.allreduce import per_rank_elements
 
 N = MPI.COMM_WORLD.size
@@ -78,8 +78,8 @@ def test_node_rings_over_shared_memory_match_mpi_transport(ncomm, alg):
             agree(np.array_equal(a, b), f"{alg} over {key}: transports differ")
             if ncomm.topology.num_nodes > 1:
                 local = len(ncomm.topology.nodes[ncomm.topology.node])
-                ch = ncomm._links.get(key, (0, 0, None))[2]
-                agree((ch is not None) == (local > 1), f"{alg}: node of {local} ranks, {key} channel {ch}")
+                opened = ncomm._links.opened().get(key, False)
+                agree(opened == (local > 1), f"{alg}: node of {local} ranks, {key} channel opened: {opened}")
     finally:
         ncomm.shm_max_bytes = shm.max_bytes()
         plain.free()
@@ -110,7 +110,7 @@ def test_seed_example_two_nodes_of_four():
 
 
 def test_auto_picks_two_level_across_nodes(ncomm):
-    from mpitp.comm import select
+    from mpitp.comm.algorithms import select
     alg = select.choose("allreduce", "auto", 64 << 20, N, mpitp.ReduceOp.SUM, ncomm.topology, {})
     want = "mpi" if N == 1 else ("hierarchical" if ncomm.topology.num_nodes > 1 else "ring")
     agree(alg == want, f"auto chose {alg}, expected {want}")

@@ -20,7 +20,7 @@ from __future__ import annotations
 from mpi4py import MPI
 
 from . import ring
-from .handle import Steps
+from ..handle import Steps
 
 
 class NodeComms:

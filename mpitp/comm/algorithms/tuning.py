@@ -13,11 +13,28 @@ from __future__ import annotations
 
 import json
 import os
+from functools import lru_cache
 from pathlib import Path
+
+from mpi4py import MPI
+
+
+def library_version() -> str:
+    """The MPI library in use, as one line: the first of ``MPI_Get_library_version``
+    (Open MPI pads it with NUL bytes). Tuning files record it."""
+    text = MPI.Get_library_version().replace("\x00", "").strip()
+    return text.splitlines()[0].strip() if text else "unknown MPI"
+
+
+@lru_cache(maxsize=1)
+def mpi_flavor() -> str:
+    """``"mpich"``, ``"openmpi"`` or ``"other"``: which built-in crossover table applies."""
+    v = library_version().lower()
+    return "openmpi" if "open mpi" in v else "mpich" if "mpich" in v else "other"
 
 
 def default_path() -> Path:
-    from .. import settings
+    from ... import settings
     env = settings.current().tuning
     if env:
         return Path(env)
@@ -61,8 +78,6 @@ def fit_crossover(rows) -> int:
 
 
 def write_crossover(path, collective: str, size: int, rows) -> Path:
-    from .library import library_version
-
     p = Path(path) if path else default_path()
     data = load(p)
     data["version"] = 1

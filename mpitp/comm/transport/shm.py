@@ -29,7 +29,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .. import settings
+from ... import settings
 
 HEADER = 4096            # bytes: flags (own cache lines for each writer), slots page-aligned
 _CONSUMED = 2048         # byte offset of ``consumed``: away from the ``full`` flags' lines
@@ -74,7 +74,7 @@ class Channel:
 
     def run(self, src, dst, incoming, outgoing, first: int, reduce):
         """Move the ring's segments. ``incoming``/``outgoing``: lists of (buffer slices)
-        in the order the ring takes and gives them — built by :func:`mpitp.comm.ring._shm_pipeline`.
+        in the order the ring takes and gives them — built by :func:`mpitp.comm.algorithms.ring._shm_pipeline`.
 
         incoming[j] = (target slice of dst, source slice of src or None): reduce
         ``src_part + slot`` into the target (or copy the slot when there is no source).
@@ -163,7 +163,7 @@ def max_bytes() -> int:
     """Largest buffer (bytes, the whole collective's) the ring moves over shared memory;
     ``MPITP_SHM_MAX`` overrides the default of 2 MiB. Up to a few MiB the segments stay
     in cache between the two cores and this transport is 1.5-2x faster than MPI's; above,
-    cross-memory attach (:mod:`mpitp.comm.cma`), which copies each byte once, was faster
+    cross-memory attach (:mod:`mpitp.comm.transport.cma`), which copies each byte once, was faster
     on the machine measured (4 MiB: in 4 of 5 interleaved runs at 2 and 4 ranks, by up
     to 1.5x; 16-64 MiB: up to 4x while that virtual machine's cores sat far apart)."""
     return settings.current().shm_max

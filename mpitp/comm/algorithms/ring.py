@@ -18,8 +18,8 @@ segments so that reducing segment k overlaps the transfer of segment k+1; a redu
 segment is forwarded at once, while still in cache (:func:`_pipeline`). The functions are generators of MPI
 requests (see :mod:`mpitp.comm.handle`); they only need arrays that slice like NumPy's,
 so CuPy device buffers work the same way when MPI is CUDA-aware. ``comm`` may instead be
-a :class:`~mpitp.comm.shm.Channel` (ranks of one node, host arrays; shared memory or
-CMA): the same segments, in the same order, then go through it (:func:`_shm_pipeline`),
+a :class:`~mpitp.comm.transport.shm.Channel` (ranks of one node, host arrays; shared memory or
+CMA): the same segments, in the same order, then go through it (:func:`_channel_pipeline`); each public function picks one of the two,
 with the same result to the bit.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from mpi4py import MPI
 
-from .handle import Steps
+from ..handle import Steps
 
 Reduce = Callable[[Any, Any, Any], Any]          # reduce(a, b, out)
 OnSend = Callable[[int, int], None]              # on_send(nbytes, peer)
@@ -63,9 +63,9 @@ def send_chunk(N: int, r: int, s: int) -> int:
     return (r - s - 1) % N if s < N - 1 else (r - (s - N + 1)) % N
 
 
-def _shm_pipeline(ch, src, dst, counts: list[int], reduce: Reduce | None, steps: range, *, seg: int,
+def _channel_pipeline(ch, src, dst, counts: list[int], reduce: Reduce | None, steps: range, *, seg: int,
                   itemsize: int, on_send: OnSend) -> None:
-    """The same steps over a shared-memory :class:`~mpitp.comm.shm.Channel`: every
+    """The same steps over a shared-memory :class:`~mpitp.comm.transport.shm.Channel`: every
     segment, in the order the MPI pipeline sends and receives it, as buffer slices."""
     N, r = ch.size, ch.rank
     seg = ch.segment(itemsize, seg)
@@ -106,8 +106,6 @@ def _pipeline(
     posting the receive for it.)
     """
     N, r = comm.size, comm.rank
-    if not isinstance(comm, MPI.Comm):          # a shared-memory channel: no requests to yield
-        return _shm_pipeline(comm, src, dst, counts, reduce, steps, seg=seg, itemsize=itemsize, on_send=on_send)
     right, left = (r + 1) % N, (r - 1) % N
     offs = offsets(counts)
     rs = N - 1
@@ -174,8 +172,12 @@ def reduce_scatter(
         if dst is not src:
             dst[:] = src
         return dst
-    yield from _pipeline(comm, src, dst, counts, reduce, tmp, range(0, comm.size - 1), dtype=dtype,
-                         itemsize=itemsize, seg=seg, tag=tag, on_send=on_send)
+    steps = range(0, comm.size - 1)
+    if isinstance(comm, MPI.Comm):
+        yield from _pipeline(comm, src, dst, counts, reduce, tmp, steps, dtype=dtype, itemsize=itemsize,
+                             seg=seg, tag=tag, on_send=on_send)
+    else:
+        _channel_pipeline(comm, src, dst, counts, reduce, steps, seg=seg, itemsize=itemsize, on_send=on_send)
     return dst
 
 
@@ -188,9 +190,14 @@ def all_gather(
     Chunks travel in segments: one huge message is several times slower than the same
     bytes in cache-sized pieces on shared-memory transports."""
     N = comm.size
-    if N > 1:
-        yield from _pipeline(comm, buf, buf, counts, None, None, range(N - 1, 2 * N - 2), dtype=dtype,
-                             itemsize=itemsize, seg=seg, tag=tag, on_send=on_send)
+    steps = range(N - 1, 2 * N - 2)
+    if N == 1:
+        pass
+    elif isinstance(comm, MPI.Comm):
+        yield from _pipeline(comm, buf, buf, counts, None, None, steps, dtype=dtype, itemsize=itemsize,
+                             seg=seg, tag=tag, on_send=on_send)
+    else:
+        _channel_pipeline(comm, buf, buf, counts, None, steps, seg=seg, itemsize=itemsize, on_send=on_send)
     return buf
 
 
@@ -205,6 +212,10 @@ def all_reduce(
         if dst is not src:
             dst[:] = src
         return dst
-    yield from _pipeline(comm, src, dst, counts, reduce, tmp, range(0, 2 * N - 2), dtype=dtype,
-                         itemsize=itemsize, seg=seg, tag=tag, on_send=on_send)
+    steps = range(0, 2 * N - 2)
+    if isinstance(comm, MPI.Comm):
+        yield from _pipeline(comm, src, dst, counts, reduce, tmp, steps, dtype=dtype, itemsize=itemsize,
+                             seg=seg, tag=tag, on_send=on_send)
+    else:
+        _channel_pipeline(comm, src, dst, counts, reduce, steps, seg=seg, itemsize=itemsize, on_send=on_send)
     return dst

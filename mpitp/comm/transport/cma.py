@@ -1,6 +1,6 @@
 """Single-copy transport for the ring on one node: cross-memory attach (CMA).
 
-The shared-memory channel (:mod:`mpitp.comm.shm`) copies each segment twice: into the
+The shared-memory channel (:mod:`mpitp.comm.transport.shm`) copies each segment twice: into the
 writer's outbox, then out of it. For buffers of many MiB those copies no longer stay in
 cache, and every byte crosses memory four times. Linux's ``process_vm_readv`` (what MPI
 libraries call CMA) copies straight from another process's pages, so here the writer's
@@ -32,7 +32,7 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from .. import settings
+from ... import settings
 from . import shm
 
 _PR_SET_PTRACER = 0x59616D61

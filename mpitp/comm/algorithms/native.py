@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from .handle import Steps
+from ..handle import Steps
 
 
 def allreduce(comm: MPI.Comm, send, recv, dt, op, direct: bool) -> Steps:

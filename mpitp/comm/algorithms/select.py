@@ -8,11 +8,9 @@ tuning file for the machine at hand, read from ``MPITP_TUNING``).
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
-from ..errors import UnsupportedOperation
+from ...errors import UnsupportedOperation
 from . import tuning
-from .ops import ReduceOp
+from ..ops import ReduceOp
 
 ALGORITHMS = {
     "allreduce": ("mpi", "ring", "hierarchical", "hierarchical_leader"),
@@ -57,17 +55,10 @@ def crossover(collective: str, size: int, table: dict | None) -> int:
     cross = tuning.crossover(table or {}, collective, size)
     if cross is not None:
         return cross
-    defaults = DEFAULT_CROSSOVER.get(collective, {}).get(_flavor())
+    defaults = DEFAULT_CROSSOVER.get(collective, {}).get(tuning.mpi_flavor())
     if defaults is None:
         return NEVER
     return defaults.get(size, defaults["more"])
-
-
-@lru_cache(maxsize=1)
-def _flavor() -> str:
-    from .library import library_version
-    v = library_version().lower()
-    return "openmpi" if "open mpi" in v else "mpich" if "mpich" in v else "other"
 
 
 def choose(collective: str, algorithm: str, nbytes: int, size: int, op: ReduceOp | None, topology,
