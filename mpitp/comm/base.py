@@ -21,9 +21,6 @@ from .workspace import Workspace
 _LOCAL_ERRORS = (MpitpError, ValueError, TypeError)
 
 
-_COLD = (object(),) * 7     # a hot-path entry no call matches
-
-
 class CommunicatorBase:
     """Setup and the helpers every collective uses (see :class:`mpitp.Communicator`)."""
 
@@ -34,13 +31,12 @@ class CommunicatorBase:
         self._algo: MPI.Comm = self.mpi.Dup()      # hand-written algorithms' messages
         self._meta: MPI.Comm = self.mpi.Dup()      # validation exchange
         self.rank, self.size = self.mpi.rank, self.mpi.size
-        self._fast: dict = {}     # (dtype, op, algorithm) -> (MPI datatype, MPI op, size limit, plain, ...)
-        self._hot = _COLD         # the last small all-reduce's buffers and bound MPI call
+        self._fast: dict = {}     # (dtype, op, algorithm) -> reductions.FastAllreduce
         env = settings.current()
         self.validate = env.validate if validate is None else bool(validate)
         self.watchdog = Watchdog.from_env(timeout, MPI.COMM_WORLD.rank)
         self.topology = Topology.detect(self.mpi, ranks_per_node)
-        self.traffic = Traffic(on_epoch=self._cool)
+        self.traffic = Traffic()
         self.segment_bytes = env.ring_segment
         self.ring_depth = env.ring_depth        # receive segments in flight
         self._staging = None      # decided on first device array (asks MPI once)
@@ -66,11 +62,7 @@ class CommunicatorBase:
     @validate.setter
     def validate(self, on: bool) -> None:
         self._validate = bool(on)
-        self._fast.clear()          # the hot paths skip validation: drop them
-        self._cool()
-
-    def _cool(self) -> None:
-        self._hot = _COLD
+        self._fast.clear()          # the fast path skips validation: drop it
 
     # ------------------------------------------------------------------ plumbing
     def phase(self, label: str):
@@ -78,7 +70,7 @@ class CommunicatorBase:
         return self.traffic.phase(label)
 
     def free(self) -> None:
-        self._cool()
+        self._fast.clear()
         if self._node_comms is not None:
             self._node_comms.free()
         self._links.free()

@@ -2,18 +2,29 @@
 two-level algorithm, chosen per call (:mod:`mpitp.comm.algorithms.select`)."""
 from __future__ import annotations
 
-from functools import partial
+from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import backend
 from .algorithms import hierarchical, native, ring, select
+from .algorithms.select import NEVER
 from .base import CommunicatorBase, _value
 from .handle import Steps
 from .ops import ReduceOp, average, check_reducible, inferred, mpi_datatype, mpi_op, ufunc
 
-_HOT_BYTES = 256 << 10      # the hot path keeps its buffers alive: only small ones
+@dataclass(slots=True)
+class FastAllreduce:
+    """What the small all-reduce reuses for one (dtype, op, algorithm): valid while the
+    traffic counters' ``epoch`` is unchanged and validation and the watchdog are off."""
+    datatype: MPI.Datatype
+    mpi_op: MPI.Op
+    max_bytes: int            # messages from this size on go to the ring: not this path
+    plain: bool               # mpi4py infers ``datatype`` from the buffer itself
+    calls: list               # the traffic cells it bumps: [calls]
+    sent: list                # [bytes, messages]
+    epoch: int
 
 
 class Reductions(CommunicatorBase):
@@ -21,58 +32,27 @@ class Reductions(CommunicatorBase):
     def allreduce(self, x, op: "ReduceOp | str" = "sum", *, out=None, algorithm: str = "auto",
                   nonblocking: bool = False):
         """Element-wise reduction over all ranks; every rank gets the (bit-identical) result."""
-        hot = self._hot
-        if (x is hot[0] and out is hot[1] and op is hot[2] and algorithm is hot[3] and not nonblocking
-                and x.dtype is hot[4]):
-            # The same buffers as the previous call (a training or decode loop's persistent
-            # buffers, a benchmark): everything below was checked then, and MPI's call is
-            # bound to them already. mpi4py still reads each buffer's layout, so a buffer
-            # reshaped in place cannot go wrong.
-            hot[5]()
-            self._seq += 1
-            hot[6][0] += 1
-            return out
-        return self._small_allreduce(x, op, out, algorithm, nonblocking)
-
-    def _small_allreduce(self, x, op, out, algorithm: str, nonblocking: bool):
-        """Small host messages to MPI's own call, when checked once before; else the
-        checked path."""
         if type(x) is np.ndarray and not nonblocking:
             fast = self._fast.get((x.dtype, op, algorithm))
-            if fast is not None and x.nbytes < fast[2] and fast[6] == self.traffic.epoch and (
+            if fast is not None and x.nbytes < fast.max_bytes and fast.epoch == self.traffic.epoch and (
                     x.flags.c_contiguous and (out is None or out is x or (
                         type(out) is np.ndarray and out.flags.c_contiguous and out.shape == x.shape
                         and out.dtype == x.dtype))):
-                # Hot path for small host messages that go to MPI's own call: the slow path
-                # below has checked this (dtype, op, algorithm) once and cached MPI's handles
-                # and this collective's traffic counters; plain arrays let mpi4py take the
-                # datatype from the buffer.
-                dt, mop, _, plain, calls, sent, epoch = fast
+                # Fast path: a small host message that goes to MPI's own call, for a
+                # (dtype, op, algorithm) the checked path has seen once; its MPI handles and
+                # traffic counters are cached (inline: a method call would cost 10% here).
                 dst = np.empty_like(x) if out is None else out
-                if out is not None and x.nbytes <= _HOT_BYTES:
-                    # the next call with these very buffers takes the path above
-                    if dst is x:
-                        call = partial(self.mpi.Allreduce, MPI.IN_PLACE, x if plain else [x, dt], mop)
-                    else:
-                        call = partial(self.mpi.Allreduce, x, dst, mop) if plain else \
-                            partial(self.mpi.Allreduce, [x, dt], [dst, dt], mop)
-                    tally = self.traffic.tally("allreduce", "mpi", x.nbytes if self.size > 1 else 0)
-                    self._hot = (x, out, op, algorithm, x.dtype, call, tally)   # until traffic's epoch moves
-                    call()
-                    self._seq += 1
-                    tally[0] += 1
-                    return out
                 if dst is x:
-                    self.mpi.Allreduce(MPI.IN_PLACE, x if plain else [x, dt], mop)
-                elif plain:
-                    self.mpi.Allreduce(x, dst, mop)
+                    self.mpi.Allreduce(MPI.IN_PLACE, x if fast.plain else [x, fast.datatype], fast.mpi_op)
+                elif fast.plain:
+                    self.mpi.Allreduce(x, dst, fast.mpi_op)
                 else:
-                    self.mpi.Allreduce([x, dt], [dst, dt], mop)
+                    self.mpi.Allreduce([x, fast.datatype], [dst, fast.datatype], fast.mpi_op)
                 self._seq += 1
-                calls[0] += 1
+                fast.calls[0] += 1
                 if x.nbytes:
-                    sent[0] += x.nbytes
-                    sent[1] += 1
+                    fast.sent[0] += x.nbytes
+                    fast.sent[1] += 1
                 return dst
         return self._checked_allreduce(x, op, out, algorithm, nonblocking)
 
@@ -134,14 +114,13 @@ class Reductions(CommunicatorBase):
         if (alg != "mpi" or self.validate or self.watchdog.timeout is not None or o is ReduceOp.AVG
                 or type(x) is not np.ndarray or not isinstance(op, (str, ReduceOp))):
             return
-        limit = 1 << 62 if algorithm == "mpi" else select.crossover("allreduce", self.size, self.tuning)
-        dt = mpi_datatype(a.dtype)
-        plain = inferred(a.dtype)                 # mpi4py infers the same datatype from the buffer
         t = self.traffic
-        sent = t.cell("allreduce", "mpi") if self.size > 1 else [0, 0]     # alone, nothing goes to others
-        self._fast[(a.dtype, op, algorithm)] = (dt, mpi_op(o, a.dtype), limit, plain, t.calls_cell("allreduce"),
-                                                sent, t.epoch)
-
+        self._fast[(a.dtype, op, algorithm)] = FastAllreduce(
+            datatype=mpi_datatype(a.dtype), mpi_op=mpi_op(o, a.dtype),
+            max_bytes=NEVER if algorithm == "mpi" else select.crossover("allreduce", self.size, self.tuning),
+            plain=inferred(a.dtype), calls=t.calls_cell("allreduce"),
+            sent=t.cell("allreduce", "mpi") if self.size > 1 else [0, 0],    # alone, nothing goes to others
+            epoch=t.epoch)
 
     # ------------------------------------------------------------------ rooted reduce / bcast
     def reduce(self, x, op: "ReduceOp | str" = "sum", root: int = 0, *, out=None,

@@ -9,10 +9,9 @@ Two kinds of record, kept apart so that neither is a guess:
 
 Phase labels come from ``with comm.phase("forward"): ...``; records outside any
 phase go under ``None``. Counters live in small lists ("cells") keyed by
-(collective, peer, phase); the small-message hot path keeps its cells and bumps them
-directly (``epoch`` tells it when to fetch new ones), and the totals below are summed
-from the cells when read. A loop over the very same buffers keeps just a tally of its
-calls (``tally``), folded into the cells before anything is read or the phase changes.
+(collective, peer, phase); the small all-reduce's fast path keeps its cells and bumps
+them directly (``epoch`` tells it when to fetch new ones), and the totals below are
+summed from the cells when read.
 """
 from __future__ import annotations
 
@@ -21,15 +20,13 @@ from contextlib import contextmanager
 
 
 class Traffic:
-    def __init__(self, on_epoch=None):
+    def __init__(self):
         self._cells: dict = {}     # (collective, peer, phase) -> [bytes, messages]
         self._calls: dict = {}     # collective -> [calls]
         self._phases: list = []
-        self._tally = None         # the hot path's [calls] counter, with where it folds to
         # bumped whenever a cell handed out by ``cell``/``calls_cell`` may stop being the
         # right one (a phase starts or ends, counters are reset): holders check it
         self.epoch = 0
-        self._on_epoch = on_epoch     # called after every bump (the hot path's holder lets go)
 
     @property
     def current_phase(self) -> str | None:
@@ -46,34 +43,11 @@ class Traffic:
             self._phases.pop()
 
     def _bump(self) -> None:
-        self._fold()
-        self._tally = None
         self.epoch += 1
-        if self._on_epoch is not None:
-            self._on_epoch()
-
-    def tally(self, collective: str, peer: str, nbytes: int) -> list:
-        """A [calls] counter for calls that each send ``nbytes`` in one message to ``peer``
-        class (0: nothing sent), folded into the cells when anything is read; one at a
-        time (a new one folds the last), valid until ``epoch`` changes (``on_epoch``)."""
-        self._fold()
-        counter = [0]
-        self._tally = (counter, self.calls_cell(collective), self.cell(collective, peer), nbytes)
-        return counter
-
-    def _fold(self) -> None:
-        if self._tally is None:
-            return
-        counter, calls, cell, nbytes = self._tally
-        n, counter[0] = counter[0], 0
-        calls[0] += n
-        if nbytes:
-            cell[0] += n * nbytes
-            cell[1] += n
 
     def cell(self, collective: str, peer: str) -> list:
         """The [bytes, messages] counters of (collective, peer) in the current phase; valid
-        while ``epoch`` is unchanged (the small-message hot path keeps one)."""
+        while ``epoch`` is unchanged (the small all-reduce's fast path keeps one)."""
         key = (collective, peer, self._phases[-1] if self._phases else None)
         c = self._cells.get(key)
         if c is None:
@@ -95,7 +69,6 @@ class Traffic:
         c[1] += 1
 
     def _sum(self, index: int) -> Counter:
-        self._fold()
         out: Counter = Counter()
         for key, (n, _) in self._cells.items():
             out[key[index]] += n
@@ -103,12 +76,10 @@ class Traffic:
 
     @property
     def total(self) -> int:
-        self._fold()
         return sum(n for n, _ in self._cells.values())
 
     @property
     def messages(self) -> int:
-        self._fold()
         return sum(m for _, m in self._cells.values())
 
     @property
@@ -125,11 +96,9 @@ class Traffic:
 
     @property
     def calls(self) -> Counter:
-        self._fold()
         return Counter({k: n for k, (n,) in self._calls.items()})
 
     def reset(self) -> None:
-        self._tally = None          # its calls are dropped with the rest
         self._cells.clear()
         self._calls.clear()
         self._bump()

@@ -98,7 +98,7 @@ def test_hot_path_counts_like_the_slow_path():
         t.reset()
         hot.allreduce(x)
         agree(t.calls["allreduce"] == 1 and t.total == payload, "counts after reset")
-        # persistent buffers (out= and in place) keep a tally that is folded on reading
+        # persistent buffers (out= and in place), across phases and a reset
         out = np.empty_like(x)
         t.reset()
         for _ in range(3):
