@@ -111,3 +111,22 @@ def test_not_a_checkpoint(tmp_path):
 def test_qwen2_gets_qkv_bias():
     cfg = LlamaConfig.from_path(FIX / "qwen2")
     assert cfg.qkv_bias and not cfg.o_bias and cfg.architecture == "Qwen2ForCausalLM"
+
+
+@pytest.mark.parametrize("name", ["mha", "gqa", "tied", "qwen2", "llama3_rope"])
+def test_weight_map_names_exactly_the_checkpoint_tensors(name):
+    """The model's one weight map (named_weights) lists every tensor transformers saved for
+    that config, and nothing else (a tied head: no lm_head.weight)."""
+    from safetensors import safe_open
+    path = FIX / name
+    saved = set()
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="numpy") as h:
+            saved |= set(h.keys())
+    saved -= {n for n in saved if n.endswith("rotary_emb.inv_freq")}
+    model = LlamaForCausalLM(LlamaConfig.from_path(path))
+    names = [n for n, *_ in model.named_weights()]
+    assert len(names) == len(set(names))
+    assert set(names) == saved
+    tied = model.config.tie_word_embeddings
+    assert ("lm_head.weight" in saved) == (not tied)

@@ -140,7 +140,16 @@ class TPPlan:
 
 
 class LlamaForCausalLM:
-    """``model(ids)`` gives full-vocabulary logits on every rank; ``generate`` decodes."""
+    """``model(ids)`` gives full-vocabulary logits on every rank; ``generate`` decodes.
+
+    :meth:`named_modules` is the one list of the model's weights: the loader, the arena
+    and the byte counts all read it."""
+
+    # checkpoint tensors that land in one merged module: name part -> (module, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
 
     def __init__(self, config: LlamaConfig, comm=None, dtype="float32", xp=np):
         self.config, self.comm, self.xp, self.dtype = config, comm, xp, np.dtype(dtype)
@@ -155,10 +164,11 @@ class LlamaForCausalLM:
         self.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size, comm=comm, dtype=self.dtype, xp=xp)
         if c.tie_word_embeddings:
             self.lm_head.tie(self.embed_tokens)
-        if xp is np:        # one stream of weights in reading order (a tied head shares the embedding)
-            order = [m for L in self.layers for m in (L.self_attn.qkv_proj, L.self_attn.o_proj,
-                                                      L.mlp.gate_up_proj, L.mlp.down_proj)]
-            self._arena = pack(order + [self.lm_head, self.embed_tokens])
+        if xp is np:        # one stream of the matrices decoding reads, in reading order: the
+            # layers', then the head's; the embedding last (one row of it is read per token;
+            # packed once when the head shares it)
+            mats = [m for _, m in self.named_modules() if hasattr(m, "_wt")]
+            self._arena = pack(mats[1:] + mats[:1])
         self.last_stats: dict = {}
 
     @classmethod
@@ -205,28 +215,45 @@ class LlamaForCausalLM:
         from .generate import generate
         return generate(self, input_ids, max_new_tokens=max_new_tokens, **sampling)
 
+    def named_modules(self):
+        """(Hugging Face prefix, module) of every module that holds weights, in the order
+        a forward reads them."""
+        yield "model.embed_tokens", self.embed_tokens
+        for i, L in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            yield p + "input_layernorm", L.input_layernorm
+            yield p + "self_attn.qkv_proj", L.self_attn.qkv_proj
+            yield p + "self_attn.o_proj", L.self_attn.o_proj
+            yield p + "post_attention_layernorm", L.post_attention_layernorm
+            yield p + "mlp.gate_up_proj", L.mlp.gate_up_proj
+            yield p + "mlp.down_proj", L.mlp.down_proj
+        yield "model.norm", self.norm
+        yield "lm_head", self.lm_head
+
+    def named_weights(self):
+        """(checkpoint name, module, param, shard id) of every tensor a Hugging Face
+        checkpoint of this model carries: merged modules unpacked through
+        :attr:`packed_modules_mapping` (q/k/v, gate/up); a tied head carries none."""
+        unpack: dict[str, list] = {}
+        for part, (module, shard) in self.packed_modules_mapping.items():
+            unpack.setdefault(module, []).append((part, shard))
+        for prefix, mod in self.named_modules():
+            if mod is self.lm_head and self.lm_head.tied:
+                continue
+            parent, _, leaf = prefix.rpartition(".")
+            for param in ("weight", "bias"):
+                if getattr(mod, param, None) is None:
+                    continue
+                for part, shard in unpack.get(leaf, [(leaf, None)]):
+                    yield f"{parent}.{part}.{param}".lstrip("."), mod, param, shard
+
     def weight_bytes(self) -> int:
         """Bytes of weights this rank holds (a tied head counted once)."""
-        seen, total = set(), 0
-        for arr in self._weights():
-            if id(arr) not in seen:
-                seen.add(id(arr))
-                total += arr.nbytes
-        return total
+        arrays = {id(a): a for _, m in self.named_modules() for a in (m.weight, getattr(m, "bias", None))
+                  if a is not None}
+        return sum(a.nbytes for a in arrays.values())
 
     def streamed_bytes(self) -> int:
         """Bytes of weights one decode step reads on this rank: all but the embedding table
         (one row of it is looked up), unless the head shares it."""
         return self.weight_bytes() - (0 if self.lm_head.tied else self.embed_tokens.weight.nbytes)
-
-    def _weights(self):
-        yield self.embed_tokens.weight
-        yield self.norm.weight
-        yield self.lm_head.weight
-        for L in self.layers:
-            for mod in (L.self_attn.qkv_proj, L.self_attn.o_proj, L.mlp.gate_up_proj, L.mlp.down_proj):
-                yield mod.weight
-                if mod.bias is not None:
-                    yield mod.bias
-            yield L.input_layernorm.weight
-            yield L.post_attention_layernorm.weight

@@ -2,7 +2,8 @@
 
 Accepts a directory with ``config.json`` and ``model.safetensors``, or sharded
 ``*.safetensors`` with ``model.safetensors.index.json``. Every tensor name maps to a
-layer's ``weight_loader`` (q/k/v into the merged qkv_proj, gate/up into gate_up_proj);
+layer's ``weight_loader`` through the model's ``named_weights`` (q/k/v into the merged
+qkv_proj, gate/up into gate_up_proj, by its ``packed_modules_mapping``);
 bf16 and fp16 tensors are upcast. Problems are reported at load time, naming the tensor
 or config field and the numbers.
 """
@@ -18,10 +19,7 @@ from ..errors import MpitpError
 from ..tp import SafetensorsSource
 from .config import ConfigError, LlamaConfig
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
-PACKED = {"q_proj": ("self_attn.qkv_proj", "q"), "k_proj": ("self_attn.qkv_proj", "k"),
-          "v_proj": ("self_attn.qkv_proj", "v"), "gate_proj": ("mlp.gate_up_proj", 0),
-          "up_proj": ("mlp.gate_up_proj", 1)}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 IGNORED = ("rotary_emb.inv_freq",)
 
 
@@ -58,58 +56,34 @@ def open_safetensors(f: Path):
         raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
 
 
-def locate(model, name: str):
-    """(module, param, shard_id) for a checkpoint tensor name, or None to skip it."""
-    if name.endswith(IGNORED):
-        return None
-    if name == "model.embed_tokens.weight":
-        return model.embed_tokens, "weight", None
-    if name == "model.norm.weight":
-        return model.norm, "weight", None
-    if name == "lm_head.weight":
-        return None if model.config.tie_word_embeddings else (model.lm_head, "weight", None)
+def weight_map(model) -> dict[str, tuple]:
+    """Checkpoint name -> (module, param, shard id), from the model's own
+    :meth:`~mpitp.models.llama.LlamaForCausalLM.named_weights`."""
+    return {name: (mod, param, shard) for name, mod, param, shard in model.named_weights()}
+
+
+def locate(wmap: dict, model, name: str):
+    """(module, param, shard_id) for a checkpoint tensor name, or None to skip it (a tied
+    ``lm_head.weight``, rotary tables, names of other architectures)."""
+    target = wmap.get(name)
+    if target is not None or name.endswith(IGNORED):
+        return target
     m = _LAYER.match(name)
-    if not m:
-        return None
-    i, path, param = int(m.group(1)), m.group(2), m.group(3)
-    if i >= len(model.layers):
-        raise CheckpointError(f"{name}: layer {i}, but config has num_hidden_layers = {len(model.layers)}")
-    leaf = path.rsplit(".", 1)[-1]
-    shard = None
-    if leaf in PACKED:
-        path, shard = PACKED[leaf]
-    obj = model.layers[i]
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    if param == "bias" and getattr(obj, "bias", None) is None:
+    if m and int(m.group(1)) >= len(model.layers):
+        raise CheckpointError(f"{name}: layer {m.group(1)}, but config has num_hidden_layers = {len(model.layers)}")
+    if name.endswith(".bias") and name[:-len("bias")] + "weight" in wmap:
         raise CheckpointError(f"{name}: the checkpoint has a bias the config does not declare")
-    return obj, param, shard
-
-
-def required(model) -> set[str]:
-    cfg = model.config
-    names = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not cfg.tie_word_embeddings:
-        names.add("lm_head.weight")
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        names |= {p + f"self_attn.{x}_proj.weight" for x in "qkvo"}
-        names |= {p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
-        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-        if cfg.qkv_bias:
-            names |= {p + f"self_attn.{x}_proj.bias" for x in "qkv"}
-    return names
+    return None
 
 
 def load_weights(model, path: Path) -> dict:
+    wmap = weight_map(model)
     seen: set[str] = set()
     bytes_read = 0
     for f in checkpoint_files(path):
         with open_safetensors(f) as h:
             for name in h.keys():
-                target = locate(model, name)
+                target = locate(wmap, model, name)
                 if target is None:
                     continue
                 obj, param, shard = target
@@ -122,7 +96,7 @@ def load_weights(model, path: Path) -> dict:
                     raise CheckpointError(f"{f}: tensor {name} cannot be read ({e})") from None
                 bytes_read += src.bytes_read
                 seen.add(name)
-    missing = sorted(required(model) - seen)
+    missing = sorted(set(wmap) - seen)
     if missing:
         hint = ""
         if "lm_head.weight" in missing:

@@ -9,6 +9,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..comm.algorithms.tuning import default_path
+from ..errors import MpitpError
+
+
+class ProfileError(MpitpError, ValueError):
+    """A link profile that does not exist (a typo, or 'local' before ``mpitp plan fit``)."""
 
 
 @dataclass(frozen=True)
@@ -62,13 +67,13 @@ def get(name: str | None, alpha_intra=None, beta_intra=None, alpha_inter=None, b
     if name == "local":
         p = local_profile_path()
         if not p.exists():
-            raise SystemExit(f"no fitted profile at {p}: run 'mpiexec -n 2 mpitp plan fit' on this machine first")
+            raise ProfileError(f"no fitted profile at {p}: run 'mpiexec -n 2 mpitp plan fit' on this machine first")
         d = json.loads(p.read_text())
         prof = Profile(d["name"], Link(**d["intra"]), Link(**d["inter"]), d.get("note", ""))
     elif name in PROFILES:
         prof = PROFILES[name]
     else:
-        raise SystemExit(f"unknown profile {name!r}; known: {', '.join(PROFILES)}, local")
+        raise ProfileError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}, local")
     intra = Link(alpha_intra if alpha_intra is not None else prof.intra.alpha,
                  beta_intra if beta_intra is not None else prof.intra.beta)
     inter = Link(alpha_inter if alpha_inter is not None else prof.inter.alpha,
