@@ -2,7 +2,7 @@
 
 NumPy's BLAS (OpenBLAS, MKL) starts one thread per core in every process. Under
 ``mpiexec -n 3`` on a 2-core node that is 6 busy-waiting threads on 2 cores, and a
-tensor-parallel decode step runs ~40x slower. Like ``torchrun`` (which sets
+tensor-parallel decode step runs tens of times slower (docs/measurements.md). Like ``torchrun`` (which sets
 ``OMP_NUM_THREADS=1`` for several processes per node), mpitp gives each rank
 ``cores // ranks on this node`` threads (at least 1; cores = this process's affinity
 mask) — or, inside a SLURM step, ``SLURM_CPUS_PER_TASK``, which the site or user chose —

@@ -1,7 +1,8 @@
 """``mpitp demo``: what every rank holds before and after each collective.
 
 Rank r starts with ``[10r+1, 10r+2, ...]`` so every number tells where it came from;
-rank 0 prints one table per collective, like the seeds' notes.
+rank 0 prints one table per collective, like the study notes mpitp
+grew from (README, "The seeds' numbers").
 """
 from __future__ import annotations
 

@@ -97,15 +97,15 @@ class CommunicatorBase:
         self.traffic.count_call(name)
         return self._seq, f"{name} #{self._seq}"
 
-    def _direct(self, nonblocking: bool) -> bool:
+    def _call_blocking(self, nonblocking: bool) -> bool:
         return not nonblocking and self.watchdog.timeout is None
 
-    def _run(self, steps: Steps, what: str, nonblocking: bool):
+    def _run(self, steps: Steps, label: str, nonblocking: bool):
         if nonblocking:
-            return Handle(steps, self.watchdog, what)
-        return drive(steps, self.watchdog, what)
+            return Handle(steps, self.watchdog, label)
+        return drive(steps, self.watchdog, label)
 
-    def _prepare(self, what: str, sig, same: tuple[str, ...], fn):
+    def _prepare(self, label: str, sig, same: tuple[str, ...], fn):
         """Run local argument checks; with validation on, compare across ranks first
         (``sig()`` builds this rank's signature only then)."""
         err, res = None, None
@@ -114,14 +114,14 @@ class CommunicatorBase:
         except _LOCAL_ERRORS as e:
             err = e
         if self.validate:
-            self._exchange_check(what, sig(), same, err)
+            self._exchange_check(label, sig(), same, err)
         if err is not None:
             raise err
         return res
 
-    def _exchange_check(self, what: str, sig: dict, same: tuple[str, ...], err) -> None:
+    def _exchange_check(self, label: str, sig: dict, same: tuple[str, ...], err) -> None:
         sig = {**sig, "seq": self._seq}
-        validate.check(validate.exchange(self._meta, self.watchdog, what, sig, err), same)
+        validate.check(validate.exchange(self._meta, self.watchdog, label, sig, err), same)
 
     @staticmethod
     def _sig(name: str, x: Any, **extra) -> dict:
@@ -135,7 +135,7 @@ class CommunicatorBase:
         check_dtype(x.dtype)
         return backend.as_contiguous(x)
 
-    def _stage(self, x) -> bool:
+    def _via_host(self, x) -> bool:
         """Whether this (device) array must travel through host memory."""
         if not backend.is_device(x):
             return False
@@ -147,7 +147,7 @@ class CommunicatorBase:
     def _to_host(self, a):
         return backend.device_ops(a).to_host(a)
 
-    def _staged(self, steps: Steps, like, out) -> Steps:
+    def _back_to_device(self, steps: Steps, like, out) -> Steps:
         """Run host ``steps``, then copy the result to ``out`` (or a new device array)."""
         res = yield from steps
         if res is None:
@@ -193,11 +193,11 @@ class CommunicatorBase:
     def _segment(self, dtype) -> int:
         return max(1, self.segment_bytes // np.dtype(dtype).itemsize)
 
-    def _ring_transport(self, a, nbytes: int, nonblocking: bool, what: str, scope: str = "flat"):
+    def _ring_transport(self, a, nbytes: int, nonblocking: bool, label: str, scope: str = "flat"):
         """The MPI communicator or the channel a ring over ``scope`` (``"flat"``: all ranks,
         ``"intra"``: this node's) runs over (:mod:`mpitp.comm.transport`). Collective."""
         comm = self._algo if scope == "flat" else self.node_comms.intra
-        return self._links.pick(comm, a, nbytes, nonblocking, what, scope, self)
+        return self._links.pick(comm, a, nbytes, nonblocking, label, scope, self)
 
     def _slots(self, chunk: int, dtype) -> int:
         """Elements of receive scratch for the ring: ``ring_depth`` segments, at most ``chunk``

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from .algorithms import native, ring, select
+from .algorithms import mpi_collectives, ring, select
 from .handle import Steps
 from .base import CommunicatorBase
 from .ops import mpi_datatype
@@ -30,14 +30,14 @@ class Gathers(CommunicatorBase):
 
     def gather(self, x, root: int = 0, *, nonblocking: bool = False):
         """Concatenate every rank's ``x`` along axis 0 on ``root`` (``None`` elsewhere)."""
-        seq, what = self._begin("gather")
+        seq, label = self._begin("gather")
 
         def prep():
             self._check_root(root)
             return self._array(x)
         sig = lambda: self._sig("gather", x, root=root, trailing=tuple(getattr(x, "shape", ()))[1:])  # noqa: E731
-        a = self._prepare(what, sig, ("collective", "dtype", "trailing", "root"), prep)
-        staged = self._stage(a)
+        a = self._prepare(label, sig, ("collective", "dtype", "trailing", "root"), prep)
+        staged = self._via_host(a)
         src = self._to_host(a) if staged else a
         rows, trailing, row = self._rows(src)
         counts = self._row_counts(rows, root)
@@ -46,19 +46,19 @@ class Gathers(CommunicatorBase):
             dst = (np.empty if staged else lambda s, d: backend.empty(s, d, a))((sum(counts),) + trailing, a.dtype)
         self._record_mpi("gather", 0 if self.rank == root else src.nbytes)
         elems = None if counts is None else [c * row for c in counts]
-        steps = native.gatherv(self.mpi, src, dst, elems, mpi_datatype(a.dtype), root, self._direct(nonblocking))
-        return self._run(self._staged(steps, x, None) if staged else steps, what, nonblocking)
+        steps = mpi_collectives.gatherv(self.mpi, src, dst, elems, mpi_datatype(a.dtype), root, self._call_blocking(nonblocking))
+        return self._run(self._back_to_device(steps, x, None) if staged else steps, label, nonblocking)
 
     def allgather(self, x, *, out=None, algorithm: str = "auto", nonblocking: bool = False):
         """Concatenate every rank's ``x`` along axis 0 on every rank."""
-        seq, what = self._begin("allgather")
+        seq, label = self._begin("allgather")
         sig = lambda: self._sig("allgather", x, algorithm=algorithm, trailing=tuple(getattr(x, "shape", ()))[1:])  # noqa: E731
 
         def prep():
             a = self._array(x)
             return a, select.choose("allgather", algorithm, a.nbytes * self.size, self.size, None, self.topology, self.tuning)
-        a, alg = self._prepare(what, sig, ("collective", "dtype", "trailing", "algorithm"), prep)
-        staged = self._stage(a)
+        a, alg = self._prepare(label, sig, ("collective", "dtype", "trailing", "algorithm"), prep)
+        staged = self._via_host(a)
         src = self._to_host(a) if staged else a
         rows, trailing, row = self._rows(src)
         if out is not None and tuple(out.shape) == (rows * self.size,) + trailing and not self.validate:
@@ -73,10 +73,10 @@ class Gathers(CommunicatorBase):
             steps = self._ring_allgather(src, dst, elems, dt, seq, nonblocking)
         else:
             self._record_mpi("allgather", src.nbytes if self.size > 1 else 0)
-            steps = native.allgatherv(self.mpi, src, dst, elems, dt, self._direct(nonblocking))
+            steps = mpi_collectives.allgatherv(self.mpi, src, dst, elems, dt, self._call_blocking(nonblocking))
         if staged:
-            steps = self._staged(steps, x, out)
-        res = self._run(steps, f"{what} ({alg})", nonblocking)
+            steps = self._back_to_device(steps, x, out)
+        res = self._run(steps, f"{label} ({alg})", nonblocking)
         return res if nonblocking or staged else self._finish(res, out)
 
     def _ring_allgather(self, src, dst, elems, dt, seq, nonblocking: bool) -> Steps:
@@ -92,7 +92,7 @@ class Gathers(CommunicatorBase):
     def scatter(self, x, root: int = 0, *, nonblocking: bool = False):
         """Split root's ``x`` along axis 0 like ``numpy.array_split``; rank r gets piece r.
         Non-roots may pass ``None``."""
-        seq, what = self._begin("scatter")
+        seq, label = self._begin("scatter")
         sig = lambda: {"collective": "scatter", "root": root}  # noqa: E731
 
         def prep():
@@ -103,8 +103,8 @@ class Gathers(CommunicatorBase):
                     raise ValueError("scatter needs an array with at least one dimension")
                 return a
             return None
-        a = self._prepare(what, sig, ("collective", "root"), prep)
-        staged = a is not None and self._stage(a)
+        a = self._prepare(label, sig, ("collective", "root"), prep)
+        staged = a is not None and self._via_host(a)
         src = self._to_host(a) if staged else a
         meta = (tuple(src.shape), src.dtype.str, staged) if self.rank == root else None
         shape, dtype, staged_root = self.mpi.bcast(meta, root=root)
@@ -116,16 +116,16 @@ class Gathers(CommunicatorBase):
             else np.empty((counts[self.rank],) + tuple(shape[1:]), dtype)
         if self.rank == root:
             self._record_mpi("scatter", src.nbytes - counts[root] * row * dtype.itemsize)
-        steps = native.scatterv(self.mpi, src, dst, [c * row for c in counts], mpi_datatype(dtype), root,
-                                self._direct(nonblocking))
+        steps = mpi_collectives.scatterv(self.mpi, src, dst, [c * row for c in counts], mpi_datatype(dtype), root,
+                                self._call_blocking(nonblocking))
         if staged:
-            steps = self._staged(steps, x, None)
-        return self._run(steps, what, nonblocking)
+            steps = self._back_to_device(steps, x, None)
+        return self._run(steps, label, nonblocking)
 
     def alltoall(self, x, *, nonblocking: bool = False):
         """Split axis 0 into ``size`` equal blocks; block j goes to rank j, and the
         result stacks the blocks received from ranks 0..size-1."""
-        seq, what = self._begin("alltoall")
+        seq, label = self._begin("alltoall")
         sig = lambda: self._sig("alltoall", x)  # noqa: E731
 
         def prep():
@@ -134,12 +134,12 @@ class Gathers(CommunicatorBase):
                 raise ValueError(f"alltoall needs axis 0 divisible by the communicator size {self.size}; "
                                  f"got shape {tuple(a.shape)}")
             return a
-        a = self._prepare(what, sig, ("collective", "dtype", "shape"), prep)
-        staged = self._stage(a)
+        a = self._prepare(label, sig, ("collective", "dtype", "shape"), prep)
+        staged = self._via_host(a)
         src = self._to_host(a) if staged else a
         dst = np.empty_like(src) if staged else backend.empty(src.shape, src.dtype, a)
         self._record_mpi("alltoall", src.nbytes - src.nbytes // self.size)
-        steps = native.alltoall(self.mpi, src, dst, mpi_datatype(a.dtype), self._direct(nonblocking))
+        steps = mpi_collectives.alltoall(self.mpi, src, dst, mpi_datatype(a.dtype), self._call_blocking(nonblocking))
         if staged:
-            steps = self._staged(steps, x, None)
-        return self._run(steps, what, nonblocking)
+            steps = self._back_to_device(steps, x, None)
+        return self._run(steps, label, nonblocking)

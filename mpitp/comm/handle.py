@@ -30,7 +30,7 @@ class Watchdog:
             timeout = settings.current().timeout
         return cls(timeout, rank)
 
-    def wait(self, reqs: list, what: str) -> None:
+    def wait(self, reqs: list, label: str) -> None:
         if self.timeout is None:
             MPI.Request.Waitall(reqs)
             return
@@ -40,17 +40,17 @@ class Watchdog:
             spins += 1
             if spins % 64 == 0:
                 if time.monotonic() > deadline:
-                    self.abort(what)
+                    self.abort(label)
                 time.sleep(0)  # let an oversubscribed peer run
 
-    def abort(self, what: str) -> None:
-        self._end(f"mpitp watchdog: rank {self.rank} waited more than {self.timeout:g} s in {what}; "
+    def abort(self, label: str) -> None:
+        self._end(f"mpitp watchdog: rank {self.rank} waited more than {self.timeout:g} s in {label}; "
                   "another rank never entered it or is stuck. Aborting the job (MPITP_TIMEOUT).")
 
-    def fail(self, what: str, reason: str) -> None:
+    def fail(self, label: str, reason: str) -> None:
         """End the job over an error in the middle of a collective, where the other ranks
         are already waiting on this one (raising here would leave them hanging)."""
-        self._end(f"mpitp: rank {self.rank} failed in {what}: {reason}. Aborting the job.")
+        self._end(f"mpitp: rank {self.rank} failed in {label}: {reason}. Aborting the job.")
 
     def _end(self, msg: str) -> None:
         from ..failfast import EXIT_WATCHDOG, abort
@@ -63,12 +63,12 @@ def _as_list(reqs) -> list:
     return list(reqs) if isinstance(reqs, (list, tuple)) else [reqs]
 
 
-def drive(steps: Steps, watchdog: Watchdog, what: str) -> Any:
+def drive(steps: Steps, watchdog: Watchdog, label: str) -> Any:
     """Run a collective's steps to completion (blocking)."""
     try:
         reqs = next(steps)
         while True:
-            watchdog.wait(_as_list(reqs), what)
+            watchdog.wait(_as_list(reqs), label)
             reqs = steps.send(None)
     except StopIteration as stop:
         return stop.value
@@ -81,8 +81,8 @@ class Handle:
     them from time to time while computing.
     """
 
-    def __init__(self, steps: Steps, watchdog: Watchdog, what: str):
-        self._steps, self._watchdog, self.what = steps, watchdog, what
+    def __init__(self, steps: Steps, watchdog: Watchdog, label: str):
+        self._steps, self._watchdog, self.label = steps, watchdog, label
         self._done, self._result, self._pending = False, None, []
         self._advance(first=True)
 
@@ -102,7 +102,7 @@ class Handle:
 
     def wait(self) -> Any:
         while not self._done:
-            self._watchdog.wait(self._pending, self.what)
+            self._watchdog.wait(self._pending, self.label)
             self._advance()
         return self._result
 

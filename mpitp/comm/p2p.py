@@ -5,21 +5,21 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import backend
-from .algorithms import native
+from .algorithms import mpi_collectives
 from .base import CommunicatorBase
 from .ops import mpi_datatype
 
 
 class PointToPoint(CommunicatorBase):
     def barrier(self, *, nonblocking: bool = False):
-        seq, what = self._begin("barrier")
+        seq, label = self._begin("barrier")
         if self.validate:
-            self._exchange_check(what, {"collective": "barrier"}, ("collective",), None)
-        return self._run(native.barrier(self.mpi, self._direct(nonblocking)), what, nonblocking)
+            self._exchange_check(label, {"collective": "barrier"}, ("collective",), None)
+        return self._run(mpi_collectives.barrier(self.mpi, self._call_blocking(nonblocking)), label, nonblocking)
 
     def send(self, x, dest: int, tag: int = 0) -> None:
         a = self._array(x)
-        if self._stage(a):
+        if self._via_host(a):
             a = self._to_host(a)
         self.traffic.record(a.nbytes, "send", self.topology.peer_class(dest))
         self.mpi.Send([a, mpi_datatype(a.dtype)], dest=dest, tag=tag)
@@ -38,7 +38,7 @@ class PointToPoint(CommunicatorBase):
                 shape = (status.Get_count(mpi_datatype(dtype)),)
                 source, tag = status.Get_source(), status.Get_tag()
             out = np.empty(shape, dtype)
-        if backend.is_device(out) and self._stage(out):
+        if backend.is_device(out) and self._via_host(out):
             host = np.empty(out.shape, out.dtype)
             self.mpi.Recv([host, mpi_datatype(out.dtype)], source=source, tag=tag)
             backend.device_ops(out).from_host(out, host)
@@ -52,7 +52,7 @@ class PointToPoint(CommunicatorBase):
         """Send ``x`` to ``dest`` while receiving a same-shaped array from ``source``."""
         a = self._array(x)
         source = dest if source is None else source
-        if self._stage(a):
+        if self._via_host(a):
             h = self._to_host(a)
             r = np.empty_like(h)
             self.traffic.record(h.nbytes, "sendrecv", self.topology.peer_class(dest))

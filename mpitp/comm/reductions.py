@@ -8,7 +8,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import backend
-from .algorithms import hierarchical, native, ring, select
+from .algorithms import hierarchical, mpi_collectives, ring, select
 from .algorithms.select import NEVER
 from .base import CommunicatorBase, _value
 from .handle import Steps
@@ -58,8 +58,8 @@ class Reductions(CommunicatorBase):
 
     def _checked_allreduce(self, x, op, out, algorithm: str, nonblocking: bool):
         """All-reduce with every check (kept out of ``allreduce``: its closures would make
-        each call of the hot paths above build cells)."""
-        seq, what = self._begin("allreduce")
+        each call of the fast path above build cells)."""
+        seq, label = self._begin("allreduce")
         sig = lambda: self._sig("allreduce", x, op=str(op), algorithm=algorithm)  # noqa: E731
 
         def prep():
@@ -68,17 +68,17 @@ class Reductions(CommunicatorBase):
             check_reducible(o, a.dtype)
             alg = select.choose("allreduce", algorithm, a.nbytes, self.size, o, self.topology, self.tuning)
             return o, a, alg
-        o, a, alg = self._prepare(what, sig, ("collective", "dtype", "shape", "op", "algorithm"), prep)
-        what = f"{what} ({alg}, {a.nbytes} bytes)"
+        o, a, alg = self._prepare(label, sig, ("collective", "dtype", "shape", "op", "algorithm"), prep)
+        label = f"{label} ({alg}, {a.nbytes} bytes)"
         self._remember_fast(x, op, algorithm, o, a, alg)
         inplace = out is x
-        if self._stage(a):
+        if self._via_host(a):
             h = self._to_host(a)
-            steps = self._staged(self._allreduce(h, h, o, alg, seq, nonblocking), x, x if inplace else out)
-            return self._run(steps, what, nonblocking)
+            steps = self._back_to_device(self._allreduce(h, h, o, alg, seq, nonblocking), x, x if inplace else out)
+            return self._run(steps, label, nonblocking)
         target = a if inplace and a is x else self._out_buffer(None if inplace else out, a, a.shape)
         steps = self._allreduce(a, target, o, alg, seq, nonblocking)
-        res = self._run(steps, what, nonblocking)
+        res = self._run(steps, label, nonblocking)
         if nonblocking:
             return res
         return self._finish(res, x if inplace else out)
@@ -93,7 +93,7 @@ class Reductions(CommunicatorBase):
         dt = mpi_datatype(a.dtype)
         if alg == "mpi":
             self._record_mpi("allreduce", a.nbytes)
-            return (yield from native.allreduce(self.mpi, a, dst, dt, mpi_op(op, a.dtype), self._direct(nonblocking)))
+            return (yield from mpi_collectives.allreduce(self.mpi, a, dst, dt, mpi_op(op, a.dtype), self._call_blocking(nonblocking)))
         fn = ufunc(op, backend.xp_of(a))
         reduce = lambda p, q, r: fn(p, q, out=r)  # noqa: E731
         kw = dict(dtype=dt, itemsize=a.dtype.itemsize, seg=self._segment(a.dtype), tag=seq & 0x7FFF,
@@ -126,7 +126,7 @@ class Reductions(CommunicatorBase):
     def reduce(self, x, op: "ReduceOp | str" = "sum", root: int = 0, *, out=None,
                algorithm: str = "auto", nonblocking: bool = False):
         """Reduction to ``root``; returns the result there and ``None`` elsewhere."""
-        seq, what = self._begin("reduce")
+        seq, label = self._begin("reduce")
         sig = lambda: self._sig("reduce", x, op=str(op), root=root, algorithm=algorithm)  # noqa: E731
 
         def prep():
@@ -136,8 +136,8 @@ class Reductions(CommunicatorBase):
             check_reducible(o, a.dtype)
             select.choose("reduce", algorithm, a.nbytes, self.size, o, self.topology, self.tuning)
             return o, a
-        o, a = self._prepare(what, sig, ("collective", "dtype", "shape", "op", "root", "algorithm"), prep)
-        staged = self._stage(a)
+        o, a = self._prepare(label, sig, ("collective", "dtype", "shape", "op", "root", "algorithm"), prep)
+        staged = self._via_host(a)
         src = self._to_host(a) if staged else a
         is_root = self.rank == root
         dst = None
@@ -149,43 +149,43 @@ class Reductions(CommunicatorBase):
             steps = _value(dst)
         else:
             self._record_mpi("reduce", 0 if is_root else a.nbytes)
-            steps = native.reduce(self.mpi, src, dst, mpi_datatype(a.dtype), mpi_op(o, a.dtype), root,
-                                  self._direct(nonblocking))
+            steps = mpi_collectives.reduce(self.mpi, src, dst, mpi_datatype(a.dtype), mpi_op(o, a.dtype), root,
+                                  self._call_blocking(nonblocking))
         if o is ReduceOp.AVG:
             steps = _averaged(steps, self.size)
         if staged:
-            steps = self._staged(steps, x, out)
-        res = self._run(steps, what, nonblocking)
+            steps = self._back_to_device(steps, x, out)
+        res = self._run(steps, label, nonblocking)
         return res if nonblocking or staged else self._finish(res, out)
 
     def broadcast(self, x, root: int = 0, *, nonblocking: bool = False):
         """Root's ``x`` to every rank. Non-roots pass a buffer of the same shape and dtype,
         which is filled in place and returned."""
-        seq, what = self._begin("broadcast")
+        seq, label = self._begin("broadcast")
         sig = lambda: self._sig("broadcast", x, root=root)  # noqa: E731
 
         def prep():
             self._check_root(root)
             return self._array(x)
-        a = self._prepare(what, sig, ("collective", "dtype", "shape", "root"), prep)
-        staged = self._stage(a)
+        a = self._prepare(label, sig, ("collective", "dtype", "shape", "root"), prep)
+        staged = self._via_host(a)
         buf = self._to_host(a) if staged else a
         if self.size == 1:
             steps = _value(buf)
         else:
             self._record_mpi("broadcast", buf.nbytes if self.rank == root else 0)
-            steps = native.bcast(self.mpi, buf, mpi_datatype(a.dtype), root, self._direct(nonblocking))
+            steps = mpi_collectives.bcast(self.mpi, buf, mpi_datatype(a.dtype), root, self._call_blocking(nonblocking))
         target = x if (backend.is_device(x) or isinstance(x, np.ndarray)) else None
         if staged:
-            steps = self._staged(steps, x, target)
-        res = self._run(steps, what, nonblocking)
+            steps = self._back_to_device(steps, x, target)
+        res = self._run(steps, label, nonblocking)
         return res if nonblocking or staged else self._finish(res, target)
 
     def reduce_scatter(self, x, op: "ReduceOp | str" = "sum", *, algorithm: str = "auto",
                        nonblocking: bool = False):
         """Reduce ``x`` over ranks, then split axis 0 like ``numpy.array_split``;
         rank r gets piece r."""
-        seq, what = self._begin("reduce_scatter")
+        seq, label = self._begin("reduce_scatter")
         sig = lambda: self._sig("reduce_scatter", x, op=str(op), algorithm=algorithm)  # noqa: E731
 
         def prep():
@@ -195,8 +195,8 @@ class Reductions(CommunicatorBase):
                 raise ValueError("reduce_scatter needs an array with at least one dimension")
             check_reducible(o, a.dtype)
             return o, a, select.choose("reduce_scatter", algorithm, a.nbytes, self.size, o, self.topology, self.tuning)
-        o, a, alg = self._prepare(what, sig, ("collective", "dtype", "shape", "op", "algorithm"), prep)
-        staged = self._stage(a)
+        o, a, alg = self._prepare(label, sig, ("collective", "dtype", "shape", "op", "algorithm"), prep)
+        staged = self._via_host(a)
         src = self._to_host(a) if staged else a
         rows = ring.chunk_counts(src.shape[0], self.size)
         row = int(np.prod(src.shape[1:], dtype=np.int64))
@@ -211,13 +211,13 @@ class Reductions(CommunicatorBase):
             steps = self._ring_reduce_scatter(src, dst, elems, o, dt, seq, nonblocking)
         else:
             self._record_mpi("reduce_scatter", src.nbytes - elems[self.rank] * a.dtype.itemsize)
-            steps = native.reduce_scatter(self.mpi, src, dst, elems, dt, mpi_op(o, a.dtype),
-                                          self._direct(nonblocking))
+            steps = mpi_collectives.reduce_scatter(self.mpi, src, dst, elems, dt, mpi_op(o, a.dtype),
+                                          self._call_blocking(nonblocking))
         if o is ReduceOp.AVG:
             steps = _averaged(steps, self.size)
         if staged:
-            steps = self._staged(steps, x, None)
-        return self._run(steps, f"{what} ({alg})", nonblocking)
+            steps = self._back_to_device(steps, x, None)
+        return self._run(steps, f"{label} ({alg})", nonblocking)
 
     def _ring_reduce_scatter(self, src, dst, elems, op, dt, seq, nonblocking: bool) -> Steps:
         fn = ufunc(op, backend.xp_of(src))

@@ -19,7 +19,7 @@ from .handle import Watchdog
 SLOT = 4096   # bytes per rank
 
 
-def exchange(mpi: MPI.Comm, watchdog: Watchdog, what: str, sig: dict, error: BaseException | None) -> list:
+def exchange(mpi: MPI.Comm, watchdog: Watchdog, label: str, sig: dict, error: BaseException | None) -> list:
     """All-gather every rank's ``(signature, error text)``."""
     text = None if error is None else f"{type(error).__name__}: {error}"
     payload = pickle.dumps((sig, text))
@@ -29,7 +29,7 @@ def exchange(mpi: MPI.Comm, watchdog: Watchdog, what: str, sig: dict, error: Bas
     slot[:8] = np.frombuffer(np.int64(len(payload)).tobytes(), np.uint8)
     slot[8:8 + len(payload)] = np.frombuffer(payload, np.uint8)
     table = np.empty((mpi.size, SLOT), np.uint8)
-    watchdog.wait([mpi.Iallgather(slot, table)], f"validation of {what}")
+    watchdog.wait([mpi.Iallgather(slot, table)], f"validation of {label}")
     out = []
     for row in table:
         n = int(row[:8].view(np.int64)[0])
@@ -43,13 +43,13 @@ def check(gathered: list[tuple[dict, str | None]], same: tuple[str, ...]) -> Non
     The message is built from the gathered evidence only (named after rank 0's call),
     so it is identical on every rank."""
     first = gathered[0][0]
-    what = f"{first.get('collective')} #{first.get('seq')}"
+    label = f"{first.get('collective')} #{first.get('seq')}"
     errors = [(r, e) for r, (_, e) in enumerate(gathered) if e is not None]
     if errors:
         detail = "; ".join(f"rank {r}: {e}" for r, e in errors)
-        raise CollectiveMismatchError(f"{what}: invalid arguments on {len(errors)} rank(s): {detail}")
+        raise CollectiveMismatchError(f"{label}: invalid arguments on {len(errors)} rank(s): {detail}")
     for key in same:
         values: list[Any] = [s.get(key) for s, _ in gathered]
         if any(v != values[0] for v in values[1:]):
             listing = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-            raise CollectiveMismatchError(f"{what}: {key} differs across ranks ({listing})")
+            raise CollectiveMismatchError(f"{label}: {key} differs across ranks ({listing})")

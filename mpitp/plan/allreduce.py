@@ -2,9 +2,10 @@
 
 Bytes are exact for the algorithms mpitp runs (the same chunk rounding as
 :mod:`mpitp.comm.algorithms.ring`), so a run's traffic counters must equal them to the byte.
-``naive`` and ``hierarchical_sharp`` are models only (seed 000's baseline, and the
-in-network reduction mpitp cannot run on a CPU cluster). Times use the alpha-beta model
-``T_link(X) = alpha + X/beta`` with seed 000's formulas for the two model-only rows:
+``naive`` and ``hierarchical_sharp`` are models only (the baseline of seed 000, the
+study note in the README's "The seeds' numbers", and the in-network reduction mpitp
+cannot run on a CPU cluster). Times use the alpha-beta model ``T_link(X) = alpha + X/beta``
+with seed 000's formulas for the two model-only rows:
 
     naive:               T_slow(B*L)                       (every rank's B crosses the NIC)
     hierarchical_sharp:  T_fast(B*L) + T_slow(B)           (node sends B up, gets B down)
@@ -40,7 +41,7 @@ def per_rank_elements(algorithm: str, node_sizes: list[int], n: int) -> list[tup
     """(intra, inter) elements sent by every rank, ranks numbered node by node."""
     N, M = sum(node_sizes), len(node_sizes)
     node_of = [m for m, L in enumerate(node_sizes) for _ in range(L)]
-    local = [l for L in node_sizes for l in range(L)]
+    local = [lr for L in node_sizes for lr in range(L)]
     out = []
     if algorithm == "ring":
         for r in range(N):
@@ -50,17 +51,17 @@ def per_rank_elements(algorithm: str, node_sizes: list[int], n: int) -> list[tup
     if algorithm == "hierarchical" and len(set(node_sizes)) > 1:
         algorithm = "hierarchical_leader"            # what the runtime falls back to
     for r in range(N):
-        m, l, L = node_of[r], local[r], node_sizes[node_of[r]]
+        m, lr, L = node_of[r], local[r], node_sizes[node_of[r]]
         c = chunk_counts(n, L)
-        intra = _ring_elems(n, L, l, sent_by="rs") + _ring_elems(n, L, l, sent_by="ag")
+        intra = _ring_elems(n, L, lr, sent_by="rs") + _ring_elems(n, L, lr, sent_by="ag")
         if algorithm == "hierarchical":
-            inter = _ring_elems(c[l], M, m, sent_by="ar")
+            inter = _ring_elems(c[lr], M, m, sent_by="ar")
         elif algorithm == "hierarchical_leader":
-            if l == 0:
+            if lr == 0:
                 intra += n - c[0]                        # shards back to the local ranks
                 inter = _ring_elems(n, M, m, sent_by="ar")
             else:
-                intra += c[l]                            # shard to the leader
+                intra += c[lr]                            # shard to the leader
                 inter = 0
         else:
             raise ValueError(f"no exact byte count for {algorithm!r}")

@@ -37,7 +37,7 @@ class Profile:
 
 
 PROFILES = {
-    # seed 000's cluster: NVLink/NVSwitch inside a node, InfiniBand 200 Gb/s between nodes
+    # the cluster of seed 000 (README, "The seeds' numbers"): NVLink/NVSwitch inside a node, InfiniBand 200 Gb/s between nodes
     "nvlink-ib200": Profile("nvlink-ib200", Link(2e-6, 600e9), Link(5e-6, 200e9 / 8),
                             "NVLink 600 GB/s inside a node, InfiniBand HDR 200 Gb/s (25 GB/s) between nodes"),
     "nvlink-ib400": Profile("nvlink-ib400", Link(2e-6, 900e9), Link(4e-6, 400e9 / 8),

@@ -1,6 +1,7 @@
-"""Tensor-parallel plan for a LLaMA-shaped model (seed 004 made executable).
+"""Tensor-parallel plan for a LLaMA-shaped model (the worked example of seed 004, the
+study note "LLM parallelism basics", made executable: README, "The seeds' numbers").
 
-Per rank ``r`` of ``p`` (Megatron cut; shapes in the seed's ``[in, out]`` orientation,
+Per rank ``r`` of ``p`` (Megatron cut; shapes in that note's ``[in, out]`` orientation,
 Hugging Face stores ``[out, in]``)::
 
     W_Q  [h, q_heads*d/p]   W_K, W_V [h, kv_heads*d/p] (kv replicated if p > kv_heads)
@@ -128,7 +129,7 @@ def comm_plan(m: ModelShape, p: int, batch: int, seq: int, nbytes: int, prof: Pr
     ring = 2 * (p - 1) * link.time(each / p) if p > 1 else 0.0
     return {
         "allreduces": count, "bytes_each": each, "bytes_total": count * each,
-        "time_volume_s": count * each / link.beta,                 # seed 004: volume / bandwidth
+        "time_volume_s": count * each / link.beta,                 # the note's estimate: volume / bandwidth
         "time_ring_s": count * ring,                                # alpha-beta ring at p ranks
         "sent_per_rank_bytes": count * (2 * (p - 1) * each // p if p > 1 else 0),
     }

@@ -44,9 +44,9 @@ class LinearBase:
         self.tp_size = comm.size if comm is not None else 1
         self.tp_rank = comm.rank if comm is not None else 0
         self.in_features, self.out_features = in_features, out_features
-        # stored transposed, [in, out] contiguous: x @ W.T streams whole rows of it, which
-        # is up to 2x faster for decoding (GEMV) than W's own short rows; ``weight`` is the
-        # [out, in] view every loader and reader uses
+        # stored transposed, [in, out] contiguous: x @ W.T streams whole rows of it
+        # (faster GEMV, docs/measurements.md); ``weight`` is the [out, in] view every
+        # loader and reader uses
         self._wt = xp.zeros((in_features, out_features), self.dtype)
         self.weight = self._wt.T
         self.bias = xp.zeros(out_features, self.dtype) if bias else None

@@ -168,10 +168,10 @@ def test_ring_pipeline_rendezvous(comm, depth_slots, segs_per_chunk):
 
 @pytest.mark.parametrize("dtype,op", [("float32", "sum"), ("float64", "max"), ("int8", "sum"), ("uint16", "sum"),
                                       ("int64", "prod"), ("bool", "min"), ("complex64", "sum")])
-def test_small_message_hot_path(dtype, op):
+def test_small_message_fast_path(dtype, op):
     """Without the watchdog and validation, repeated small host calls skip straight to
-    MPI's own call (the hot path): same results as MPI and NumPy for every output form,
-    and a form the hot path does not take (non-contiguous out=) still works."""
+    MPI's own call (the fast path): same results as MPI and NumPy for every output form,
+    and a form the fast path does not take (non-contiguous out=) still works."""
     c = mpitp.Communicator(timeout=0, validate=False)
     try:
         for n in (1, 7, 256):
@@ -180,7 +180,7 @@ def test_small_message_hot_path(dtype, op):
             tol = bound(inputs, op, dtype)
             ref = numpy_reference(inputs, op)
             ref_mpi = mpi_reference(x, op)
-            for _ in range(3):                          # 1st call: slow path; then the hot path
+            for _ in range(3):                          # 1st call: slow path; then the fast path
                 y = c.allreduce(x, op=op)
                 agree(close(y, ref_mpi, tol) and close(y, ref, tol) and y.dtype == x.dtype, f"{dtype} {op} n={n}")
                 out = np.empty_like(x)
@@ -190,7 +190,7 @@ def test_small_message_hot_path(dtype, op):
                 strided = np.zeros(2 * n, dtype)
                 c.allreduce(x, op=op, out=strided[::2])
                 agree(close(strided[::2], ref, tol), "non-contiguous out=")
-            agree((np.dtype(dtype), op, "auto") in c._fast, "the hot path was never set up")
+            agree((np.dtype(dtype), op, "auto") in c._fast, "the fast path was never set up")
     finally:
         c.free()
 

@@ -78,8 +78,8 @@ def test_simulated_nodes_classify_peers():
         c.free()
 
 
-def test_hot_path_counts_like_the_slow_path():
-    """Small all-reduces that take the hot path (no watchdog, no validation) are counted
+def test_fast_path_counts_like_the_slow_path():
+    """Small all-reduces that take the fast path (no watchdog, no validation) are counted
     exactly like the slow path: calls, MPI payload, the current phase, and after reset."""
     hot = mpitp.Communicator(timeout=0, validate=False)
     try:

@@ -1,6 +1,7 @@
 """Two-level all-reduce: inside each node first, across nodes second, back inside last.
 
-Seed 000's picture, 2 nodes x 4 ranks, B bytes per rank::
+The picture of seed 000 (the study note in the README's "The seeds' numbers"), 2 nodes
+x 4 ranks, B bytes per rank::
 
     sharded ("hierarchical", NCCL/Horovod style)     leader ("hierarchical_leader")
     1. intra reduce-scatter: local rank l owns        1. intra reduce-scatter, then every
@@ -65,21 +66,21 @@ def all_reduce(
     ``nc.intra``; the leader variant's shard moves stay on ``nc.intra``."""
     link = nc.intra if intra is None else intra
     kw = dict(dtype=dtype, itemsize=itemsize, seg=seg, tag=tag)
-    L, l = nc.intra.size, nc.intra.rank
+    L, lr = nc.intra.size, nc.intra.rank        # ranks on this node, local rank
     counts = ring.chunk_counts(dst.size, L)
     offs = ring.offsets(counts)
     intra_send = _mapped(on_send, nc.intra_ranks)
-    # 1. reduce-scatter inside the node: local rank l owns shard l of the node's sum
+    # 1. reduce-scatter inside the node: local rank lr owns shard lr of the node's sum
     yield from ring.reduce_scatter(link, src, dst, counts, reduce, tmp, on_send=intra_send, **kw)
     if sharded:
-        # 2. shard l across nodes, among the ranks with local rank l
-        shard = dst[offs[l]:offs[l] + counts[l]]
+        # 2. shard lr across nodes, among the ranks with local rank lr
+        shard = dst[offs[lr]:offs[lr] + counts[lr]]
         yield from ring.all_reduce(nc.inter, shard, shard, reduce, tmp,
                                    on_send=_mapped(on_send, nc.inter_ranks), **kw)
     else:
         # 2a. shards to the leader; 2b. leaders all-reduce everything; 2c. shards back
         yield from _to_leader(nc.intra, dst, counts, offs, dtype, itemsize, tag, intra_send)
-        if l == 0:
+        if lr == 0:
             yield from ring.all_reduce(nc.leaders, dst, dst, reduce, tmp,
                                        on_send=_mapped(on_send, nc.leader_ranks), **kw)
         yield from _from_leader(nc.intra, dst, counts, offs, dtype, itemsize, tag, intra_send)
@@ -89,23 +90,23 @@ def all_reduce(
 
 
 def _to_leader(comm, buf, counts, offs, dtype, itemsize, tag, on_send) -> Steps:
-    l = comm.rank
-    if l == 0:
+    lr = comm.rank
+    if lr == 0:
         yield [comm.Irecv([buf[offs[k]:offs[k] + counts[k]], dtype], source=k, tag=tag)
                for k in range(1, comm.size) if counts[k]]
-    elif counts[l]:
-        on_send(counts[l] * itemsize, 0)
-        yield comm.Isend([buf[offs[l]:offs[l] + counts[l]], dtype], dest=0, tag=tag)
+    elif counts[lr]:
+        on_send(counts[lr] * itemsize, 0)
+        yield comm.Isend([buf[offs[lr]:offs[lr] + counts[lr]], dtype], dest=0, tag=tag)
 
 
 def _from_leader(comm, buf, counts, offs, dtype, itemsize, tag, on_send) -> Steps:
-    l = comm.rank
-    if l == 0:
+    lr = comm.rank
+    if lr == 0:
         reqs = []
         for k in range(1, comm.size):
             if counts[k]:
                 on_send(counts[k] * itemsize, k)
                 reqs.append(comm.Isend([buf[offs[k]:offs[k] + counts[k]], dtype], dest=k, tag=tag))
         yield reqs
-    elif counts[l]:
-        yield comm.Irecv([buf[offs[l]:offs[l] + counts[l]], dtype], source=0, tag=tag)
+    elif counts[lr]:
+        yield comm.Irecv([buf[offs[lr]:offs[lr] + counts[lr]], dtype], source=0, tag=tag)

@@ -24,16 +24,7 @@ ALGORITHMS = {
 }
 
 # message size (bytes, whole buffer) from which the ring beats MPI's own call, by
-# collective, MPI library and world size; measured with `mpitp bench` (medians of 5
-# interleaved trials) on a 2-core machine, the ring over shared memory up to 2 MiB and
-# CMA above (one node; 3-4 ranks oversubscribed there):
-#   allreduce       256 KiB at 2 ranks for both wheels; at 3+ 4 MiB (at 1 MiB the ring and
-#                   MPI's own call swapped places from run to run, 0.64-1.2x)
-#   reduce_scatter  256 KiB at 2 ranks; at 3+ 64 MiB (mpich: its own call wins 1-16 MiB),
-#                   1 MiB (openmpi)
-#   allgather       MPI's own call: as fast or faster up to 16 MiB; the ring won by only
-#                   1.1-1.3x at 64 MiB, and per-rank sizes may differ, so a size rule
-#                   would need the counts first
+# collective, MPI library and world size (how they were measured: docs/measurements.md).
 # Other MPI libraries get the all-reduce figures only; other collectives: MPI's own call.
 # A tuning file (`mpitp bench allreduce --tune`) overrides.
 NEVER = 1 << 62

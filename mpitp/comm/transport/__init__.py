@@ -41,7 +41,7 @@ class Links:
         # scope -> (slot bytes, depth, channel or None where it cannot open)
         self._open: dict[str, tuple[int, int, Channel | None]] = {}
 
-    def pick(self, comm: MPI.Comm, a, nbytes: int, nonblocking: bool, what: str, scope: str,
+    def pick(self, comm: MPI.Comm, a, nbytes: int, nonblocking: bool, label: str, scope: str,
              knobs: RingSettings) -> "MPI.Comm | Channel":
         """The transport for one ring over ``comm``: ``nbytes`` is the call's whole buffer,
         the same on every rank. Collective over the whole communicator (``meta``'s ranks),
@@ -53,25 +53,25 @@ class Links:
                 return comm
             seg = max(1, knobs.segment_bytes // a.dtype.itemsize) * a.dtype.itemsize
             slot = -(-max(seg, knobs.segment_bytes) // 64) * 64
-            ch = self._channel(scope, comm, slot, knobs.ring_depth, shm.open_channel, what)
+            ch = self._channel(scope, comm, slot, knobs.ring_depth, shm.open_channel, label)
         else:
             if not knobs.cma:
                 return comm
             ch = self._channel(scope + "/cma", comm, knobs.cma_segment_bytes, knobs.ring_depth,
-                               cma.open_channel, what)
+                               cma.open_channel, label)
         if ch is None:
             return comm
-        ch.what = what          # what the watchdog names if this call never completes
+        ch.label = label         # what the watchdog names if this call never completes
         return ch
 
-    def _channel(self, key: str, comm: MPI.Comm, slot: int, depth: int, opener, what: str) -> Channel | None:
+    def _channel(self, key: str, comm: MPI.Comm, slot: int, depth: int, opener, label: str) -> Channel | None:
         """The channel ``opener`` makes over ``comm`` (None where it cannot), opened on
         first use and again when the slot size or the depth changes."""
         link = self._open.get(key)
         if link is None or link[0] != slot or link[1] != depth:
             # opening is a blocking collective: first make sure every rank is in this call,
             # under the watchdog, so a rank that never comes aborts the job instead of hanging it
-            self.watchdog.wait([self._meta.Ibarrier()], what)
+            self.watchdog.wait([self._meta.Ibarrier()], label)
             if link is not None and link[2] is not None:
                 link[2].free()
             ch = opener(comm, slot, depth, self.watchdog) if comm.size > 1 else None

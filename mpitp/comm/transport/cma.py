@@ -87,9 +87,8 @@ def enabled() -> bool:
 
 
 def segment_bytes() -> int:
-    """Bytes per CMA read (``MPITP_CMA_SEGMENT``; default 2 MiB: of 64 KiB-4 MiB, 2-4 MiB
-    were fastest for 8-64 MiB all-reduces on the 2-core Zen 4 measured, 64 KiB half as
-    fast; each read is a system call that pins the pages it copies)."""
+    """Bytes per CMA read (``MPITP_CMA_SEGMENT``, default 2 MiB; each read is a system
+    call that pins the pages it copies; why 2 MiB: docs/measurements.md)."""
     return settings.current().cma_segment
 
 
@@ -137,7 +136,7 @@ class DirectChannel(shm.Channel):
     def _take(self, i: int, target, own, reduce) -> None:
         addr, nbytes = self._in[i]
         if nbytes != target.nbytes:
-            self.watchdog.fail(self.what, f"a segment of {nbytes} bytes where {target.nbytes} were due")
+            self.watchdog.fail(self.label, f"a segment of {nbytes} bytes where {target.nbytes} were due")
         try:
             at = target.ctypes.data
             if own is None:
@@ -149,7 +148,7 @@ class DirectChannel(shm.Channel):
                 self.reader.read(self.left_pid, self.scratch.ctypes.data, int(addr), int(nbytes))
                 reduce(own, self.scratch[:nbytes].view(target.dtype), target)
         except OSError as e:     # the others are blocked on this rank: end the job, loudly
-            self.watchdog.fail(self.what, str(e))
+            self.watchdog.fail(self.label, str(e))
 
     def _given_back(self, k: int) -> bool:
         return self._r_consumed[0] >= k

@@ -56,7 +56,7 @@ class Channel:
         # rank it waits for may be queued behind it on the same core
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.yield_every = 1 if comm.size > cores else 64
-        self.what = "ring over shared memory"      # the call in progress, for the watchdog
+        self.label = "ring over shared memory"      # the call in progress, for the watchdog
         self.received = 0       # segments taken from the left neighbour so far
         self.sent = 0           # segments given to the right neighbour so far
         comm.Barrier()
@@ -156,16 +156,14 @@ class Channel:
                 if idle == 64:
                     since = now
                 elif now - since > timeout:
-                    self.watchdog.abort(self.what)
+                    self.watchdog.abort(self.label)
 
 
 def max_bytes() -> int:
     """Largest buffer (bytes, the whole collective's) the ring moves over shared memory;
-    ``MPITP_SHM_MAX`` overrides the default of 2 MiB. Up to a few MiB the segments stay
-    in cache between the two cores and this transport is 1.5-2x faster than MPI's; above,
-    cross-memory attach (:mod:`mpitp.comm.transport.cma`), which copies each byte once, was faster
-    on the machine measured (4 MiB: in 4 of 5 interleaved runs at 2 and 4 ranks, by up
-    to 1.5x; 16-64 MiB: up to 4x while that virtual machine's cores sat far apart)."""
+    ``MPITP_SHM_MAX`` overrides the default of 2 MiB. While segments stay in cache this
+    transport's two copies win; above, cross-memory attach
+    (:mod:`mpitp.comm.transport.cma`) copies each byte once (docs/measurements.md)."""
     return settings.current().shm_max
 
 
