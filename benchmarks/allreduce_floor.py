@@ -18,6 +18,7 @@ trials of MPI's own Allreduce, the ring and the floor give, per size:
 
 Buffers that fit in cache make the floor all-cache (small sizes): read the large rows.
 """
+
 import argparse
 import time
 
@@ -44,7 +45,8 @@ def floor_work(r: int, N: int, x, y, left_x, left_y, seg: int):
                 np.add(x[lo:hi], y[lo:hi], out=y[lo:hi])
         for s in range(N - 1, 2 * N - 2):
             c = ring.recv_chunk(N, r, s)
-            np.copyto(y[offs[c]:offs[c] + counts[c]], left_y[offs[c]:offs[c] + counts[c]])
+            np.copyto(y[offs[c] : offs[c] + counts[c]], left_y[offs[c] : offs[c] + counts[c]])
+
     return run
 
 
@@ -57,7 +59,10 @@ def main() -> int:
     mpi = comm.mpi
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     say(f"# {comm.size} rank(s), float32 sum, {library_version()}")
-    say(f"# {'size':>8} {'MPI ms':>8} {'ring ms':>8} {'floor ms':>9} {'MPI/ring':>9} {'MPI/floor':>10} {'ring/floor':>11}")
+    say(
+        f"# {'size':>8} {'MPI ms':>8} {'ring ms':>8} {'floor ms':>9} {'MPI/ring':>9} {'MPI/floor':>10} "
+        f"{'ring/floor':>11}"
+    )
     for nbytes in (parse_size(s) for s in args.sizes.split(",")):
         n = nbytes // 4
         x = np.ones(n, np.float32)
@@ -66,8 +71,8 @@ def main() -> int:
         # the segment the ring's transport uses at this size (CMA above the shared-memory limit)
         seg_bytes = comm.cma_segment_bytes if nbytes > comm.shm_max_bytes else comm.segment_bytes
         contenders = {
-            "mpi": lambda: mpi.Allreduce(x, y),
-            "ring": lambda: comm.allreduce(x, out=y, algorithm="ring"),
+            "mpi": lambda x=x, y=y: mpi.Allreduce(x, y),
+            "ring": lambda x=x, y=y: comm.allreduce(x, out=y, algorithm="ring"),
             "floor": floor_work(comm.rank, comm.size, x, y, left_x, left_y, max(1, seg_bytes // 4)),
         }
         iters = max(3, min(100, (256 << 20) // max(nbytes, 1) // 2))
@@ -82,8 +87,10 @@ def main() -> int:
                 mpi.Barrier()
                 times[k].append((time.perf_counter() - t0) / iters)
         med = {k: float(np.mean(mpi.allgather(float(np.median(v))))) for k, v in times.items()}
-        say(f"  {human(nbytes):>8} {med['mpi'] * 1e3:8.2f} {med['ring'] * 1e3:8.2f} {med['floor'] * 1e3:9.2f} "
-            f"{med['mpi'] / med['ring']:8.2f}x {med['mpi'] / med['floor']:9.2f}x {med['ring'] / med['floor']:10.2f}x")
+        say(
+            f"  {human(nbytes):>8} {med['mpi'] * 1e3:8.2f} {med['ring'] * 1e3:8.2f} {med['floor'] * 1e3:9.2f} "
+            f"{med['mpi'] / med['ring']:8.2f}x {med['mpi'] / med['floor']:9.2f}x {med['ring'] / med['floor']:10.2f}x"
+        )
     comm.free()
     return 0
 

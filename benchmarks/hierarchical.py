@@ -10,6 +10,7 @@ memory, so intra and inter links are the same link here; the model says so too. 
 model assumes a core per rank; the last column scales it by ranks per core, since
 oversubscribed ranks take turns on the CPUs.
 """
+
 import argparse
 import sys
 import time
@@ -33,12 +34,17 @@ def main() -> int:
     topo = comm.topology
     sizes_per_node = [len(r) for r in topo.nodes]
     say = print if comm.rank == 0 else (lambda *a, **k: None)
-    say(f"# {comm.size} ranks as {topo.num_nodes} simulated node(s) {sizes_per_node}; fitted link: "
-        f"alpha {prof.intra.alpha * 1e6:.1f} us, beta {prof.intra.beta / 1e9:.2f} GB/s")
-    say(f"# {'bytes/rank':>10} {'algorithm':<20} {'inter/node meas':>16} {'predicted':>12} "
-        f"{'intra/node meas':>16} {'predicted':>12} {'time meas':>11} {'model':>11} {'model x oversub':>15}")
+    say(
+        f"# {comm.size} ranks as {topo.num_nodes} simulated node(s) {sizes_per_node}; fitted link: "
+        f"alpha {prof.intra.alpha * 1e6:.1f} us, beta {prof.intra.beta / 1e9:.2f} GB/s"
+    )
+    say(
+        f"# {'bytes/rank':>10} {'algorithm':<20} {'inter/node meas':>16} {'predicted':>12} "
+        f"{'intra/node meas':>16} {'predicted':>12} {'time meas':>11} {'model':>11} {'model x oversub':>15}"
+    )
     import os
-    oversub = max(1.0, comm.size / (os.cpu_count() or 1))   # every simulated node shares this machine's cores
+
+    oversub = max(1.0, comm.size / (os.cpu_count() or 1))  # every simulated node shares this machine's cores
     bad = 0
     for nbytes in (int(s) for s in args.sizes.split(",")):
         x = np.ones(nbytes // 4, np.float32)
@@ -57,10 +63,11 @@ def main() -> int:
                 comm.allreduce(x, out=out, algorithm=alg)
             t = comm.mpi.allreduce((time.perf_counter() - t0) / args.iters, op=MPI.MAX)
             model, _ = par.predict_time(alg, topo.num_nodes, max(sizes_per_node), nbytes, prof)
-            say(f"  {nbytes:>10} {alg:<20} {max(b for _, b in meas):>16} {max(b for _, b in pred):>12} "
+            say(
+                f"  {nbytes:>10} {alg:<20} {max(b for _, b in meas):>16} {max(b for _, b in pred):>12} "
                 f"{max(a for a, _ in meas):>16} {max(a for a, _ in pred):>12} {t * 1e3:>9.3f}ms {model * 1e3:>9.3f}ms"
-                f" {model * oversub * 1e3:>13.3f}ms"
-                + ("" if ok else "   <-- BYTES DIFFER"))
+                f" {model * oversub * 1e3:>13.3f}ms" + ("" if ok else "   <-- BYTES DIFFER")
+            )
     say("# bytes: measured == predicted for every row" if not bad else f"# {bad} row(s) where bytes differ")
     comm.free()
     return 1 if bad else 0

@@ -8,10 +8,12 @@ transformers (torch, CPU) on the same random-weight checkpoint, in one run.
 Shapes: 56m = hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1376, vocab 32000;
 tinyllama-1.1b = hidden 2048, 22 layers, 32 heads, 4 KV heads, intermediate 5632.
 Every figure is the median of --repeats rounds (default 3); each round runs every
-contender once, so the machine's slow spells hit all of them alike. Threads: each mpitp rank runs one BLAS thread; transformers runs with 1 thread and with
-2 (the total of TP=2). The memory-bandwidth ceiling is the weight bytes one rank streams
-per token divided by the GEMV bandwidth measured here, in this run, on one core.
+contender once, so the machine's slow spells hit all of them alike. Threads: each mpitp
+rank runs one BLAS thread; transformers runs with 1 thread and with 2 (the total of TP=2).
+The memory-bandwidth ceiling is the weight bytes one rank streams per token divided by
+the GEMV bandwidth measured here, in this run, on one core.
 """
+
 import argparse
 import json
 import os
@@ -23,10 +25,22 @@ import numpy as np
 from mpi4py import MPI
 
 SHAPES = {
-    "56m": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                intermediate_size=1376, vocab_size=32000),
-    "tinyllama-1.1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
-                           intermediate_size=5632, vocab_size=32000),
+    "56m": dict(
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=1376,
+        vocab_size=32000,
+    ),
+    "tinyllama-1.1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        intermediate_size=5632,
+        vocab_size=32000,
+    ),
 }
 
 
@@ -36,9 +50,11 @@ def make_checkpoint(shape: str, root: Path) -> Path:
         return d
     import torch
     import transformers
+
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**SHAPES[shape], max_position_embeddings=2048, tie_word_embeddings=False,
-                                   eos_token_id=None, bos_token_id=None)
+    cfg = transformers.LlamaConfig(
+        **SHAPES[shape], max_position_embeddings=2048, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None
+    )
     with torch.device("cpu"):
         model = transformers.LlamaForCausalLM(cfg).eval()
     model.save_pretrained(d, safe_serialization=True)
@@ -72,6 +88,7 @@ class Mpitp:
 
     def __init__(self, path, comm):
         from mpitp.models.llama import LlamaForCausalLM
+
         self.model = LlamaForCausalLM.from_pretrained(path, comm=comm)
         self.runs: list[dict] = []
 
@@ -93,6 +110,7 @@ class Transformers:
     def __init__(self, path, threads: int):
         import torch
         import transformers
+
         self.torch, self.threads = torch, threads
         self.model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.runs: list[dict] = []
@@ -129,7 +147,9 @@ def main() -> int:
     ap.add_argument("--shape", choices=SHAPES, default="56m")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3, help="measured rounds (each runs every contender once); medians are reported")
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="measured rounds (each runs every contender once); medians are reported"
+    )
     ap.add_argument("--models", default=os.environ.get("MPITP_BENCH_MODELS", "/tmp/mpitp-bench-models"))
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
@@ -159,7 +179,7 @@ def main() -> int:
         except ImportError:
             print("transformers is not installed: comparing mpitp with itself only", file=sys.stderr)
     gemv1, gemv2 = [], []
-    for k in range(args.repeats + 1):           # round 0 warms every contender up
+    for k in range(args.repeats + 1):  # round 0 warms every contender up
         warm = k == 0
         if not warm:
             gemv1.append(world.bcast(gemv_bandwidth(world.rank == 0) / 1e9))
@@ -188,29 +208,42 @@ def main() -> int:
 
 def report(r: dict) -> None:
     tp1, tp2, h1, h2 = r["mpitp_tp1"], r["mpitp_tp2"], r["hf_1thread"], r["hf_2threads"]
-    print(f"# {r['shape']}: prompt {r['prompt_tokens']} tokens, {r['new_tokens']} new; GEMV {r['gemv_GBps_1']:.1f} GB/s "
-          f"on one core alone, {r['gemv_GBps']:.1f} GB/s per core with both streaming")
+    print(
+        f"# {r['shape']}: prompt {r['prompt_tokens']} tokens, {r['new_tokens']} new; GEMV {r['gemv_GBps_1']:.1f} GB/s "
+        f"on one core alone, {r['gemv_GBps']:.1f} GB/s per core with both streaming"
+    )
     print(f"{'run':<24} {'prefill ms':>11} {'decode tok/s':>13} {'ms/token':>9} {'weights/rank MiB':>17}")
     rows = [("mpitp TP=1 (1 rank)", tp1), ("mpitp TP=2 (2 ranks)", tp2)]
     if h1:
         rows += [("transformers 1 thread", h1), ("transformers 2 threads", h2)]
     for name, s in rows:
         wb = f"{s['weight_bytes'] / 2**20:.0f}" if "weight_bytes" in s else "-"
-        print(f"{name:<24} {s['prefill_s'] * 1e3:>11.1f} {s['decode_tokens_per_s']:>13.1f} "
-              f"{1e3 / s['decode_tokens_per_s']:>9.2f} {wb:>17}")
+        print(
+            f"{name:<24} {s['prefill_s'] * 1e3:>11.1f} {s['decode_tokens_per_s']:>13.1f} "
+            f"{1e3 / s['decode_tokens_per_s']:>9.2f} {wb:>17}"
+        )
     ceiling = tp2["streamed_bytes"] / (r["gemv_GBps"] * 1e9)
-    print(f"memory-bandwidth ceiling at TP=2: {ceiling * 1e3:.2f} ms/token "
-          f"({tp2['streamed_bytes'] / 2**20:.0f} MiB of weights read per token per rank / GEMV bandwidth); measured {1e3 / tp2['decode_tokens_per_s']:.2f} ms/token = "
-          f"{(1 / tp2['decode_tokens_per_s']) / ceiling:.2f}x the ceiling")
+    print(
+        f"memory-bandwidth ceiling at TP=2: {ceiling * 1e3:.2f} ms/token "
+        f"({tp2['streamed_bytes'] / 2**20:.0f} MiB of weights read per token per rank / GEMV bandwidth); "
+        f"measured {1e3 / tp2['decode_tokens_per_s']:.2f} ms/token = "
+        f"{(1 / tp2['decode_tokens_per_s']) / ceiling:.2f}x the ceiling"
+    )
     c1 = tp1["streamed_bytes"] / (r["gemv_GBps_1"] * 1e9)
-    print(f"memory-bandwidth ceiling at TP=1: {c1 * 1e3:.2f} ms/token; measured {1e3 / tp1['decode_tokens_per_s']:.2f} "
-          f"ms/token = {(1 / tp1['decode_tokens_per_s']) / c1:.2f}x the ceiling")
-    print(f"TP=2 vs TP=1 decode: {tp2['decode_tokens_per_s'] / tp1['decode_tokens_per_s']:.2f}x "
-          f"(bandwidth bound: {2 * r['gemv_GBps'] / r['gemv_GBps_1']:.2f}x at most on this machine)")
+    print(
+        f"memory-bandwidth ceiling at TP=1: {c1 * 1e3:.2f} ms/token; measured {1e3 / tp1['decode_tokens_per_s']:.2f} "
+        f"ms/token = {(1 / tp1['decode_tokens_per_s']) / c1:.2f}x the ceiling"
+    )
+    print(
+        f"TP=2 vs TP=1 decode: {tp2['decode_tokens_per_s'] / tp1['decode_tokens_per_s']:.2f}x "
+        f"(bandwidth bound: {2 * r['gemv_GBps'] / r['gemv_GBps_1']:.2f}x at most on this machine)"
+    )
     if h1:
-        print(f"TP=2 vs transformers decode: {tp2['decode_tokens_per_s'] / h1['decode_tokens_per_s']:.2f}x (1 thread), "
-              f"{tp2['decode_tokens_per_s'] / h2['decode_tokens_per_s']:.2f}x (2 threads); "
-              f"prefill TP=2 vs transformers 2 threads: {h2['prefill_s'] / tp2['prefill_s']:.2f}x")
+        print(
+            f"TP=2 vs transformers decode: {tp2['decode_tokens_per_s'] / h1['decode_tokens_per_s']:.2f}x (1 thread), "
+            f"{tp2['decode_tokens_per_s'] / h2['decode_tokens_per_s']:.2f}x (2 threads); "
+            f"prefill TP=2 vs transformers 2 threads: {h2['prefill_s'] / tp2['prefill_s']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ the average, and the memory-bandwidth ceiling — the most-loaded rank's streame
 over the GEMV bandwidth one core sustains while the other streams too (measured in the
 same run). On a 2-core machine TP=3 is oversubscribed.
 """
+
 import argparse
 import sys
 import time
@@ -51,17 +52,20 @@ def main() -> int:
         print(f"the default model is not installed: {default.INSTALL}", file=sys.stderr)
         return 2
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, 49152, args.prompt_tokens)]
-    groups = {3: world, 2: world.Split(0 if world.rank < 2 else MPI.UNDEFINED, world.rank),
-              1: world.Split(0 if world.rank == 0 else MPI.UNDEFINED, world.rank)}
+    groups = {
+        3: world,
+        2: world.Split(0 if world.rank < 2 else MPI.UNDEFINED, world.rank),
+        1: world.Split(0 if world.rank == 0 else MPI.UNDEFINED, world.rank),
+    }
     models = {p: Mpitp(path, mpitp.Communicator(c)) for p, c in groups.items() if c != MPI.COMM_NULL}
     gemv = []
     for k in range(args.repeats + 1):
         warm = k == 0
-        if not warm:       # two cores streaming at once: the per-core figure a TP=2 rank gets
-            g = gemv_bandwidth(world.rank < 2)          # collective; rank 2 sleeps through it
+        if not warm:  # two cores streaming at once: the per-core figure a TP=2 rank gets
+            g = gemv_bandwidth(world.rank < 2)  # collective; rank 2 sleeps through it
             gemv.append(world.allreduce(g if world.rank < 2 else 1e30, op=MPI.MIN) / 1e9)
         for p in (1, 2, 3):
-            sleep_until(world, p in models, lambda: models[p].run(prompt, args.new_tokens, warm))
+            sleep_until(world, p in models, lambda p=p, warm=warm: models[p].run(prompt, args.new_tokens, warm))
         if world.rank == 0 and not warm:
             print(f"[tp_uneven] round {k}/{args.repeats} done", file=sys.stderr, flush=True)
     rows = {}
@@ -72,16 +76,22 @@ def main() -> int:
             rows[p] = (models[p].stats(), [b for b in every if b is not None])
     if world.rank == 0:
         bw = float(np.median(gemv))
-        print(f"# SmolLM2-135M (9 heads, 3 KV heads), fp32, prompt {args.prompt_tokens}, {args.new_tokens} new tokens; "
-              f"GEMV {bw:.1f} GB/s per core with two cores streaming")
-        print(f"{'TP':>3} {'ms/token':>9} {'tok/s':>7} {'streamed MiB per rank':>28} {'max/avg':>8} "
-              f"{'ceiling ms':>11} {'vs ceiling':>11}")
+        print(
+            f"# SmolLM2-135M (9 heads, 3 KV heads), fp32, prompt {args.prompt_tokens}, {args.new_tokens} new tokens; "
+            f"GEMV {bw:.1f} GB/s per core with two cores streaming"
+        )
+        print(
+            f"{'TP':>3} {'ms/token':>9} {'tok/s':>7} {'streamed MiB per rank':>28} {'max/avg':>8} "
+            f"{'ceiling ms':>11} {'vs ceiling':>11}"
+        )
         for p, (s, streamed) in rows.items():
             ms = 1e3 / s["decode_tokens_per_s"]
             ceil = max(streamed) / (bw * 1e9) * 1e3
-            print(f"{p:>3} {ms:9.2f} {s['decode_tokens_per_s']:7.1f} "
-                  f"{' / '.join(f'{b / 2**20:.1f}' for b in streamed):>28} "
-                  f"{max(streamed) * len(streamed) / sum(streamed):8.3f} {ceil:11.2f} {ms / ceil:10.2f}x")
+            print(
+                f"{p:>3} {ms:9.2f} {s['decode_tokens_per_s']:7.1f} "
+                f"{' / '.join(f'{b / 2**20:.1f}' for b in streamed):>28} "
+                f"{max(streamed) * len(streamed) / sum(streamed):8.3f} {ceil:11.2f} {ms / ceil:10.2f}x"
+            )
     return 0
 
 

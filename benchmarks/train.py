@@ -14,6 +14,7 @@ tokens/s, peak RSS per rank (largest rank), and where an mpitp step goes: expose
 communication (waiting on a gather or reduction), the optimizer and parameter sync, and
 forward/backward compute with its Python.
 """
+
 import argparse
 import json
 import os
@@ -26,8 +27,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from mpitp import launch  # noqa: E402
 
-SMALL = dict(vocab_size=4096, hidden_size=256, intermediate_size=672, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=4)
+SMALL = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=672,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+)
 
 MPITP = textwrap.dedent("""
     import json, resource, sys, numpy as np, mpitp
@@ -47,7 +54,8 @@ MPITP = textwrap.dedent("""
 TORCH = textwrap.dedent("""
     import json, os, resource, sys, time, numpy as np, torch, torch.distributed as dist, transformers
     from mpi4py import MPI
-    kind, data, steps, batch, seq, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+    kind, data, port = sys.argv[1], sys.argv[2], sys.argv[6]
+    steps, batch, seq = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     shape = json.loads(sys.argv[7])
     torch.set_num_threads(1)
     w = MPI.COMM_WORLD
@@ -109,9 +117,11 @@ def main() -> int:
     p.add_argument("--no-torch", action="store_true")
     a = p.parse_args()
     import numpy as np
+
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
+
         have_torch = not a.no_torch
     except ImportError:
         have_torch = False
@@ -133,8 +143,10 @@ def main() -> int:
             print(f"round {rnd + 1}/{a.rounds} done", file=sys.stderr, flush=True)
     med = {k: {f: float(np.median([r[f] for r in v])) for f in v[0]} for k, v in results.items()}
     print(f"\nsmall config, seq {a.seq}, global batch {a.batch}, 1 BLAS thread per rank, median of {a.rounds} rounds")
-    print(f"{'contender':<13} {'N':>2} {'tokens/s':>9} {'vs N=1':>7} {'step ms':>8} {'exposed comm':>13} "
-          f"{'optim+sync':>11} {'fwd/bwd':>8} {'peak RSS/rank':>14}")
+    print(
+        f"{'contender':<13} {'N':>2} {'tokens/s':>9} {'vs N=1':>7} {'step ms':>8} {'exposed comm':>13} "
+        f"{'optim+sync':>11} {'fwd/bwd':>8} {'peak RSS/rank':>14}"
+    )
     for name in names:
         for n in ranks:
             r = med.get((name, n))
@@ -147,8 +159,10 @@ def main() -> int:
                 split = f"{r['comm_s'] * 1e3:10.1f} ms {r['opt_s'] * 1e3:8.1f} ms {rest * 1e3:6.1f} ms"
             else:
                 split = f"{'-':>13} {'-':>11} {'-':>8}"
-            print(f"{name:<13} {n:>2} {r['tokens_per_s']:9.0f} {speedup:>7} {r['step_s'] * 1e3:8.1f} {split} "
-                  f"{r['rss_mib']:10.0f} MiB")
+            print(
+                f"{name:<13} {n:>2} {r['tokens_per_s']:9.0f} {speedup:>7} {r['step_s'] * 1e3:8.1f} {split} "
+                f"{r['rss_mib']:10.0f} MiB"
+            )
     for n in ranks:
         f, t, d = med.get(("mpitp fsdp", n)), med.get(("torch fsdp2", n)), med.get(("mpitp ddp", n))
         if f and t:

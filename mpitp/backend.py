@@ -16,16 +16,18 @@ CuPy is registered automatically when it imports. Other array types (tests use a
 host-memory array that exposes ``__cuda_array_interface__``, as mpi4py's own test
 suite does) register an adapter with :func:`register_device_type`.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 try:  # optional extra: pip install mpitp[cuda12]
-    import cupy  # type: ignore
+    import cupy
 except Exception:  # ImportError, or a CUDA runtime that fails to load
     cupy = None
 
@@ -34,12 +36,12 @@ except Exception:  # ImportError, or a CUDA runtime that fails to load
 class DeviceOps:
     """What the communicator needs to know about one device array type."""
 
-    xp: Any                                   # namespace with add/multiply/maximum/... ufuncs
-    empty: Callable[[tuple, np.dtype], Any]   # allocate on the device
-    to_host: Callable[[Any], np.ndarray]      # device -> new host array
+    xp: Any  # namespace with add/multiply/maximum/... ufuncs
+    empty: Callable[[tuple, np.dtype], Any]  # allocate on the device
+    to_host: Callable[[Any], np.ndarray]  # device -> new host array
     from_host: Callable[[Any, np.ndarray], None]  # host -> existing device array
-    synchronize: Callable[[Any], None]        # make prior device work on the array visible
-    ascontiguous: Callable[[Any], Any]        # C-contiguous (copy only if needed)
+    synchronize: Callable[[Any], None]  # make prior device work on the array visible
+    ascontiguous: Callable[[Any], Any]  # C-contiguous (copy only if needed)
 
 
 _registry: dict[type, DeviceOps] = {}
@@ -69,6 +71,7 @@ def device_for_rank(environ, device_count: int) -> int | None:
     ``CUDA_VISIBLE_DEVICES`` already narrows it to one (the scheduler's or launcher's
     choice, e.g. ``srun --gpus-per-task=1``), or no launcher says its local rank."""
     from .threads import local_rank
+
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and len([v for v in visible.split(",") if v.strip()]) <= 1:
         return None
@@ -87,7 +90,7 @@ def select_gpu(environ=os.environ) -> int | None:
         if idx is not None:
             cupy.cuda.Device(idx).use()
         return idx
-    except Exception:         # no driver, no device: CuPy reports it when first used
+    except Exception:  # no driver, no device: CuPy reports it when first used
         return None
 
 
@@ -119,6 +122,7 @@ def cuda_aware_mpi() -> bool:
     always safe (host staging).
     """
     from . import settings
+
     env = settings.current().cuda_aware
     if env is not None:
         return env
@@ -137,7 +141,7 @@ def as_contiguous(a: Any) -> Any:
     """C-contiguous version of ``a``; copies non-contiguous inputs instead of rejecting them."""
     if is_device(a):
         return device_ops(a).ascontiguous(a)
-    return a if a.flags.c_contiguous else a.copy(order="C")   # keeps 0-d arrays 0-d
+    return a if a.flags.c_contiguous else a.copy(order="C")  # keeps 0-d arrays 0-d
 
 
 def empty(shape: tuple, dtype: np.dtype, like: Any) -> Any:
@@ -160,4 +164,4 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-select_gpu()        # at import: before any device memory is allocated through mpitp
+select_gpu()  # at import: before any device memory is allocated through mpitp

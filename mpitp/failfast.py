@@ -16,6 +16,7 @@ Exit status of a job (what the launcher returns):
     3  the watchdog (MPITP_TIMEOUT) or a transport failure inside a collective aborted
     other  a rank was killed (e.g. 137 = SIGKILL) and the launcher ended the job
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,12 @@ import traceback
 
 EXIT_ERROR, EXIT_USAGE, EXIT_WATCHDOG = 1, 2, 3
 
-_RANK_VARS = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-              ("PMIX_RANK", "OMPI_COMM_WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS"))
+_RANK_VARS = (
+    ("PMI_RANK", "PMI_SIZE"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("PMIX_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("SLURM_PROCID", "SLURM_NTASKS"),
+)
 
 
 def launched_rank(environ=os.environ) -> tuple[int, int] | None:
@@ -43,6 +48,7 @@ def where(environ=os.environ) -> str:
     """``rank r/N host`` for messages: from MPI when it runs, else from the launcher."""
     try:
         from mpi4py import MPI
+
         if MPI.Is_initialized() and not MPI.Is_finalized():
             w = MPI.COMM_WORLD
             return f"rank {w.rank}/{w.size} {socket.gethostname().split('.')[0]}"
@@ -61,22 +67,26 @@ def abort(code: int, message: str | None = None) -> None:
     sys.stdout.flush()
     try:
         from mpi4py import MPI
+
         if MPI.Is_initialized() and not MPI.Is_finalized():
-            time.sleep(0.2)            # let the launcher forward the message before the teardown
+            time.sleep(0.2)  # let the launcher forward the message before the teardown
             MPI.COMM_WORLD.Abort(code)
     except ImportError:
         pass
-    os._exit(code)                     # should Abort ever return
+    os._exit(code)  # should Abort ever return
 
 
 def _hook(tp, value, tb) -> None:
-    if issubclass(tp, SystemExit):     # sys.exit() is not a failure of the job
+    if issubclass(tp, SystemExit):  # sys.exit() is not a failure of the job
         return sys.__excepthook__(tp, value, tb)
     head = f"[{where()}] "
     lines = "".join(traceback.format_exception(tp, value, tb)).rstrip("\n").split("\n")
-    abort(EXIT_ERROR, "".join(head + line + "\n" for line in lines)
-          + f"{head}uncaught {tp.__name__}: aborting the whole job (MPITP_ABORT_ON_ERROR=0 keeps the other "
-            "ranks running)\n")
+    abort(
+        EXIT_ERROR,
+        "".join(head + line + "\n" for line in lines)
+        + f"{head}uncaught {tp.__name__}: aborting the whole job (MPITP_ABORT_ON_ERROR=0 keeps the other "
+        "ranks running)\n",
+    )
 
 
 def install(environ=os.environ) -> bool:
@@ -85,6 +95,7 @@ def install(environ=os.environ) -> bool:
     if rn is None or rn[1] <= 1:
         return False
     from .settings import Settings
+
     if not Settings.from_env(environ).abort_on_error:
         return False
     sys.excepthook = _hook
@@ -99,8 +110,9 @@ def usage_error(message: str, what: str = "mpitp", grace: float = 5.0) -> int:
     try:
         from mpi4py import MPI
     except ImportError:
-        MPI = None
-    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.size == 1:
+        print(f"{what}: {message}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    if not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.size == 1:
         print(f"{what}: {message}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     w = MPI.COMM_WORLD

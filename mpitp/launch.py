@@ -4,6 +4,7 @@ Used by the test harness and the launch scripts. Open MPI refuses to run as root
 to oversubscribe unless told; hydra (MPICH) takes ``MPIEXEC_TIMEOUT``; Open MPI takes
 ``--timeout``. Both get a hard time limit, so a hang fails in seconds.
 """
+
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 
@@ -26,7 +27,7 @@ def find_mpiexec() -> str:
     return found
 
 
-@lru_cache(maxsize=None)
+@cache
 def flavor(mpiexec: str | None = None) -> str:
     """``"openmpi"``, ``"mpich"`` (hydra) or ``"unknown"``."""
     exe = mpiexec or find_mpiexec()
@@ -42,8 +43,9 @@ def flavor(mpiexec: str | None = None) -> str:
     return "unknown"
 
 
-def command(n: int, argv: list[str], *, timeout: int | None = None, mpiexec: str | None = None,
-            hostfile: str | None = None) -> list[str]:
+def command(
+    n: int, argv: list[str], *, timeout: int | None = None, mpiexec: str | None = None, hostfile: str | None = None
+) -> list[str]:
     """The command line that starts ``argv`` on ``n`` ranks."""
     exe = mpiexec or find_mpiexec()
     cmd = [exe, "-n", str(n)]
@@ -72,17 +74,25 @@ def environment(base: dict | None = None, *, timeout: int | None = None, threads
     return env
 
 
-def run(n: int, argv: list[str], *, timeout: int = 120, env: dict | None = None,
-        cwd: str | None = None) -> subprocess.CompletedProcess:
+def run(
+    n: int, argv: list[str], *, timeout: int = 120, env: dict | None = None, cwd: str | None = None
+) -> subprocess.CompletedProcess:
     """Run ``argv`` on ``n`` ranks; the launcher and a Python-side deadline both bound it."""
     cmd = command(n, argv, timeout=timeout)
-    proc = subprocess.Popen(cmd, env=environment(env, timeout=timeout), cwd=cwd, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=environment(env, timeout=timeout),
+        cwd=cwd,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout + 15)
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)   # mpiexec and every rank it started
+        os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and every rank it started
         out, err = proc.communicate()
         return subprocess.CompletedProcess(cmd, 124, out, err + f"\n[mpitp.launch] killed after {timeout + 15} s")
 
@@ -120,7 +130,7 @@ def _expand_one(item: str) -> list[str]:
     if lo < 0:
         return [item]
     hi = item.index("]", lo)
-    head, body, tail = item[:lo], item[lo + 1:hi], item[hi + 1:]
+    head, body, tail = item[:lo], item[lo + 1 : hi], item[hi + 1 :]
     names = []
     for rng in body.split(","):
         a, _, b = rng.partition("-")
@@ -142,7 +152,9 @@ def check_not_singleton(world_size: int, environ: dict | None = None) -> str | N
     if env.get("SLURM_PROCID") is None or not expected or not expected.isdigit():
         return None
     if int(expected) > 1 and world_size == 1:
-        return (f"mpitp: srun started {expected} tasks but MPI sees a world of size 1 on each: they are "
-                "unconnected singletons. Add --mpi=pmi2 to srun for MPICH (or Intel MPI), --mpi=pmix for "
-                "Open MPI, or start the job with bin/mpitp-run, which picks the right one.")
+        return (
+            f"mpitp: srun started {expected} tasks but MPI sees a world of size 1 on each: they are "
+            "unconnected singletons. Add --mpi=pmi2 to srun for MPICH (or Intel MPI), --mpi=pmix for "
+            "Open MPI, or start the job with bin/mpitp-run, which picks the right one."
+        )
     return None

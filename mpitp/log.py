@@ -8,6 +8,7 @@ one file per rank (``rank00003.log``, all at that rank's level), as ``srun --out
 gives. The standard :mod:`logging` module underneath: ``logging.getLogger("mpitp")``
 takes any handler a program adds.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,6 +29,7 @@ class _Where(logging.Filter):
 def _rank() -> int:
     try:
         from mpi4py import MPI
+
         if MPI.Is_initialized() and not MPI.Is_finalized():
             return MPI.COMM_WORLD.rank
     except ImportError:

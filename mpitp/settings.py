@@ -6,11 +6,12 @@ yes/no, on/off in any case; an empty variable means the default; anything else r
 :class:`SettingsError` naming the variable. Sizes use :mod:`mpitp.units`. The README's
 table of variables is checked against :data:`VARIABLES` by the tests.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Mapping
 
 from .errors import MpitpError
 from .units import parse_size
@@ -25,24 +26,24 @@ class SettingsError(MpitpError, ValueError):
 
 @dataclass(frozen=True)
 class Settings:
-    validate: bool = False              # MPITP_VALIDATE
-    timeout: float | None = None        # MPITP_TIMEOUT (seconds)
-    abort_on_error: bool = True         # MPITP_ABORT_ON_ERROR
-    ranks_per_node: int | None = None   # MPITP_RANKS_PER_NODE
-    ring_segment: int = 512 << 10       # MPITP_RING_SEGMENT
-    ring_depth: int = 4                 # MPITP_RING_DEPTH
-    shm: bool = True                    # MPITP_SHM
-    shm_max: int = 2 << 20              # MPITP_SHM_MAX
-    cma: bool = True                    # MPITP_CMA
-    cma_segment: int = 2 << 20          # MPITP_CMA_SEGMENT
-    cuda_aware: bool | None = None      # MPITP_CUDA_AWARE (None: ask MPI)
-    tuning: str | None = None           # MPITP_TUNING
-    cache: str | None = None            # MPITP_CACHE
-    log_level: str | None = None        # MPITP_LOG_LEVEL
-    log_dir: str | None = None          # MPITP_LOG_DIR
+    validate: bool = False  # MPITP_VALIDATE
+    timeout: float | None = None  # MPITP_TIMEOUT (seconds)
+    abort_on_error: bool = True  # MPITP_ABORT_ON_ERROR
+    ranks_per_node: int | None = None  # MPITP_RANKS_PER_NODE
+    ring_segment: int = 512 << 10  # MPITP_RING_SEGMENT
+    ring_depth: int = 4  # MPITP_RING_DEPTH
+    shm: bool = True  # MPITP_SHM
+    shm_max: int = 2 << 20  # MPITP_SHM_MAX
+    cma: bool = True  # MPITP_CMA
+    cma_segment: int = 2 << 20  # MPITP_CMA_SEGMENT
+    cuda_aware: bool | None = None  # MPITP_CUDA_AWARE (None: ask MPI)
+    tuning: str | None = None  # MPITP_TUNING
+    cache: str | None = None  # MPITP_CACHE
+    log_level: str | None = None  # MPITP_LOG_LEVEL
+    log_dir: str | None = None  # MPITP_LOG_DIR
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> Settings:
         values = {}
         for f in fields(cls):
             var = "MPITP_" + f.name.upper()
@@ -70,6 +71,7 @@ def _positive_size(minimum: int = 1):
         if n < minimum:
             raise SettingsError(f"{var}={raw!r}: must be at least {minimum} bytes")
         return n
+
     return parse
 
 
@@ -82,6 +84,7 @@ def _int(minimum: int):
         if n < minimum:
             raise SettingsError(f"{var}={raw!r}: must be at least {minimum}")
         return n
+
     return parse
 
 
@@ -106,10 +109,23 @@ def _text(var: str, raw: str) -> str:
     return raw
 
 
-_PARSE = {"validate": _flag, "timeout": _seconds, "abort_on_error": _flag, "ranks_per_node": _int(1),
-          "ring_segment": _positive_size(), "ring_depth": _int(1), "shm": _flag, "shm_max": _positive_size(0),
-          "cma": _flag, "cma_segment": _positive_size(64), "cuda_aware": _flag, "tuning": _text,
-          "cache": _text, "log_level": _level, "log_dir": _text}
+_PARSE = {
+    "validate": _flag,
+    "timeout": _seconds,
+    "abort_on_error": _flag,
+    "ranks_per_node": _int(1),
+    "ring_segment": _positive_size(),
+    "ring_depth": _int(1),
+    "shm": _flag,
+    "shm_max": _positive_size(0),
+    "cma": _flag,
+    "cma_segment": _positive_size(64),
+    "cuda_aware": _flag,
+    "tuning": _text,
+    "cache": _text,
+    "log_level": _level,
+    "log_dir": _text,
+}
 
 VARIABLES = {"MPITP_" + f.name.upper(): f.name for f in fields(Settings)}
 

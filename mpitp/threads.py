@@ -12,6 +12,7 @@ imported yet (its BLAS reads them once, at load). ``CHOICE`` says what was decid
 why (``mpitp info`` prints it).
 ``bin/mpitp-rank-env --threads N`` sets them explicitly on clusters.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,7 +29,7 @@ def local_ranks(environ=os.environ) -> int | None:
             return int(environ[var])
     tasks = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
     if tasks and environ.get("SLURM_LOCALID") is not None:
-        m = re.match(r"\s*(\d+)", tasks)              # "2(x3)" or "3,2": the first node's count
+        m = re.match(r"\s*(\d+)", tasks)  # "2(x3)" or "3,2": the first node's count
         return int(m.group(1)) if m else None
     return None
 

@@ -8,6 +8,7 @@
 Case does not matter and a space may separate number and unit ("1.5 GiB"); a trailing
 "B" alone means bytes. Anything else is an error that says what was expected.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,10 +23,12 @@ def parse_size(text: str, what: str = "size") -> int:
     """Bytes for ``text``; ``ValueError`` naming ``what`` when it is not a size."""
     m = _SIZE.match(str(text))
     if not m:
-        raise ValueError(f"{what} {text!r} is not a size: use bytes or a unit, e.g. 4096, 64K, 8MiB, 8MB "
-                         "(K/M/G and KiB/MiB/GiB are powers of 1024, KB/MB/GB powers of 1000)")
+        raise ValueError(
+            f"{what} {text!r} is not a size: use bytes or a unit, e.g. 4096, 64K, 8MiB, 8MB "
+            "(K/M/G and KiB/MiB/GiB are powers of 1024, KB/MB/GB powers of 1000)"
+        )
     number, prefix, tail = float(m.group(1)), m.group(2).upper(), m.group(3).upper()
-    if tail == "I":                                  # "8Mi": half of MiB
+    if tail == "I":  # "8Mi": half of MiB
         raise ValueError(f"{what} {text!r}: write {prefix}iB")
     mult = _DECIMAL[prefix] if tail == "B" and prefix else _BINARY[prefix]
     value = number * mult

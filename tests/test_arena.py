@@ -1,4 +1,5 @@
 """Packing the streamed weights into one buffer (mpitp.tp.arena), in one process."""
+
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ def test_pack_keeps_values_and_shares_one_buffer():
     wa, wb = rng.standard_normal((7, 5)).astype(np.float32), rng.standard_normal((3, 7)).astype(np.float32)
     a.weight[...] = wa
     b.weight[...] = wb
-    arena = pack([a, b, a])                      # a listed twice: packed once
+    arena = pack([a, b, a])  # a listed twice: packed once
     assert np.array_equal(a.weight, wa) and np.array_equal(b.weight, wb)
     for m in (a, b):
         assert np.shares_memory(m._wt, arena) and np.shares_memory(m.weight, arena)
@@ -40,14 +41,20 @@ def test_loaded_model_streams_from_one_buffer(name):
     model = LlamaForCausalLM.from_pretrained(FIX / name)
     arena = model._arena
     layer = model.layers[0]
-    for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
-                model.lm_head, model.embed_tokens):
+    for mod in (
+        layer.self_attn.qkv_proj,
+        layer.self_attn.o_proj,
+        layer.mlp.gate_up_proj,
+        layer.mlp.down_proj,
+        model.lm_head,
+        model.embed_tokens,
+    ):
         assert np.shares_memory(mod._wt, arena), type(mod).__name__
     ckpt = load_file(str(FIX / name / "model.safetensors"))
     np.testing.assert_array_equal(layer.mlp.down_proj.weight, ckpt["model.layers.0.mlp.down_proj.weight"])
     emb = ckpt["model.embed_tokens.weight"]
-    np.testing.assert_array_equal(model.embed_tokens.weight[:emb.shape[0]], emb)
+    np.testing.assert_array_equal(model.embed_tokens.weight[: emb.shape[0]], emb)
     if model.config.tie_word_embeddings:
         assert model.lm_head._wt is model.embed_tokens._wt
     else:
-        np.testing.assert_array_equal(model.lm_head.weight[:emb.shape[0]], ckpt["lm_head.weight"])
+        np.testing.assert_array_equal(model.lm_head.weight[: emb.shape[0]], ckpt["lm_head.weight"])

@@ -1,5 +1,6 @@
 """mpitp bench as a user runs it: rows present, nothing wrong, JSON schema, plot written,
 tuning file written and read back. No timing assertions."""
+
 import json
 import os
 import sys
@@ -9,8 +10,18 @@ import pytest
 from mpitp import launch
 
 MPITP = [sys.executable, "-m", "mpitp.cli.main"]
-KEYS = {"collective", "algorithm", "size_bytes", "count", "dtype", "ranks", "time_us", "algbw_gbs",
-        "busbw_gbs", "wrong"}
+KEYS = {
+    "collective",
+    "algorithm",
+    "size_bytes",
+    "count",
+    "dtype",
+    "ranks",
+    "time_us",
+    "algbw_gbs",
+    "busbw_gbs",
+    "wrong",
+}
 
 
 def bench(n, *args, env=None, timeout=240):
@@ -19,13 +30,27 @@ def bench(n, *args, env=None, timeout=240):
     return res
 
 
-@pytest.mark.parametrize("collective", ["allreduce", "allgather", "reduce_scatter", "broadcast", "reduce",
-                                        "gather", "scatter", "alltoall"])
+@pytest.mark.parametrize(
+    "collective", ["allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "alltoall"]
+)
 @pytest.mark.parametrize("n", [2, 3])
 def test_rows_and_json(collective, n, tmp_path):
     out = tmp_path / "rows.json"
-    res = bench(n, collective, "--min-bytes", "4", "--max-bytes", "64K", "--factor", "16", "--iters", "3",
-                "--check", "--json", str(out))
+    res = bench(
+        n,
+        collective,
+        "--min-bytes",
+        "4",
+        "--max-bytes",
+        "64K",
+        "--factor",
+        "16",
+        "--iters",
+        "3",
+        "--check",
+        "--json",
+        str(out),
+    )
     rows = json.loads(out.read_text())
     algs = {r["algorithm"] for r in rows}
     assert "mpi" in algs
@@ -39,8 +64,8 @@ def test_rows_and_json(collective, n, tmp_path):
     assert "Avg bus bandwidth (mpi)" in res.stdout and "memcpy" in res.stdout
     assert "#wrong" in res.stdout and "busbw" in res.stdout
     sizes = sorted({r["size_bytes"] for r in rows if r["algorithm"] == "mpi"})
-    assert len(sizes) == 4   # 4, 64, 1K, 16K (64K in bytes rounded to whole elements per rank)
-    assert "timed between those trials" in res.stdout     # the ceiling again, beside the largest size
+    assert len(sizes) == 4  # 4, 64, 1K, 16K (64K in bytes rounded to whole elements per rank)
+    assert "timed between those trials" in res.stdout  # the ceiling again, beside the largest size
     assert "# ring transport (one node: shared memory up to 2 MiB, " in res.stdout
 
 
@@ -48,8 +73,20 @@ def test_rows_and_json(collective, n, tmp_path):
 def test_large_allreduce_is_right(inplace):
     """Above the shared-memory channel's limit the ring reads by CMA (where permitted):
     the rows of a 5 MiB all-reduce at 3 ranks, in place or not, have nothing wrong."""
-    res = bench(3, "allreduce", "--min-bytes", "5M", "--max-bytes", "5M", "--iters", "2", "--trials", "1",
-                "--check", *(["--inplace"] if inplace else []))
+    res = bench(
+        3,
+        "allreduce",
+        "--min-bytes",
+        "5M",
+        "--max-bytes",
+        "5M",
+        "--iters",
+        "2",
+        "--trials",
+        "1",
+        "--check",
+        *(["--inplace"] if inplace else []),
+    )
     rows = [line.split() for line in res.stdout.splitlines() if line.strip().startswith("5 MiB")]
     assert [r[5] for r in rows] == ["mpi", "ring", "auto"], res.stdout
     assert all(r[11] == "0" for r in rows), res.stdout
@@ -70,18 +107,32 @@ def test_tune_writes_file_that_auto_reads(tmp_path):
     assert data["version"] == 1 and "2" in data["allreduce"]
     # a file that says "always ring" must make auto choose the ring, identically on every rank
     path.write_text(json.dumps({"version": 1, "allreduce": {"2": 0}}))
-    script = ("import numpy as np, mpitp; c = mpitp.Communicator(); c.allreduce(np.ones(8));"
-              "t = c.mpi.gather(c.traffic.by_peer.get('intra', 0)); c.rank or print('ring bytes', t)")
+    script = (
+        "import numpy as np, mpitp; c = mpitp.Communicator(); c.allreduce(np.ones(8));"
+        "t = c.mpi.gather(c.traffic.by_peer.get('intra', 0)); c.rank or print('ring bytes', t)"
+    )
     res = launch.run(2, [sys.executable, "-c", script], timeout=60, env=env)
     assert res.returncode == 0, res.stderr
-    assert "ring bytes [64, 64]" in res.stdout   # 8 float64: each rank sends 2*8 - 4 - 4 elements of 8 B
+    assert "ring bytes [64, 64]" in res.stdout  # 8 float64: each rank sends 2*8 - 4 - 4 elements of 8 B
 
 
 def test_tune_reduce_scatter_and_refuse_the_rest(tmp_path):
     path = tmp_path / "tuning.json"
     env = dict(os.environ, MPITP_TUNING=str(path))
-    bench(2, "reduce_scatter", "--tune", "--min-bytes", "1K", "--max-bytes", "1M", "--factor", "32", "--iters", "3",
-          env=env)
+    bench(
+        2,
+        "reduce_scatter",
+        "--tune",
+        "--min-bytes",
+        "1K",
+        "--max-bytes",
+        "1M",
+        "--factor",
+        "32",
+        "--iters",
+        "3",
+        env=env,
+    )
     data = json.loads(path.read_text())
     assert "2" in data["reduce_scatter"] and "allreduce" not in data
     res = launch.run(2, MPITP + ["bench", "allgather", "--tune"], timeout=60, env=env)

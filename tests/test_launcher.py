@@ -1,5 +1,6 @@
 """bin/mpitp-run, bin/mpitp-rank-env, bin/mpitp-hostfile and the singleton guard, without
 a scheduler (tests/test_slurm.py runs them under a real one)."""
+
 import os
 import stat
 import subprocess
@@ -23,8 +24,9 @@ def env_with(**kw):
 
 
 def run(args, **kw):
-    return subprocess.run([str(BIN / "mpitp-run"), *args], capture_output=True, text=True, env=env_with(**kw),
-                          timeout=120)
+    return subprocess.run(
+        [str(BIN / "mpitp-run"), *args], capture_output=True, text=True, env=env_with(**kw), timeout=120
+    )
 
 
 def test_outside_slurm_uses_mpiexec():
@@ -44,16 +46,27 @@ def test_hostfile_flag_per_flavor(tmp_path):
 
 @pytest.mark.parametrize("flavor,pmi", [("mpich", "pmi2"), ("openmpi", "pmix")])
 def test_inside_allocation_uses_srun_with_the_right_pmi(tmp_path, flavor, pmi):
-    fake = tmp_path / "srun"          # only needs to exist on PATH for the choice; --dry-run runs nothing
+    fake = tmp_path / "srun"  # only needs to exist on PATH for the choice; --dry-run runs nothing
     fake.write_text("#!/bin/sh\nexit 99\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    out = run(["--dry-run", "--threads", "2", "mpitp", "info"], SLURM_JOB_ID="42", SLURM_NTASKS="8",
-              MPITP_MPI_FLAVOR=flavor, PATH=f"{tmp_path}:{Path(sys.executable).parent}:{os.environ['PATH']}")
+    out = run(
+        ["--dry-run", "--threads", "2", "mpitp", "info"],
+        SLURM_JOB_ID="42",
+        SLURM_NTASKS="8",
+        MPITP_MPI_FLAVOR=flavor,
+        PATH=f"{tmp_path}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+    )
     assert out.returncode == 0, out.stderr
     assert f"srun --mpi={pmi} --kill-on-bad-exit=1 --ntasks=8 --cpus-per-task=2" in out.stdout
     # a site's (or user's) own choice is kept
-    out = run(["--dry-run", "mpitp", "info"], SLURM_JOB_ID="42", SLURM_NTASKS="8", SLURM_KILL_BAD_EXIT="0",
-              MPITP_MPI_FLAVOR=flavor, PATH=f"{tmp_path}:{Path(sys.executable).parent}:{os.environ['PATH']}")
+    out = run(
+        ["--dry-run", "mpitp", "info"],
+        SLURM_JOB_ID="42",
+        SLURM_NTASKS="8",
+        SLURM_KILL_BAD_EXIT="0",
+        MPITP_MPI_FLAVOR=flavor,
+        PATH=f"{tmp_path}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+    )
     assert "--kill-on-bad-exit" not in out.stdout
 
 
@@ -69,8 +82,13 @@ def test_site_mpi_default_is_kept(tmp_path):
     path = f"{tmp_path}:{Path(sys.executable).parent}:{os.environ['PATH']}"
     out = run(["--dry-run", "mpitp", "info"], SLURM_JOB_ID="42", SLURM_NTASKS="2", MPITP_MPI_FLAVOR="mpich", PATH=path)
     assert "srun --kill-on-bad-exit=1 --ntasks=2" in out.stdout and "--mpi" not in out.stdout, out.stdout
-    asked = run(["--dry-run", "--mpi", "pmi2", "mpitp", "info"], SLURM_JOB_ID="42", SLURM_NTASKS="2",
-                MPITP_MPI_FLAVOR="mpich", PATH=path)
+    asked = run(
+        ["--dry-run", "--mpi", "pmi2", "mpitp", "info"],
+        SLURM_JOB_ID="42",
+        SLURM_NTASKS="2",
+        MPITP_MPI_FLAVOR="mpich",
+        PATH=path,
+    )
     assert "srun --mpi=pmi2" in asked.stdout
 
 
@@ -78,8 +96,14 @@ def test_intel_mpi_gets_slurms_pmi_library(tmp_path):
     _fake(tmp_path, "srun", "exit 99")
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libpmi2.so").write_bytes(b"")
-    out = run(["--dry-run", "mpitp", "info"], SLURM_JOB_ID="42", SLURM_NTASKS="2", MPITP_MPI_FLAVOR="intel",
-              SLURM_ROOT=str(tmp_path), PATH=f"{tmp_path}:{Path(sys.executable).parent}:{os.environ['PATH']}")
+    out = run(
+        ["--dry-run", "mpitp", "info"],
+        SLURM_JOB_ID="42",
+        SLURM_NTASKS="2",
+        MPITP_MPI_FLAVOR="intel",
+        SLURM_ROOT=str(tmp_path),
+        PATH=f"{tmp_path}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+    )
     assert f"I_MPI_PMI_LIBRARY={tmp_path}/lib/libpmi2.so" in out.stderr, out.stderr
 
 
@@ -89,10 +113,12 @@ def test_flavor_detected_from_mpi4py():
 
 
 def test_rank_env_sets_threads_and_gpu_per_local_rank():
-    code = ("import os; from mpi4py import MPI; c = MPI.COMM_WORLD; "
-            "r = c.gather((os.environ['OMP_NUM_THREADS'], os.environ['OPENBLAS_NUM_THREADS'], "
-            "os.environ.get('CUDA_VISIBLE_DEVICES'), os.environ['MPITP_LOCAL_RANK'])); "
-            "c.rank or print(r)")
+    code = (
+        "import os; from mpi4py import MPI; c = MPI.COMM_WORLD; "
+        "r = c.gather((os.environ['OMP_NUM_THREADS'], os.environ['OPENBLAS_NUM_THREADS'], "
+        "os.environ.get('CUDA_VISIBLE_DEVICES'), os.environ['MPITP_LOCAL_RANK'])); "
+        "c.rank or print(r)"
+    )
     out = run(["-n", "3", "--threads", "3", "--gpus-per-node", "2", sys.executable, "-c", code])
     assert out.returncode == 0, out.stderr
     assert "[('3', '3', '0', '0'), ('3', '3', '1', '1'), ('3', '3', '0', '2')]" in out.stdout
@@ -104,12 +130,15 @@ def test_help_and_bad_option():
     assert bad.returncode == 2 and "unknown option" in bad.stderr
 
 
-@pytest.mark.parametrize("text,hosts", [
-    ("node01", ["node01"]),
-    ("n[1-3]", ["n1", "n2", "n3"]),
-    ("n[08-11,20],gpu1", ["n08", "n09", "n10", "n11", "n20", "gpu1"]),
-    ("r[1-2]-n[1-2]", ["r1-n1", "r1-n2", "r2-n1", "r2-n2"]),
-])
+@pytest.mark.parametrize(
+    "text,hosts",
+    [
+        ("node01", ["node01"]),
+        ("n[1-3]", ["n1", "n2", "n3"]),
+        ("n[08-11,20],gpu1", ["n08", "n09", "n10", "n11", "n20", "gpu1"]),
+        ("r[1-2]-n[1-2]", ["r1-n1", "r1-n2", "r2-n1", "r2-n2"]),
+    ],
+)
 def test_expand_nodelist(text, hosts):
     assert expand_nodelist(text) == hosts
 
@@ -118,8 +147,12 @@ def test_hostfile_writer_formats():
     env = env_with(SLURM_NTASKS_PER_NODE="4")
     ompi = subprocess.run([str(BIN / "mpitp-hostfile"), "n[1-2]"], capture_output=True, text=True, env=env)
     assert ompi.stdout == "n1 slots=4\nn2 slots=4\n", ompi.stderr
-    mpich = subprocess.run([str(BIN / "mpitp-hostfile"), "--format", "mpich", "--slots", "2", "a,b"],
-                           capture_output=True, text=True, env=env)
+    mpich = subprocess.run(
+        [str(BIN / "mpitp-hostfile"), "--format", "mpich", "--slots", "2", "a,b"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert mpich.stdout == "a:2\nb:2\n"
     none = subprocess.run([str(BIN / "mpitp-hostfile")], capture_output=True, text=True, env=env)
     assert none.returncode == 2 and "no node list" in none.stderr

@@ -1,5 +1,6 @@
 """Checkpoint loading in one process: both config styles, and errors that name the
 tensor or config field and the numbers."""
+
 import json
 import shutil
 from pathlib import Path
@@ -38,7 +39,7 @@ def test_transformers4_config_style_gives_the_same_model(tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     rope = cfg.pop("rope_parameters")
     cfg["rope_theta"] = rope.pop("rope_theta")
-    cfg["rope_scaling"] = rope                           # transformers 4: rope_scaling at top level
+    cfg["rope_scaling"] = rope  # transformers 4: rope_scaling at top level
     (d / "config.json").write_text(json.dumps(cfg))
     ref = np.load(FIX / "llama3_rope" / "reference.npz")
     logits = LlamaForCausalLM.from_pretrained(d)(ref["input_ids"])
@@ -46,11 +47,16 @@ def test_transformers4_config_style_gives_the_same_model(tmp_path):
 
 
 def test_llama3_scaling_changes_long_wavelengths_only():
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
     plain, scaled = inv_frequencies(8, 500000.0, {}), inv_frequencies(8, 500000.0, scaling)
-    assert scaled[0] != plain[0] or 2 * np.pi / plain[0] < 4                # short wavelengths kept
-    assert np.allclose(scaled[-1], plain[-1] / 8)                           # long ones divided by factor
+    assert scaled[0] != plain[0] or 2 * np.pi / plain[0] < 4  # short wavelengths kept
+    assert np.allclose(scaled[-1], plain[-1] / 8)  # long ones divided by factor
 
 
 def test_missing_tensor_is_named(tmp_path):
@@ -83,7 +89,10 @@ def test_tied_checkpoint_that_still_carries_lm_head_loads(tmp_path):
 def test_shape_mismatch_names_tensor_and_numbers(tmp_path):
     d = copy("mha", tmp_path)
     edit_config(d, intermediate_size=96)
-    with pytest.raises(ShardingError, match=r"mlp\.(gate|up|down)_proj\.weight: checkpoint shape \((192, 96|96, 192)\), model expects \(96, 96\)"):
+    with pytest.raises(
+        ShardingError,
+        match=r"mlp\.(gate|up|down)_proj\.weight: checkpoint shape \((192, 96|96, 192)\), model expects \(96, 96\)",
+    ):
         LlamaForCausalLM.from_pretrained(d)
 
 
@@ -118,6 +127,7 @@ def test_weight_map_names_exactly_the_checkpoint_tensors(name):
     """The model's one weight map (named_weights) lists every tensor transformers saved for
     that config, and nothing else (a tied head: no lm_head.weight)."""
     from safetensors import safe_open
+
     path = FIX / name
     saved = set()
     for f in sorted(path.glob("*.safetensors")):

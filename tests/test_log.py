@@ -1,5 +1,6 @@
 """Logging with the rank in every record: rank 0 at INFO and the others at WARNING by
 default, MPITP_LOG_LEVEL / --log-level for every rank, MPITP_LOG_DIR one file per rank."""
+
 import os
 import sys
 import textwrap
@@ -40,10 +41,29 @@ def test_level_from_the_environment_and_files_per_rank(tmp_path):
 
 
 def test_cli_log_level(tmp_path):
-    res = launch.run(2, [sys.executable, "-m", "mpitp.cli.main", "train", "--config", "tiny", "--data-default",
-                         "--steps", "1", "--seq", "16", "--batch", "2", "--no-progress", "--log-level", "warning"],
-                     timeout=120)
+    res = launch.run(
+        2,
+        [
+            sys.executable,
+            "-m",
+            "mpitp.cli.main",
+            "train",
+            "--config",
+            "tiny",
+            "--data-default",
+            "--steps",
+            "1",
+            "--seq",
+            "16",
+            "--batch",
+            "2",
+            "--no-progress",
+            "--log-level",
+            "warning",
+        ],
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
-    assert "train fsdp on 2" not in res.stderr                  # INFO silenced on rank 0 too
+    assert "train fsdp on 2" not in res.stderr  # INFO silenced on rank 0 too
     bad = launch.run(1, [sys.executable, "-m", "mpitp.cli.main", "info", "--log-level", "chatty"], timeout=60)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr

@@ -1,4 +1,5 @@
 """mpitp plan reproduces the seeds' numbers and the ZeRO paper's Table 1 (from --json)."""
+
 import json
 import subprocess
 import sys
@@ -18,18 +19,18 @@ def test_seed_000_hierarchical_example():
     res = plan("allreduce", "--nodes", "2", "--ranks-per-node", "4", "--size", "8MB")
     rows = {r["algorithm"]: r for r in res["algorithms"]}
     MB = 10**6
-    assert rows["naive"]["inter_bytes_per_node"] == 32 * MB                 # 4 GPUs x 8 MB
-    assert rows["hierarchical_sharp"]["inter_bytes_per_node"] == 8 * MB     # B per node
-    assert rows["hierarchical_sharp"]["inter_reduction_vs_naive"] == 4.0    # N = 4x less
+    assert rows["naive"]["inter_bytes_per_node"] == 32 * MB  # 4 GPUs x 8 MB
+    assert rows["hierarchical_sharp"]["inter_bytes_per_node"] == 8 * MB  # B per node
+    assert rows["hierarchical_sharp"]["inter_reduction_vs_naive"] == 4.0  # N = 4x less
     assert rows["hierarchical"]["inter_bytes_per_node"] == 8 * MB
     assert rows["hierarchical_leader"]["inter_bytes_per_node"] == 8 * MB
-    assert rows["ring"]["inter_bytes_per_node"] == 14 * MB                  # 2(N-1)/N * B, N = 8
+    assert rows["ring"]["inter_bytes_per_node"] == 14 * MB  # 2(N-1)/N * B, N = 8
     prof = res["profile"]
     fast, slow = prof["intra"], prof["inter"]
-    assert fast["beta"] == 600e9 and slow["beta"] == 25e9                   # NVLink 600 GB/s, IB 200 Gb/s
-    t_slow = lambda x: slow["alpha"] + x / slow["beta"]                     # noqa: E731
-    t_fast = lambda x: fast["alpha"] + x / fast["beta"]                     # noqa: E731
-    assert rows["naive"]["time_s"] == pytest.approx(t_slow(8 * MB * 4))    # T_slow(B*N)
+    assert fast["beta"] == 600e9 and slow["beta"] == 25e9  # NVLink 600 GB/s, IB 200 Gb/s
+    t_slow = lambda x: slow["alpha"] + x / slow["beta"]  # noqa: E731
+    t_fast = lambda x: fast["alpha"] + x / fast["beta"]  # noqa: E731
+    assert rows["naive"]["time_s"] == pytest.approx(t_slow(8 * MB * 4))  # T_slow(B*N)
     assert rows["hierarchical_sharp"]["time_s"] == pytest.approx(t_fast(8 * MB * 4) + t_slow(8 * MB))
     assert rows["naive"]["formula"] == "T_slow(B*L)"
     assert rows["hierarchical_sharp"]["formula"] == "T_fast(B*L) + T_slow(B)"
@@ -43,10 +44,10 @@ def test_seed_004_llama2_7b_tp2():
     pre = res["prefill"]
     assert pre["allreduces"] == 64
     assert pre["bytes_each"] == 1 * 2048 * 4096 * 2 == 16 * 2**20
-    assert pre["bytes_total"] == 2**30                                       # ~1 GiB per forward
-    assert 1.6e-3 < pre["time_volume_s"] < 1.85e-3                          # ~1.7 ms at 600 GB/s
-    assert res["weights_total_bytes"] == pytest.approx(14e9, rel=0.05)       # "14 GB model"
-    assert res["weights_per_rank_bytes"] == pytest.approx(7e9, rel=0.05)     # TP=2: 7 GB
+    assert pre["bytes_total"] == 2**30  # ~1 GiB per forward
+    assert 1.6e-3 < pre["time_volume_s"] < 1.85e-3  # ~1.7 ms at 600 GB/s
+    assert res["weights_total_bytes"] == pytest.approx(14e9, rel=0.05)  # "14 GB model"
+    assert res["weights_per_rank_bytes"] == pytest.approx(7e9, rel=0.05)  # TP=2: 7 GB
     assert res["decode_step"]["bytes_each"] == 4096 * 2
     tp8 = plan("tp", "--model", "llama2-7b", "--tp", "8")
     assert tp8["weights_per_rank_bytes"] == pytest.approx(1.75e9, rel=0.05)  # TP=8: 1.75 GB
@@ -54,16 +55,22 @@ def test_seed_004_llama2_7b_tp2():
 
 def test_seed_000_merged_qkv_offset():
     s = plan("tp", "--model", "llama2-7b", "--tp", "4")["shards"]
-    assert s["qkv_local_offsets"] == {"q": 0, "k": 1024, "v": 2048}         # [4096]*3, tp 4: k at 1024
+    assert s["qkv_local_offsets"] == {"q": 0, "k": 1024, "v": 2048}  # [4096]*3, tp 4: k at 1024
 
 
 def test_gqa_presets_and_config_path(tmp_path):
     s = plan("tp", "--model", "llama3-8b", "--tp", "8")["shards"]
     assert s["k_proj"] == [4096, 128] and s["kv_heads_per_rank"] == 1
     s = plan("tp", "--model", "llama2-70b", "--tp", "16")["shards"]
-    assert s["kv_replication"] == 2                                          # 8 KV heads on 16 ranks
-    cfg = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
-           "intermediate_size": 1376, "vocab_size": 32000}
+    assert s["kv_replication"] == 2  # 8 KV heads on 16 ranks
+    cfg = {
+        "hidden_size": 512,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "intermediate_size": 1376,
+        "vocab_size": 32000,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     res = plan("tp", "--model", str(tmp_path), "--tp", "2", "--seq", "16", "--dtype", "fp32")
     assert res["shards"]["q_proj"] == [512, 256] and res["prefill"]["allreduces"] == 16
@@ -72,7 +79,7 @@ def test_gqa_presets_and_config_path(tmp_path):
 def test_uneven_tp_and_the_one_clear_error():
     res = plan("tp", "--model", "llama2-7b", "--tp", "3")
     ranks = res["shards"]["per_rank"]
-    assert [r["q_heads"][1] - r["q_heads"][0] for r in ranks] == [11, 11, 10]      # 32 heads on 3 ranks
+    assert [r["q_heads"][1] - r["q_heads"][0] for r in ranks] == [11, 11, 10]  # 32 heads on 3 ranks
     assert sum(r["intermediate"] for r in ranks) == 11008
     out = subprocess.run(MPITP + ["tp", "--model", "llama2-7b", "--tp", "40"], capture_output=True, text=True)
     assert out.returncode == 2 and "tensor-parallel size 40 exceeds the number of attention heads = 32" in out.stderr
@@ -94,12 +101,12 @@ def test_fit_writes_local_profile_that_plan_reads(tmp_path):
     import os
 
     from mpitp import launch
+
     env = dict(os.environ, MPITP_TUNING=str(tmp_path / "tuning.json"))
     res = launch.run(2, [sys.executable, "-m", "mpitp.cli.main", "plan", "fit"], timeout=120, env=env)
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "profile-local.json").exists()
-    out = subprocess.run(MPITP + ["allreduce", "--profile", "local", "--json"], capture_output=True, text=True,
-                         env=env)
+    out = subprocess.run(MPITP + ["allreduce", "--profile", "local", "--json"], capture_output=True, text=True, env=env)
     prof = json.loads(out.stdout)["profile"]
     assert prof["name"] == "local" and prof["intra"]["beta"] > 0 and prof["intra"]["alpha"] > 0
 
@@ -107,7 +114,20 @@ def test_fit_writes_local_profile_that_plan_reads(tmp_path):
 @pytest.mark.parametrize("n,k", [(8, 4), (5, 3)])
 def test_benchmark_measured_bytes_equal_predicted(n, k):
     from mpitp import launch
-    res = launch.run(n, [sys.executable, "benchmarks/hierarchical.py", "--ranks-per-node", str(k),
-                         "--sizes", "4100,65536", "--iters", "1"], timeout=240)
+
+    res = launch.run(
+        n,
+        [
+            sys.executable,
+            "benchmarks/hierarchical.py",
+            "--ranks-per-node",
+            str(k),
+            "--sizes",
+            "4100,65536",
+            "--iters",
+            "1",
+        ],
+        timeout=240,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "measured == predicted for every row" in res.stdout

@@ -1,5 +1,6 @@
 """auto's choice: the built-in crossovers per collective and MPI library, a tuning file
 over them, and the same answer for every rank-independent input."""
+
 import pytest
 
 from mpitp.comm.algorithms import select
@@ -28,8 +29,9 @@ def test_reduce_scatter_crossovers(flavor):
     want = {"mpich": (256 * KiB, 64 * MiB), "openmpi": (256 * KiB, MiB), "other": (select.NEVER,) * 2}[flavor]
     assert (select.crossover("reduce_scatter", 2, None), select.crossover("reduce_scatter", 4, None)) == want
     big = 64 * MiB
-    assert select.choose("reduce_scatter", "auto", big, 2, ReduceOp.parse("sum"), None) == \
-        ("mpi" if flavor == "other" else "ring")
+    assert select.choose("reduce_scatter", "auto", big, 2, ReduceOp.parse("sum"), None) == (
+        "mpi" if flavor == "other" else "ring"
+    )
 
 
 def test_others_stay_with_mpi(flavor):
@@ -41,7 +43,7 @@ def test_others_stay_with_mpi(flavor):
 def test_tuning_file_overrides(flavor):
     table = {"allreduce": {"2": 0, "4": 1 << 40}}
     assert select.crossover("allreduce", 2, table) == 0
-    assert select.crossover("allreduce", 3, table) == 0          # nearest smaller size measured
+    assert select.crossover("allreduce", 3, table) == 0  # nearest smaller size measured
     assert select.crossover("allreduce", 8, table) == 1 << 40
     assert select.choose("allreduce", "auto", 4, 2, ReduceOp.parse("sum"), None, table) == "ring"
 

@@ -1,10 +1,13 @@
 """Every MPITP_* variable in one place: one rule for booleans and sizes, invalid values
 named, the README's table in step with the code; the parsers fuzzed (hypothesis)."""
+
 import re
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings as hsettings, strategies as st
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from mpitp import settings
 from mpitp.settings import Settings, SettingsError
@@ -13,24 +16,38 @@ from mpitp.units import parse_size
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-@pytest.mark.parametrize("raw,want", [("1", True), ("0", False), ("False", False), ("OFF", False), ("no", False),
-                                      ("Yes", True), ("on", True), (" true ", True)])
+@pytest.mark.parametrize(
+    "raw,want",
+    [
+        ("1", True),
+        ("0", False),
+        ("False", False),
+        ("OFF", False),
+        ("no", False),
+        ("Yes", True),
+        ("on", True),
+        (" true ", True),
+    ],
+)
 def test_booleans_one_rule(raw, want):
     assert Settings.from_env({"MPITP_SHM": raw}).shm is want
     assert Settings.from_env({"MPITP_CMA": raw}).cma is want
 
 
-@pytest.mark.parametrize("env,message", [
-    ({"MPITP_SHM": "maybe"}, "MPITP_SHM='maybe'"),
-    ({"MPITP_TIMEOUT": "soon"}, "MPITP_TIMEOUT='soon'"),
-    ({"MPITP_TIMEOUT": "-1"}, "MPITP_TIMEOUT='-1'"),
-    ({"MPITP_RING_SEGMENT": "0"}, "MPITP_RING_SEGMENT='0'"),
-    ({"MPITP_RING_SEGMENT": "lots"}, "MPITP_RING_SEGMENT 'lots' is not a size"),
-    ({"MPITP_RING_DEPTH": "0"}, "MPITP_RING_DEPTH='0'"),
-    ({"MPITP_RANKS_PER_NODE": "2.5"}, "MPITP_RANKS_PER_NODE='2.5'"),
-    ({"MPITP_CMA_SEGMENT": "8"}, "at least 64"),
-    ({"MPITP_LOG_LEVEL": "chatty"}, "MPITP_LOG_LEVEL='chatty'"),
-])
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        ({"MPITP_SHM": "maybe"}, "MPITP_SHM='maybe'"),
+        ({"MPITP_TIMEOUT": "soon"}, "MPITP_TIMEOUT='soon'"),
+        ({"MPITP_TIMEOUT": "-1"}, "MPITP_TIMEOUT='-1'"),
+        ({"MPITP_RING_SEGMENT": "0"}, "MPITP_RING_SEGMENT='0'"),
+        ({"MPITP_RING_SEGMENT": "lots"}, "MPITP_RING_SEGMENT 'lots' is not a size"),
+        ({"MPITP_RING_DEPTH": "0"}, "MPITP_RING_DEPTH='0'"),
+        ({"MPITP_RANKS_PER_NODE": "2.5"}, "MPITP_RANKS_PER_NODE='2.5'"),
+        ({"MPITP_CMA_SEGMENT": "8"}, "at least 64"),
+        ({"MPITP_LOG_LEVEL": "chatty"}, "MPITP_LOG_LEVEL='chatty'"),
+    ],
+)
 def test_invalid_values_name_the_variable(env, message):
     with pytest.raises(SettingsError, match=re.escape(message)):
         Settings.from_env(env)
@@ -51,16 +68,19 @@ def test_current_follows_the_environment(monkeypatch):
 
 def test_readme_table_matches_the_settings():
     text = README.read_text()
-    table = text[text.index("| variable | effect |"):]
-    table = table[:table.index("\n\n")]
+    table = text[text.index("| variable | effect |") :]
+    table = table[: table.index("\n\n")]
     documented = set(re.findall(r"`(MPITP_[A-Z_]+)", table))
     assert documented == set(settings.VARIABLES), documented ^ set(settings.VARIABLES)
 
 
 def test_no_module_reads_mpitp_variables_itself():
     pkg = Path(settings.__file__).parent
-    offenders = [str(p.relative_to(pkg)) for p in pkg.rglob("*.py") if p.name != "settings.py"
-                 and re.search(r"environ(?:\.get)?\(?\[?[\"']MPITP_", p.read_text())]
+    offenders = [
+        str(p.relative_to(pkg))
+        for p in pkg.rglob("*.py")
+        if p.name != "settings.py" and re.search(r"environ(?:\.get)?\(?\[?[\"']MPITP_", p.read_text())
+    ]
     assert not offenders, offenders
 
 
@@ -84,7 +104,17 @@ def test_settings_fuzz(var, raw):
         assert var in str(e)
 
 
-@pytest.mark.parametrize("text,want", [("8MB", 8_000_000), ("8MiB", 8 << 20), ("8M", 8 << 20), ("4k", 4096),
-                                       ("1.5 GiB", 3 << 29), ("512B", 512), ("1e3", 1000)])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("8MB", 8_000_000),
+        ("8MiB", 8 << 20),
+        ("8M", 8 << 20),
+        ("4k", 4096),
+        ("1.5 GiB", 3 << 29),
+        ("512B", 512),
+        ("1e3", 1000),
+    ],
+)
 def test_one_size_convention(text, want):
     assert parse_size(text) == want

@@ -1,6 +1,7 @@
 """The sbatch scripts in slurm/, run for real with sbatch --wait against a live
 slurmctld/slurmd (.ci/run starts one with slurm/testbed.sh; elsewhere these skip).
 Each job's output is kept in $MPITP_SLURM_DIR/out for the CI log."""
+
 import json
 import os
 import shutil
@@ -20,8 +21,13 @@ def slurm_up() -> bool:
     if not shutil.which("sbatch") or not Path(CONF).exists():
         return False
     try:
-        out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10,
-                             env=dict(os.environ, SLURM_CONF=CONF))
+        out = subprocess.run(
+            ["sinfo", "-h", "-o", "%T"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            env=dict(os.environ, SLURM_CONF=CONF),
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return out.returncode == 0 and any(s in out.stdout for s in ("idle", "mixed", "allocated"))
@@ -35,9 +41,14 @@ def sbatch(script: str, tmp_path: Path, *opts: str, venv: str | None = None, **e
     for k in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID"):
         e.pop(k, None)
     out = tmp_path / "job.out"
-    res = subprocess.run(["sbatch", "--wait", f"--output={out}", f"--chdir={tmp_path}", *opts,
-                          str(ROOT / "slurm" / script)], capture_output=True, text=True, env=e, cwd=ROOT,
-                         timeout=600)
+    res = subprocess.run(
+        ["sbatch", "--wait", f"--output={out}", f"--chdir={tmp_path}", *opts, str(ROOT / "slurm" / script)],
+        capture_output=True,
+        text=True,
+        env=e,
+        cwd=ROOT,
+        timeout=600,
+    )
     text = out.read_text() if out.exists() else ""
     keep = SLURM_DIR / "out"
     keep.mkdir(parents=True, exist_ok=True)
@@ -49,7 +60,7 @@ def test_demo_job(tmp_path):
     res, out = sbatch("demo.sbatch", tmp_path)
     assert res.returncode == 0, res.stderr + out
     assert "mpitp: world of 2 rank(s) on 1 node(s): OK" in out
-    assert "== allreduce(x, 'sum'" in out and "[12 14]" in out            # (1+11, 2+12) on both ranks
+    assert "== allreduce(x, 'sum'" in out and "[12 14]" in out  # (1+11, 2+12) on both ranks
     assert "world size:     2" in out
 
 
@@ -65,12 +76,24 @@ def test_bench_job_numbers_are_right(tmp_path):
 def test_three_ranks_overcommitted_through_the_launcher(tmp_path):
     """An odd world size on a 2-CPU node: --ntasks=3 --overcommit, ranks started by
     bin/mpitp-run inside the allocation (srun --mpi=pmi2 for the mpich wheel)."""
-    e = dict(os.environ, SLURM_CONF=CONF, PYTHON=sys.executable,
-             PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    e = dict(
+        os.environ, SLURM_CONF=CONF, PYTHON=sys.executable, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+    )
     out = tmp_path / "job.out"
-    res = subprocess.run(["sbatch", "--wait", "--ntasks=3", "--overcommit", f"--output={out}",
-                          f"--wrap={ROOT / 'bin' / 'mpitp-run'} -- mpitp demo"],
-                         capture_output=True, text=True, env=e, timeout=300)
+    res = subprocess.run(
+        [
+            "sbatch",
+            "--wait",
+            "--ntasks=3",
+            "--overcommit",
+            f"--output={out}",
+            f"--wrap={ROOT / 'bin' / 'mpitp-run'} -- mpitp demo",
+        ],
+        capture_output=True,
+        text=True,
+        env=e,
+        timeout=300,
+    )
     text = out.read_text()
     (SLURM_DIR / "out").mkdir(parents=True, exist_ok=True)
     (SLURM_DIR / "out" / "mpitp-run-3-ranks.out").write_text(text)
@@ -87,18 +110,33 @@ def test_plain_srun_singletons_are_refused(tmp_path):
 def test_one_process_in_the_batch_step_is_not_a_singleton_error(tmp_path):
     e = dict(os.environ, SLURM_CONF=CONF)
     out = tmp_path / "one.out"
-    res = subprocess.run(["sbatch", "--wait", "--ntasks=2", f"--output={out}",
-                          f"--wrap={sys.executable} -m mpitp.cli.main info"], capture_output=True, text=True,
-                         env=e, timeout=300, cwd=ROOT)
+    res = subprocess.run(
+        ["sbatch", "--wait", "--ntasks=2", f"--output={out}", f"--wrap={sys.executable} -m mpitp.cli.main info"],
+        capture_output=True,
+        text=True,
+        env=e,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert res.returncode == 0, res.stderr + out.read_text()
     assert "world size:     1" in out.read_text()
 
 
 def test_hostfile_from_allocation(tmp_path):
     e = dict(os.environ, SLURM_CONF=CONF, PYTHON=sys.executable)
-    res = subprocess.run(["sbatch", "--wait", "--ntasks-per-node=2", f"--output={tmp_path / 'h.out'}",
-                          f"--wrap={ROOT / 'bin' / 'mpitp-hostfile'} --format mpich"],
-                         capture_output=True, text=True, env=e, timeout=300)
+    res = subprocess.run(
+        [
+            "sbatch",
+            "--wait",
+            "--ntasks-per-node=2",
+            f"--output={tmp_path / 'h.out'}",
+            f"--wrap={ROOT / 'bin' / 'mpitp-hostfile'} --format mpich",
+        ],
+        capture_output=True,
+        text=True,
+        env=e,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
     assert (tmp_path / "h.out").read_text() == f"{host}:2\n"
@@ -113,8 +151,9 @@ def test_demo_job_with_open_mpi_over_pmix(tmp_path):
 
 def test_generate_job(tmp_path):
     model = ROOT / "tests" / "fixtures" / "mha"
-    res, out = sbatch("generate.sbatch", tmp_path, MPITP_MODEL=str(model), MPITP_PROMPT="the quick brown",
-                      MPITP_MAX_NEW_TOKENS="8")
+    res, out = sbatch(
+        "generate.sbatch", tmp_path, MPITP_MODEL=str(model), MPITP_PROMPT="the quick brown", MPITP_MAX_NEW_TOKENS="8"
+    )
     assert res.returncode == 0, res.stderr + out
     assert "world of 2 rank(s)" in out and out.count("the quick brown") == 1
     assert "TP=2: prefill" in out and "tokens/s" in out
@@ -122,8 +161,13 @@ def test_generate_job(tmp_path):
 
 def test_train_job_then_resume(tmp_path):
     """The training script from scratch, then resubmitted: it resumes from the checkpoint."""
-    env = dict(MPITP_OUT=str(tmp_path / "run"), MPITP_STEPS="3", MPITP_SEQ="32", MPITP_BATCH="4",
-               MPITP_TRAIN_ARGS="--config tiny --data-default --eval-fraction 0")
+    env = dict(
+        MPITP_OUT=str(tmp_path / "run"),
+        MPITP_STEPS="3",
+        MPITP_SEQ="32",
+        MPITP_BATCH="4",
+        MPITP_TRAIN_ARGS="--config tiny --data-default --eval-fraction 0",
+    )
     res, out = sbatch("train.sbatch", tmp_path, **env)
     assert res.returncode == 0, res.stderr + out
     assert "train fsdp on 2 rank(s)" in out and "step 3: train loss" in out
@@ -137,38 +181,64 @@ def test_a_failing_rank_ends_the_srun_job(tmp_path, case):
     """Through bin/mpitp-run (srun --kill-on-bad-exit=1): an uncaught exception or a rank
     killed by a signal ends the step in seconds, not when the allocation runs out."""
     from test_failfast import KILL, RAISE
+
     script = tmp_path / "job.py"
     script.write_text(RAISE if case == "exception" else KILL)
     arg = "1" if case == "exception" else "auto"
-    e = dict(os.environ, SLURM_CONF=CONF, PYTHON=sys.executable,
-             PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    e = dict(
+        os.environ, SLURM_CONF=CONF, PYTHON=sys.executable, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+    )
     out = tmp_path / "job.out"
-    res = subprocess.run(["sbatch", "--wait", "--ntasks=3", "--overcommit", "--time=2", f"--output={out}",
-                          f"--wrap={ROOT / 'bin' / 'mpitp-run'} -- python {script} {arg}"],
-                         capture_output=True, text=True, env=e, timeout=120)
+    res = subprocess.run(
+        [
+            "sbatch",
+            "--wait",
+            "--ntasks=3",
+            "--overcommit",
+            "--time=2",
+            f"--output={out}",
+            f"--wrap={ROOT / 'bin' / 'mpitp-run'} -- python {script} {arg}",
+        ],
+        capture_output=True,
+        text=True,
+        env=e,
+        timeout=120,
+    )
     text = out.read_text()
     (SLURM_DIR / "out").mkdir(parents=True, exist_ok=True)
     (SLURM_DIR / "out" / f"failing-rank-{case.replace(' ', '')}.out").write_text(text)
     assert res.returncode != 0
-    assert "CANCELLED" in text or "Terminat" in text, text       # srun ended the step, no time-out
+    assert "CANCELLED" in text or "Terminat" in text, text  # srun ended the step, no time-out
     assert "DUE TO TIME LIMIT" not in text
     if case == "exception":
         assert text.count("Traceback (most recent call last)") == 1 and "[rank 1/3 " in text
     else:
-        assert "task 2: Killed" in text, text                    # srun names the lost rank
+        assert "task 2: Killed" in text, text  # srun names the lost rank
 
 
 @pytest.mark.parametrize("tasks,cpus", [(1, 2), (2, 1)])
 def test_threads_follow_cpus_per_task_under_srun(tmp_path, tasks, cpus):
-    code = ("import os, mpitp; from mpitp import threads; from mpi4py import MPI; "
-            "print(MPI.COMM_WORLD.rank, os.environ['OPENBLAS_NUM_THREADS'], threads.CHOICE[1])")
-    e = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
-                                                          "MKL_NUM_THREADS")}
+    code = (
+        "import os, mpitp; from mpitp import threads; from mpi4py import MPI; "
+        "print(MPI.COMM_WORLD.rank, os.environ['OPENBLAS_NUM_THREADS'], threads.CHOICE[1])"
+    )
+    e = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     e["SLURM_CONF"] = CONF
     out = tmp_path / "t.out"
-    res = subprocess.run(["sbatch", "--wait", f"--ntasks={tasks}", f"--cpus-per-task={cpus}", f"--output={out}",
-                          f"--wrap=srun --mpi=pmi2 {sys.executable} -c \"{code}\""],
-                         capture_output=True, text=True, env=e, timeout=300)
+    res = subprocess.run(
+        [
+            "sbatch",
+            "--wait",
+            f"--ntasks={tasks}",
+            f"--cpus-per-task={cpus}",
+            f"--output={out}",
+            f'--wrap=srun --mpi=pmi2 {sys.executable} -c "{code}"',
+        ],
+        capture_output=True,
+        text=True,
+        env=e,
+        timeout=300,
+    )
     text = out.read_text()
     assert res.returncode == 0, res.stderr + text
     lines = [ln for ln in text.splitlines() if "SLURM_CPUS_PER_TASK" in ln]

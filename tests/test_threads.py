@@ -1,4 +1,5 @@
 """BLAS threads per rank (mpitp.threads): set under a multi-rank launcher, left alone otherwise."""
+
 import os
 import subprocess
 import sys
@@ -7,21 +8,23 @@ from mpitp import launch
 from mpitp.backend import device_for_rank
 from mpitp.threads import VARS, choose, local_rank, local_ranks, set_default_threads
 
-CODE = ("import mpitp, os; from mpi4py import MPI; "
-        "r = MPI.COMM_WORLD.gather(tuple(os.environ.get(v) for v in {vars})); "
-        "MPI.COMM_WORLD.rank or print(r)")
+CODE = (
+    "import mpitp, os; from mpi4py import MPI; "
+    "r = MPI.COMM_WORLD.gather(tuple(os.environ.get(v) for v in {vars})); "
+    "MPI.COMM_WORLD.rank or print(r)"
+)
 
 
 def test_launcher_variables():
-    assert local_ranks({"MPI_LOCALNRANKS": "3"}) == 3                        # MPICH hydra
-    assert local_ranks({"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}) == 4             # Open MPI
+    assert local_ranks({"MPI_LOCALNRANKS": "3"}) == 3  # MPICH hydra
+    assert local_ranks({"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}) == 4  # Open MPI
     assert local_ranks({"SLURM_STEP_TASKS_PER_NODE": "2(x3)", "SLURM_LOCALID": "1"}) == 2
     assert local_ranks({}) is None
 
 
 def test_only_unset_variables_and_only_with_several_ranks():
     env = {"MPI_LOCALNRANKS": "2", "OMP_NUM_THREADS": "7"}
-    assert set_default_threads(env, modules={}) is not None               # NumPy not loaded yet
+    assert set_default_threads(env, modules={}) is not None  # NumPy not loaded yet
     assert env["OMP_NUM_THREADS"] == "7" and env["OPENBLAS_NUM_THREADS"] == env["MKL_NUM_THREADS"]
     single = {"MPI_LOCALNRANKS": "1"}
     assert set_default_threads(single, modules={}) is None and not any(v in single for v in VARS)
@@ -50,15 +53,17 @@ def test_slurm_cpus_per_task_decides_inside_a_step():
 
 def test_gpu_per_local_rank():
     assert local_rank({"OMPI_COMM_WORLD_LOCAL_RANK": "2"}) == 2 and local_rank({}) is None
-    assert device_for_rank({"SLURM_LOCALID": "3"}, 2) == 1                       # local rank mod GPUs seen
+    assert device_for_rank({"SLURM_LOCALID": "3"}, 2) == 1  # local rank mod GPUs seen
     assert device_for_rank({"MPI_LOCALRANKID": "1", "CUDA_VISIBLE_DEVICES": "0,1"}, 2) == 1
-    assert device_for_rank({"SLURM_LOCALID": "3", "CUDA_VISIBLE_DEVICES": "2"}, 1) is None   # already narrowed
+    assert device_for_rank({"SLURM_LOCALID": "3", "CUDA_VISIBLE_DEVICES": "2"}, 1) is None  # already narrowed
     assert device_for_rank({}, 4) is None and device_for_rank({"SLURM_LOCALID": "1"}, 1) is None
 
 
 def test_each_rank_picks_its_own_gpu_under_mpiexec():
-    code = ("import os, mpitp; from mpitp.backend import device_for_rank; from mpi4py import MPI; "
-            "r = MPI.COMM_WORLD.gather(device_for_rank(os.environ, 4)); MPI.COMM_WORLD.rank or print(r)")
+    code = (
+        "import os, mpitp; from mpitp.backend import device_for_rank; from mpi4py import MPI; "
+        "r = MPI.COMM_WORLD.gather(device_for_rank(os.environ, 4)); MPI.COMM_WORLD.rank or print(r)"
+    )
     res = launch.run(3, [sys.executable, "-c", code], timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[0, 1, 2]", res.stdout

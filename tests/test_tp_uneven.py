@@ -6,6 +6,7 @@ model shapes. Parity (transformers installed): configs whose heads, KV heads,
 intermediate size and vocabulary do not divide p = 2, 3, 4, 5 against Hugging Face's
 logits (<= 1e-4) and greedy tokens on ragged prompts, with each rank reading no more
 checkpoint bytes than its cut."""
+
 import json
 import sys
 import textwrap
@@ -40,10 +41,10 @@ def test_every_rank_uses_only_its_kv_heads(heads, kv, p):
     for r in range(p):
         q, q0, k, k0 = a.rank(r)
         assert q >= 1 and k >= 1
-        assert k0 * g <= q0 and q0 + q <= (k0 + k) * g           # its query heads use its KV heads
-        assert q % k == 0 or k == 1                               # whole groups, or one shared KV head
+        assert k0 * g <= q0 and q0 + q <= (k0 + k) * g  # its query heads use its KV heads
+        assert q % k == 0 or k == 1  # whole groups, or one shared KV head
         covered += range(q0, q0 + q)
-    assert covered == list(range(heads))                          # every head once, in order
+    assert covered == list(range(heads))  # every head once, in order
     sizes = partition.mlp(1000, 64, 8, a)
     assert sum(sizes) == 1000 and min(sizes) >= 1
 
@@ -54,12 +55,24 @@ def test_streamed_bytes_are_balanced(model, p):
     assert ptp.balance(ptp.PRESETS[model], p) <= 1.15
 
 
-CONFIGS = {   # none of these divides 2, 3, 4 and 5 at once
+CONFIGS = {  # none of these divides 2, 3, 4 and 5 at once
     "h9kv3": dict(hidden_size=72, num_attention_heads=9, num_key_value_heads=3, intermediate_size=200, vocab_size=301),
-    "h12kv1": dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=1, intermediate_size=320,
-                   vocab_size=250, tie_word_embeddings=True),
-    "h28kv4": dict(hidden_size=112, num_attention_heads=28, num_key_value_heads=4, intermediate_size=300,
-                   vocab_size=1001, attention_bias=True),
+    "h12kv1": dict(
+        hidden_size=96,
+        num_attention_heads=12,
+        num_key_value_heads=1,
+        intermediate_size=320,
+        vocab_size=250,
+        tie_word_embeddings=True,
+    ),
+    "h28kv4": dict(
+        hidden_size=112,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=300,
+        vocab_size=1001,
+        attention_bias=True,
+    ),
 }
 
 
@@ -72,10 +85,19 @@ def models(tmp_path_factory):
     for name, extra in CONFIGS.items():
         torch.manual_seed(0)
         qwen = extra.pop("attention_bias", False)
-        kw = dict(num_hidden_layers=2, max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=None,
-                  eos_token_id=None, **extra)
-        cls, cfg_cls = ((transformers.Qwen2ForCausalLM, transformers.Qwen2Config) if qwen
-                        else (transformers.LlamaForCausalLM, transformers.LlamaConfig))
+        kw = dict(
+            num_hidden_layers=2,
+            max_position_embeddings=64,
+            rms_norm_eps=1e-5,
+            bos_token_id=None,
+            eos_token_id=None,
+            **extra,
+        )
+        cls, cfg_cls = (
+            (transformers.Qwen2ForCausalLM, transformers.Qwen2Config)
+            if qwen
+            else (transformers.LlamaForCausalLM, transformers.LlamaConfig)
+        )
         model = cls(cfg_cls(**kw)).eval()
         if qwen:
             extra["attention_bias"] = True
@@ -86,8 +108,10 @@ def models(tmp_path_factory):
         ids = torch.tensor([prompts[0]])
         with torch.no_grad():
             logits = model(ids).logits.numpy()
-            greedy = [model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False,
-                                     pad_token_id=0)[0].tolist() for p in prompts]
+            greedy = [
+                model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0].tolist()
+                for p in prompts
+            ]
         np.save(root / name / "logits.npy", logits)
         (root / name / "greedy.json").write_text(json.dumps({"prompts": prompts, "greedy": greedy}))
     return root
@@ -123,5 +147,5 @@ def test_parity_with_transformers(models, p):
             name = d.rsplit("/", 1)[-1]
             assert r["diff"] <= 1e-4, (name, rank, r)
             assert r["greedy"], (name, rank, "greedy tokens differ from transformers'")
-            assert r["allreduces"] == 2 * r["layers"] + 1, (name, r)       # 2 per layer + the embedding
-            assert r["read"] <= r["cut"], (name, rank, r)                  # only the slices it holds
+            assert r["allreduces"] == 2 * r["layers"] + 1, (name, r)  # 2 per layer + the embedding
+            assert r["read"] <= r["cut"], (name, rank, r)  # only the slices it holds

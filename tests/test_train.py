@@ -3,6 +3,7 @@ gives the same losses and parameters; a checkpoint saved at 4 ranks resumes at 2
 the uninterrupted run continues; traffic and memory per mode match the plan to the byte;
 export loads in mpitp (and transformers, when installed); broken checkpoints and bad
 arguments get clear errors."""
+
 import json
 import os
 import sys
@@ -31,8 +32,24 @@ def ids(tmp_path_factory):
 
 
 def train(n, out, data, *extra, timeout=180, check=True):
-    argv = TRAIN + ["--config", "tiny", "--data", str(data), "--seq", "32", "--batch", "5", "--lr", "3e-3",
-                    "--warmup", "1", "--no-progress", "--out", str(out), *map(str, extra)]
+    argv = TRAIN + [
+        "--config",
+        "tiny",
+        "--data",
+        str(data),
+        "--seq",
+        "32",
+        "--batch",
+        "5",
+        "--lr",
+        "3e-3",
+        "--warmup",
+        "1",
+        "--no-progress",
+        "--out",
+        str(out),
+        *map(str, extra),
+    ]
     res = launch.run(n, argv, timeout=timeout)
     if check:
         assert res.returncode == 0, f"{n} ranks: {res.stderr[-3000:]}"
@@ -60,14 +77,25 @@ def reference(ids, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("n,mode,extra", [(2, "fsdp", ()), (3, "fsdp", ()), (4, "fsdp", ()), (3, "ddp", ()),
-                                          (3, "zero1", ()), (3, "zero2", ()), (4, "zero2", ()), (2, "ddp", ()),
-                                          (3, "fsdp", ("--recompute",))])
+@pytest.mark.parametrize(
+    "n,mode,extra",
+    [
+        (2, "fsdp", ()),
+        (3, "fsdp", ()),
+        (4, "fsdp", ()),
+        (3, "ddp", ()),
+        (3, "zero1", ()),
+        (3, "zero2", ()),
+        (4, "zero2", ()),
+        (2, "ddp", ()),
+        (3, "fsdp", ("--recompute",)),
+    ],
+)
 def test_same_training_at_any_n_and_mode(ids, reference, tmp_path, n, mode, extra):
     train(n, tmp_path, ids, "--steps", 4, "--dtype", "float64", "--grad-accum", 2, "--mode", mode, *extra)
     assert rel(losses(tmp_path), losses(reference)) <= 1e-10
     assert rel(params(tmp_path), params(reference)) <= 1e-10
-    assert losses(reference)[-1] < losses(reference)[0]          # it learns
+    assert losses(reference)[-1] < losses(reference)[0]  # it learns
 
 
 def test_float32_across_n(ids, tmp_path):
@@ -129,8 +157,8 @@ def test_traffic_and_memory_per_mode(ids, n):
     ranks = json.loads(res.stdout.split("PROBE", 1)[1])
     for rows in ranks:
         for mode, r in rows.items():
-            assert r["sent"] == r["plan"], (mode, r)                 # every byte as planned
-            assert r["held"] == r["formula"], (mode, r)              # ZeRO's 16Ψ/N family, fp32
+            assert r["sent"] == r["plan"], (mode, r)  # every byte as planned
+            assert r["held"] == r["formula"], (mode, r)  # ZeRO's 16Ψ/N family, fp32
         psi, ring = rows["fsdp"]["psi_padded"], (n - 1) / n
         # fsdp 3Ψ (less the head's backward gather, adjacent to its forward, and the
         # embedding's, whose backward needs no weights; ×2 micro-batches) against ddp's 2Ψ
@@ -142,16 +170,19 @@ def test_traffic_and_memory_per_mode(ids, n):
 
 def test_export_loads_in_mpitp_and_transformers(ids, tmp_path):
     train(2, tmp_path / "run", ids, "--steps", 3, "--mode", "fsdp")
-    res = launch.run(1, [sys.executable, "-m", "mpitp.cli.main", "export", str(tmp_path / "run"),
-                         str(tmp_path / "hf")], timeout=60)
+    res = launch.run(
+        1, [sys.executable, "-m", "mpitp.cli.main", "export", str(tmp_path / "run"), str(tmp_path / "hf")], timeout=60
+    )
     assert res.returncode == 0, res.stderr
     from mpitp.models.llama import LlamaForCausalLM
+
     model = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
     x = np.load(ids)[:40][None]
     logits = model(x)
     # the exported weights are the trained ones: mpitp's inference loss equals the
     # training engine's loss on the same window
     from mpitp.train.trainer import Options, Trainer
+
     t = Trainer(Options(resume=str(tmp_path / "run"), data=str(ids), seq=39, eval_fraction=0, mode="ddp"))
     want = t.engine.loss(x[:, :-1], x[:, 1:]) / 39
     z = logits[0, :-1].astype(np.float64)
@@ -190,12 +221,15 @@ def test_corrupt_truncated_and_half_written_checkpoints(ids, tmp_path):
     assert res.returncode == 2 and "rank00001.safetensors" in res.stderr, res.stderr[-2000:]
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--data", "/nonexistent/x.txt"], "no such file"),
-    (["--seq", "5000"], "exceeds the model's max_position_embeddings"),
-    (["--resume", "/nonexistent/run"], "no such directory"),
-    (["--batch", "0"], "--batch must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--data", "/nonexistent/x.txt"], "no such file"),
+        (["--seq", "5000"], "exceeds the model's max_position_embeddings"),
+        (["--resume", "/nonexistent/run"], "no such directory"),
+        (["--batch", "0"], "--batch must be at least 1"),
+    ],
+)
 def test_bad_arguments(ids, tmp_path, args, message):
     argv = TRAIN + ["--config", "tiny", "--data", str(ids), "--steps", "1", "--no-progress", *args]
     res = launch.run(2, argv, timeout=60)

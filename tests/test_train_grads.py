@@ -1,6 +1,7 @@
 """Backward of every op, a whole decoder block and the whole model against float64 central
 differences (relative error <= 1e-6), plus the data windows, the schedule and AdamW's
 bookkeeping. Single process; the multi-rank training tests are in test_train.py."""
+
 import numpy as np
 import pytest
 
@@ -44,16 +45,31 @@ def test_rms_norm():
 
 
 def test_linear_with_bias():
-    x, w, b, dy = rng.standard_normal((2, 3, 5)), rng.standard_normal((4, 5)), rng.standard_normal(4), \
-        rng.standard_normal((2, 3, 4))
+    x, w, b, dy = (
+        rng.standard_normal((2, 3, 5)),
+        rng.standard_normal((4, 5)),
+        rng.standard_normal(4),
+        rng.standard_normal((2, 3, 4)),
+    )
     f = lambda: float(((x @ w.T + b) * dy).sum())  # noqa: E731
     dw, db = np.zeros_like(w), np.zeros_like(b)
     dx = grads.linear_backward(dy, x, w, dw, db)
     assert rel(dx, numeric(f, x)) <= 1e-6 and rel(dw, numeric(f, w)) <= 1e-6 and rel(db, numeric(f, b)) <= 1e-6
 
 
-@pytest.mark.parametrize("scaling", [{}, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ],
+)
 def test_rope(scaling):
     rot = Rotary(8, 500.0, scaling, 64, dtype=np.float64)
     pos = np.array([[0, 5, 9, 40], [3, 4, 63, 1]])
@@ -65,8 +81,11 @@ def test_rope(scaling):
 
 def test_attention_gqa_causal():
     B, kv, g, T, d = 2, 2, 3, 5, 4
-    q, k, v = rng.standard_normal((B, kv, g, T, d)), rng.standard_normal((B, kv, T, d)), \
-        rng.standard_normal((B, kv, T, d))
+    q, k, v = (
+        rng.standard_normal((B, kv, g, T, d)),
+        rng.standard_normal((B, kv, T, d)),
+        rng.standard_normal((B, kv, T, d)),
+    )
     mask, dout = ops.causal_mask(T), rng.standard_normal((B, kv, g, T, d))
     f = lambda: float((ops.attention(q, k, v, 0.5, mask)[0] * dout).sum())  # noqa: E731
     probs = ops.attention(q, k, v, 0.5, mask)[1]
@@ -99,19 +118,37 @@ def test_cross_entropy():
 
 
 def tiny_cfg(**kw):
-    base = dict(vocab_size=37, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=4, max_position_embeddings=16)
+    base = dict(
+        vocab_size=37,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        max_position_embeddings=16,
+    )
     return LlamaConfig(**{**base, **kw})
 
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_decoder_block(bias):
-    cfg = tiny_cfg(qkv_bias=bias, o_bias=bias, mlp_bias=bias, rope_theta=100.0,
-                   rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8})
+    cfg = tiny_cfg(
+        qkv_bias=bias,
+        o_bias=bias,
+        mlp_bias=bias,
+        rope_theta=100.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },
+    )
     lay = layout.llama_units(cfg)[1]
     flat = layout.init_unit(lay, 0, std=0.3)
-    flat += rng.standard_normal(flat.size) * 0.05                       # norms and biases away from 1 and 0
+    flat += rng.standard_normal(flat.size) * 0.05  # norms and biases away from 1 and 0
     ctx = block.Ctx.build(cfg, Rotary(4, 100.0, cfg.rope_scaling, 16, dtype=np.float64), 2, 5)
     x, dy = rng.standard_normal((2, 5, 16)), rng.standard_normal((2, 5, 16))
     f = lambda: float((block.forward(lay.views(flat), x, ctx, keep=False)[0] * dy).sum())  # noqa: E731
@@ -129,21 +166,21 @@ def test_whole_model(tied, recompute):
     lays = layout.llama_units(cfg)
     S = Sharding(None, lays, "fsdp", np.float64, keep=(len(lays) - 1,) + ((0,) if tied else ()))
     for i, lay in enumerate(lays):
-        S.owned_params(i)[:lay.numel] = layout.init_unit(lay, i, std=0.3)
+        S.owned_params(i)[: lay.numel] = layout.init_unit(lay, i, std=0.3)
     E = Engine(cfg, S, recompute=recompute)
     ids, tg = rng.integers(0, 37, (2, 6)), rng.integers(0, 37, (2, 6))
     S.zero_grads()
     E.micro_step(ids, tg, 1 / 12)
     for i, lay in enumerate(lays):
-        p = S.owned_params(i)[:lay.numel]
+        p = S.owned_params(i)[: lay.numel]
         num = numeric(lambda: E.loss(ids, tg) / 12, p)
-        assert rel(S.opt_grads(i)[:lay.numel], num) <= 1e-6, lay.name
+        assert rel(S.opt_grads(i)[: lay.numel], num) <= 1e-6, lay.name
 
 
 def test_windows_and_batches():
     tokens = np.arange(100)
     w = data.Windows(tokens, 10)
-    assert w.count == 9                                         # (100 - 1) // 10
+    assert w.count == 9  # (100 - 1) // 10
     x, y = w.batch(np.array([0, 3]))
     assert x[1].tolist() == list(range(30, 40)) and y[1].tolist() == list(range(31, 41))
     assert data.step_windows(2, 4, 9).tolist() == [8, 0, 1, 2]  # windows 8..11 mod 9

@@ -3,6 +3,7 @@
 ``clip_grad_norm_`` on the windows mpitp's data section defines, against
 ``mpiexec -n 2 mpitp train --init`` on the same directory and ids (float32): per-step
 losses within 1e-5 relative, final parameters within 1e-4."""
+
 import json
 import sys
 
@@ -22,29 +23,42 @@ STEPS, B, SEQ, LR, WD, CLIP = 5, 6, 24, 2e-3, 0.1, 1.0
 def test_against_torch_adamw(tmp_path, tied, mode, n):
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    cfg = transformers.LlamaConfig(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=tied, rms_norm_eps=1e-5, bos_token_id=None,
-                                   eos_token_id=None)
+    cfg = transformers.LlamaConfig(
+        vocab_size=301,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        rms_norm_eps=1e-5,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():                       # norms away from 1, so their gradients matter
+    with torch.no_grad():  # norms away from 1, so their gradients matter
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(tmp_path / "init", safe_serialization=True)
-    stream = np.tile(np.random.default_rng(1).integers(0, 301, 50), 40)     # learnable: a repeating pattern
+    stream = np.tile(np.random.default_rng(1).integers(0, 301, 50), 40)  # learnable: a repeating pattern
     np.save(tmp_path / "ids.npy", stream)
 
     # --- PyTorch: windows of SEQ+1 starting at i*SEQ; step k takes windows kB..(k+1)B-1
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}],
-                            lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}],
+        lr=LR,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     count = (len(stream) - 1) // SEQ
     ref_losses = []
     for k in range(STEPS):
         idx = (k * B + np.arange(B)) % count
-        rows = torch.tensor(np.stack([stream[i * SEQ:i * SEQ + SEQ + 1] for i in idx]))
+        rows = torch.tensor(np.stack([stream[i * SEQ : i * SEQ + SEQ + 1] for i in idx]))
         logits = model(rows[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 301), rows[:, 1:].reshape(-1))
         opt.zero_grad()
@@ -55,10 +69,39 @@ def test_against_torch_adamw(tmp_path, tied, mode, n):
 
     # --- mpitp
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "mpitp.cli.main", "train", "--init", str(tmp_path / "init"), "--data",
-            str(tmp_path / "ids.npy"), "--steps", str(STEPS), "--batch", str(B), "--seq", str(SEQ), "--lr", str(LR),
-            "--weight-decay", str(WD), "--betas", "0.9,0.95", "--grad-clip", str(CLIP), "--schedule", "constant",
-            "--eval-fraction", "0", "--mode", mode, "--out", str(out), "--no-progress"]
+    argv = [
+        sys.executable,
+        "-m",
+        "mpitp.cli.main",
+        "train",
+        "--init",
+        str(tmp_path / "init"),
+        "--data",
+        str(tmp_path / "ids.npy"),
+        "--steps",
+        str(STEPS),
+        "--batch",
+        str(B),
+        "--seq",
+        str(SEQ),
+        "--lr",
+        str(LR),
+        "--weight-decay",
+        str(WD),
+        "--betas",
+        "0.9,0.95",
+        "--grad-clip",
+        str(CLIP),
+        "--schedule",
+        "constant",
+        "--eval-fraction",
+        "0",
+        "--mode",
+        mode,
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     res = launch.run(n, argv, timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]
     got = [json.loads(line)["loss"] for line in open(out / "log.jsonl")]
@@ -70,6 +113,6 @@ def test_against_torch_adamw(tmp_path, tied, mode, n):
     for i, unit in enumerate(r.meta["units"]):
         flat = r.read(i, "param", 0, unit["numel"], np.float32)
         for _key, name, shape, off in unit["tensors"]:
-            mine = flat[off:off + int(np.prod(shape))].reshape(shape)
+            mine = flat[off : off + int(np.prod(shape))].reshape(shape)
             worst = max(worst, float(np.abs(mine - state[name]).max()))
     assert worst <= 1e-4, worst

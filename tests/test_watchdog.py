@@ -1,5 +1,6 @@
 """A collective that one rank never enters must abort the job within MPITP_TIMEOUT plus
 a few seconds, naming the collective, its sequence number and the waiting rank."""
+
 import re
 import sys
 import textwrap
@@ -27,13 +28,14 @@ def test_hang_becomes_abort(n, alg, first, tmp_path):
     script = tmp_path / "hang.py"
     script.write_text(SCRIPT.format(alg=alg, first=first))
     t0 = time.monotonic()
-    res = launch.run(n, [sys.executable, str(script)], timeout=90, env={**__import__("os").environ,
-                                                                         "MPITP_TIMEOUT": "3"})
+    res = launch.run(
+        n, [sys.executable, str(script)], timeout=90, env={**__import__("os").environ, "MPITP_TIMEOUT": "3"}
+    )
     elapsed = time.monotonic() - t0
     out = res.stdout + res.stderr
     assert res.returncode != 0, out
     assert "unreachable" not in out
     assert "mpitp watchdog" in out and "allreduce #2" in out, out[-3000:]
     waited = re.findall(r"rank (\d+) waited", out)
-    assert waited and "1" not in waited, out[-3000:]    # a rank that did enter names itself
+    assert waited and "1" not in waited, out[-3000:]  # a rank that did enter names itself
     assert elapsed < 80, f"abort took {elapsed:.0f} s: the launcher's limit, not the watchdog, ended it"

@@ -2,7 +2,8 @@
 
 For each size and algorithm: ``warmup`` untimed calls, then ``iters`` timed calls between
 barriers, ``trials`` times (interleaved across the algorithms); the time of one call is
-the per-rank median over trials of the per-call average, reported as avg/min/max over ranks (OSU) and as algbw = bytes / time, busbw = algbw x factor (nccl-tests):
+the per-rank median over trials of the per-call average, reported as avg/min/max over
+ranks (OSU) and as algbw = bytes / time, busbw = algbw x factor (nccl-tests):
 
     allreduce 2(n-1)/n    reduce_scatter, allgather, alltoall (n-1)/n
     broadcast, reduce, gather, scatter 1
@@ -11,6 +12,7 @@ the per-rank median over trials of the per-call average, reported as avg/min/max
 scattered) buffer otherwise, as in nccl-tests. Inputs are small integers so every sum
 is exact and ``--check`` can count wrong elements without tolerance.
 """
+
 from __future__ import annotations
 
 import time
@@ -56,7 +58,7 @@ class Row:
 
 
 def sizes(lo: int, hi: int, factor: float) -> list[int]:
-    out, s = [], max(lo, 1)
+    out, s = [], float(max(lo, 1))
     while s <= hi:
         out.append(int(s))
         s = s * factor if factor > 1 else hi + 1
@@ -66,19 +68,18 @@ def sizes(lo: int, hi: int, factor: float) -> list[int]:
 class Case:
     """Buffers and one call of a collective at one size, reused across iterations."""
 
-    def __init__(self, comm, collective: str, nbytes: int, dtype, op: str, algorithm: str,
-                 inplace: bool, xp=np):
+    def __init__(self, comm, collective: str, nbytes: int, dtype, op: str, algorithm: str, inplace: bool, xp=np):
         self.comm, self.coll, self.op, self.alg, self.inplace = comm, collective, op, algorithm, inplace
         n, r = comm.size, comm.rank
         dtype = np.dtype(dtype)
         count = max(nbytes // dtype.itemsize, 0)
-        if collective in ("allgather", "gather"):      # size = the gathered whole
+        if collective in ("allgather", "gather"):  # size = the gathered whole
             per_rank = count // n
             count = per_rank * n
-        elif collective == "alltoall":                  # equal blocks per peer
+        elif collective == "alltoall":  # equal blocks per peer
             count -= count % n
             per_rank = count
-        else:                                           # size = each rank's input
+        else:  # size = each rank's input
             per_rank = count
         self.count = count
         self.x = xp.asarray(((np.arange(per_rank) + r) % 7).astype(dtype))
@@ -119,8 +120,16 @@ class Case:
         per = self.x.size
         base = [((np.arange(per) + q) % 7) for q in range(n)]
         if self.coll in REDUCING:
-            fn = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum,
-                  "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}[self.op]
+            fn = {
+                "sum": np.add,
+                "avg": np.add,
+                "prod": np.multiply,
+                "max": np.maximum,
+                "min": np.minimum,
+                "band": np.bitwise_and,
+                "bor": np.bitwise_or,
+                "bxor": np.bitwise_xor,
+            }[self.op]
             total = base[0]
             for b in base[1:]:
                 total = fn(total, b)
@@ -135,7 +144,7 @@ class Case:
             return np.concatenate(base) if (self.coll == "allgather" or r == 0) else None
         if self.coll == "scatter":
             return np.array_split(base[0], n)[r]
-        blocks = [np.split(b, n)[r] for b in base]          # alltoall
+        blocks = [np.split(b, n)[r] for b in base]  # alltoall
         return np.concatenate(blocks)
 
 
@@ -178,6 +187,7 @@ class MpiReference:
 
     def __init__(self, comm, nbytes: int, dtype, op: str):
         from ..comm.ops import ReduceOp, mpi_datatype, mpi_op
+
         dt = np.dtype(dtype)
         self.comm = comm
         self.x = (np.arange(nbytes // dt.itemsize) % 7).astype(dt)
@@ -199,10 +209,23 @@ class MemcpyReference:
         self.call = lambda: np.copyto(b, a)
 
 
-def measure_size(comm, collective: str, nbytes: int, algorithms: list[str], *, dtype="float32", op="sum",
-                 iters: int | None = None, warmup: int = 2, check: bool = False, inplace: bool = False,
-                 xp=np, trials: int = 1, reference: bool = False,
-                 memcpy: bool = False) -> tuple[list[Row], float | None, float | None]:
+def measure_size(
+    comm,
+    collective: str,
+    nbytes: int,
+    algorithms: list[str],
+    *,
+    dtype="float32",
+    op="sum",
+    iters: int | None = None,
+    warmup: int = 2,
+    check: bool = False,
+    inplace: bool = False,
+    xp=np,
+    trials: int = 1,
+    reference: bool = False,
+    memcpy: bool = False,
+) -> tuple[list[Row], float | None, float | None]:
     """One row per algorithm at one size, MPI's own time (``reference``, all-reduce) and
     the copy bandwidth in GB/s of ``nbytes`` on every rank at once (``memcpy``).
 
@@ -210,25 +233,25 @@ def measure_size(comm, collective: str, nbytes: int, algorithms: list[str], *, d
     before trial k+1 — so a slow spell of a shared machine hits all of them alike and
     the ratios between them stay meaningful; each time is the median over trials."""
     cases = [Case(comm, collective, nbytes, dtype, op, alg, inplace, xp) for alg in algorithms]
-    refs = {}
+    references: dict[str, MpiReference | MemcpyReference] = {}
     if reference and collective == "allreduce" and comm.size > 1:
-        refs["mpi"] = len(cases)
-        cases.append(MpiReference(comm, nbytes, dtype, op))
+        references["mpi"] = MpiReference(comm, nbytes, dtype, op)
     if memcpy:
-        refs["memcpy"] = len(cases)
-        cases.append(MemcpyReference(comm, nbytes))
+        references["memcpy"] = MemcpyReference(comm, nbytes)
+    timed = [*cases, *references.values()]
+    refs = {name: len(cases) + k for k, name in enumerate(references)}  # name -> index in timed
     wrong: list[int | None] = [None] * len(algorithms)
-    if check:   # one fresh call, checked, before timing (in place modifies the input)
-        for k, case in enumerate(cases[:len(algorithms)]):
+    if check:  # one fresh call, checked, before timing (in place modifies the input)
+        for k, case in enumerate(cases):
             keep = case.x.copy()
             bad = count_wrong(case, case())
             case.x[...] = keep
             wrong[k] = int(comm.mpi.allreduce(bad))
     n = iterations(nbytes, iters)
-    times: list[list[float]] = [[] for _ in cases]
+    times: list[list[float]] = [[] for _ in timed]
     for k in range(max(1, trials)):
-        for j, case in enumerate(cases):
-            times[j].append(time_case(case, n, warmup if k == 0 else 0))
+        for j, contender in enumerate(timed):
+            times[j].append(time_case(contender, n, warmup if k == 0 else 0))
     per_rank = [comm.mpi.allgather(float(np.median(t))) for t in times]
     ref = float(np.mean(per_rank[refs["mpi"]])) if "mpi" in refs else None
     copy = nbytes / float(np.mean(per_rank[refs["memcpy"]])) / 1e9 if "memcpy" in refs else None
@@ -238,9 +261,23 @@ def measure_size(comm, collective: str, nbytes: int, algorithms: list[str], *, d
         avg, lo, hi = float(np.mean(ts)), min(ts), max(ts)
         data = cases[k].count * np.dtype(dtype).itemsize
         algbw = data / avg / 1e9 if avg > 0 else 0.0
-        rows.append(Row(collective, alg, data, cases[k].count, np.dtype(dtype).name,
-                        op if collective in REDUCING else "none", comm.size, avg * 1e6, lo * 1e6, hi * 1e6,
-                        algbw, algbw * BUSBW[collective](comm.size), wrong[k]))
+        rows.append(
+            Row(
+                collective,
+                alg,
+                data,
+                cases[k].count,
+                np.dtype(dtype).name,
+                op if collective in REDUCING else "none",
+                comm.size,
+                avg * 1e6,
+                lo * 1e6,
+                hi * 1e6,
+                algbw,
+                algbw * BUSBW[collective](comm.size),
+                wrong[k],
+            )
+        )
     return rows, ref, copy
 
 
@@ -269,6 +306,8 @@ def algorithms_for(collective: str, requested: str | None) -> list[str]:
     wanted = [a.strip() for a in requested.split(",") if a.strip()]
     unknown = [a for a in wanted if a not in have]
     if unknown or not wanted:
-        raise ValueError(f"--algorithms {requested!r}: {collective} has {', '.join(have)}"
-                         + (f" (not {', '.join(unknown)})" if unknown else ""))
+        raise ValueError(
+            f"--algorithms {requested!r}: {collective} has {', '.join(have)}"
+            + (f" (not {', '.join(unknown)})" if unknown else "")
+        )
     return list(dict.fromkeys(wanted))

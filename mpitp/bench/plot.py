@@ -1,14 +1,16 @@
 """busbw against message size, one line per algorithm, with the memcpy ceiling."""
+
 from __future__ import annotations
 
 
 def busbw_plot(rows: list[dict], memcpy_gbs: float, path: str, title: str) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("mpitp bench --plot needs matplotlib: pip install 'mpitp[plot]'")
+        raise SystemExit("mpitp bench --plot needs matplotlib: pip install 'mpitp[plot]'") from None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for alg in dict.fromkeys(r["algorithm"] for r in rows):
         pts = sorted((r["size_bytes"], r["busbw_gbs"]) for r in rows if r["algorithm"] == alg and r["size_bytes"])

@@ -1,4 +1,5 @@
 """``mpitp bench COLLECTIVE``: nccl-tests / OSU style rows for every algorithm, side by side."""
+
 from __future__ import annotations
 
 import json
@@ -25,46 +26,81 @@ examples:
 """
 
 
-TUNABLE = ("allreduce", "reduce_scatter")      # collectives whose auto picks by a size crossover
+TUNABLE = ("allreduce", "reduce_scatter")  # collectives whose auto picks by a size crossover
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmark a collective for every algorithm (nccl-tests/OSU style)",
-                       description="Benchmark one collective across message sizes for every algorithm "
-                                   "mpitp has, against MPI's own call, in one run.",
-                       epilog=EPILOG, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "bench",
+        help="benchmark a collective for every algorithm (nccl-tests/OSU style)",
+        description="Benchmark one collective across message sizes for every algorithm "
+        "mpitp has, against MPI's own call, in one run.",
+        epilog=EPILOG,
+        formatter_class=__import__("argparse").RawDescriptionHelpFormatter,
+    )
     p.add_argument("collective", choices=bc.COLLECTIVES)
-    p.add_argument("--min-bytes", default=4, type=_size, help="smallest message (4, 1K, 64M, 8MB ...: K/M/G and "
-                                                              "KiB/MiB/GiB are powers of 1024, KB/MB/GB of 1000; "
-                                                              "default 4)")
+    p.add_argument(
+        "--min-bytes",
+        default=4,
+        type=_size,
+        help="smallest message (4, 1K, 64M, 8MB ...: K/M/G and "
+        "KiB/MiB/GiB are powers of 1024, KB/MB/GB of 1000; "
+        "default 4)",
+    )
     p.add_argument("--max-bytes", default=64 << 20, type=_size, help="largest message (default 64M)")
     p.add_argument("--factor", type=float, default=4.0, help="size multiplier between rows (default 4)")
-    p.add_argument("--iters", type=int, default=None, help="timed calls per trial (default: by size, 1000 for small messages down to 5)")
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="timed calls per trial (default: by size, 1000 for small messages down to 5)",
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed calls before the first trial (default 2)")
-    p.add_argument("--trials", type=int, default=5, help="timed repetitions, interleaved across algorithms; the median counts (default 5)")
-    p.add_argument("--dtype", default="float32", type=_dtype,
-                   help="element type: float32 (default), float64, float16, bfloat16, int32, ...")
-    p.add_argument("--op", default="sum", choices=["sum", "avg", "prod", "max", "min", "band", "bor", "bxor"],
-                   help="reduction (default sum; avg for floating types, band/bor/bxor for integers)")
-    p.add_argument("--algorithms", default=None,
-                   help="comma list among mpi, ring, auto, hierarchical ... (an entry the collective does not "
-                        "have is an error; default: those of mpi, ring, auto that it has)")
+    p.add_argument(
+        "--trials",
+        type=int,
+        default=5,
+        help="timed repetitions, interleaved across algorithms; the median counts (default 5)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        type=_dtype,
+        help="element type: float32 (default), float64, float16, bfloat16, int32, ...",
+    )
+    p.add_argument(
+        "--op",
+        default="sum",
+        choices=["sum", "avg", "prod", "max", "min", "band", "bor", "bxor"],
+        help="reduction (default sum; avg for floating types, band/bor/bxor for integers)",
+    )
+    p.add_argument(
+        "--algorithms",
+        default=None,
+        help="comma list among mpi, ring, auto, hierarchical ... (an entry the collective does not "
+        "have is an error; default: those of mpi, ring, auto that it has)",
+    )
     p.add_argument("--check", action="store_true", help="count wrong elements in each row")
     p.add_argument("--inplace", action="store_true", help="in-place allreduce/reduce")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="buffers on the host or on a GPU (CuPy)")
     p.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw against size (needs matplotlib)")
-    p.add_argument("--tune", action="store_true",
-                   help="allreduce, reduce_scatter: measure where the ring overtakes MPI and write the "
-                        "tuning file that algorithm='auto' reads")
-    p.add_argument("--tune-file", default=None, help="where --tune writes (default: MPITP_TUNING or "
-                                                     "~/.config/mpitp/tuning.json)")
+    p.add_argument(
+        "--tune",
+        action="store_true",
+        help="allreduce, reduce_scatter: measure where the ring overtakes MPI and write the "
+        "tuning file that algorithm='auto' reads",
+    )
+    p.add_argument(
+        "--tune-file", default=None, help="where --tune writes (default: MPITP_TUNING or ~/.config/mpitp/tuning.json)"
+    )
 
 
 def _dtype(text: str) -> str:
     from argparse import ArgumentTypeError
 
     from ..comm.ops import SUPPORTED_DTYPES
+
     names = {str(d): str(d) for d in SUPPORTED_DTYPES}
     if text not in names:
         raise ArgumentTypeError(f"unknown dtype {text!r}; choose from {', '.join(names)}")
@@ -75,6 +111,7 @@ def _size(text) -> int:
     from argparse import ArgumentTypeError
 
     from ..units import parse_size
+
     try:
         return text if isinstance(text, int) else parse_size(text, "message size")
     except ValueError as e:
@@ -98,9 +135,11 @@ def _check_memory(comm, collective: str, max_bytes: int) -> str | None:
     need = per_rank * comm.topology.local_size
     avail = _available_bytes()
     if avail is not None and need > 0.8 * avail:
-        return (f"--max-bytes {bc.human(max_bytes)} needs about {bc.human(need)} on this node "
-                f"({comm.topology.local_size} rank(s) x {bc.human(per_rank)}) but only {bc.human(avail)} is "
-                "available; lower --max-bytes")
+        return (
+            f"--max-bytes {bc.human(max_bytes)} needs about {bc.human(need)} on this node "
+            f"({comm.topology.local_size} rank(s) x {bc.human(per_rank)}) but only {bc.human(avail)} is "
+            "available; lower --max-bytes"
+        )
     return None
 
 
@@ -110,6 +149,7 @@ def _transports(comm) -> str:
     from mpi4py import MPI
 
     from ..comm.transport import cma
+
     node = comm.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
     try:
         ok = cma.works(node)[0] if node.size > 1 else True
@@ -135,7 +175,7 @@ def _xp(device: str):
     try:
         import cupy
     except ImportError:
-        raise SystemExit("mpitp bench: --device cuda needs CuPy (pip install 'mpitp[cuda12]')")
+        raise SystemExit("mpitp bench: --device cuda needs CuPy (pip install 'mpitp[cuda12]')") from None
     return cupy
 
 
@@ -169,35 +209,67 @@ def run(args) -> int:
     say(f"# single-core memcpy bandwidth (same run, all ranks copying): {memcpy:.2f} GB/s  <- ceiling")
     transports = _transports(comm) if comm.size > 1 else "none (one rank)"
     say(f"# ring transport ({transports})")
-    say(f"# {'size':>10} {'count':>10} {'type':>8} {'redop':>6} {'algorithm':>10} {'time(us)':>10} "
-        f"{'min(us)':>9} {'max(us)':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'vs MPI':>7}")
+    say(
+        f"# {'size':>10} {'count':>10} {'type':>8} {'redop':>6} {'algorithm':>10} {'time(us)':>10} "
+        f"{'min(us)':>9} {'max(us)':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'vs MPI':>7}"
+    )
     rows: list[bc.Row] = []
     for i, nbytes in enumerate(sz):
         last = i == len(sz) - 1
-        found, ref, copy = bc.measure_size(comm, args.collective, nbytes, algs, dtype=args.dtype, op=args.op,
-                                           iters=args.iters, warmup=args.warmup, check=args.check,
-                                           inplace=args.inplace, xp=xp, trials=args.trials, reference=True,
-                                           memcpy=last and args.device == "cpu")
+        found, ref, copy = bc.measure_size(
+            comm,
+            args.collective,
+            nbytes,
+            algs,
+            dtype=args.dtype,
+            op=args.op,
+            iters=args.iters,
+            warmup=args.warmup,
+            check=args.check,
+            inplace=args.inplace,
+            xp=xp,
+            trials=args.trials,
+            reference=True,
+            memcpy=last and args.device == "cpu",
+        )
         for alg, row in zip(algs, found):
             rows.append(row)
             rel = f"{ref / (row.time_us * 1e-6):6.2f}x" if ref else "      -"
             wrong = "-" if row.wrong is None else str(row.wrong)
-            say(f"  {bc.human(row.size_bytes):>10} {row.count:>10} {row.dtype:>8} {row.op:>6} {alg:>10} "
+            say(
+                f"  {bc.human(row.size_bytes):>10} {row.count:>10} {row.dtype:>8} {row.op:>6} {alg:>10} "
                 f"{row.time_us:10.1f} {row.min_us:9.1f} {row.max_us:9.1f} {row.algbw_gbs:7.3f} "
-                f"{row.busbw_gbs:7.3f} {wrong:>6} {rel:>7}")
+                f"{row.busbw_gbs:7.3f} {wrong:>6} {rel:>7}"
+            )
         if ref:
-            rows.append(bc.Row(args.collective, "mpi4py", nbytes, nbytes // np.dtype(args.dtype).itemsize,
-                               args.dtype, args.op, comm.size, ref * 1e6, ref * 1e6, ref * 1e6,
-                               nbytes / ref / 1e9, nbytes / ref / 1e9 * bc.BUSBW[args.collective](comm.size), None))
+            rows.append(
+                bc.Row(
+                    args.collective,
+                    "mpi4py",
+                    nbytes,
+                    nbytes // np.dtype(args.dtype).itemsize,
+                    args.dtype,
+                    args.op,
+                    comm.size,
+                    ref * 1e6,
+                    ref * 1e6,
+                    ref * 1e6,
+                    nbytes / ref / 1e9,
+                    nbytes / ref / 1e9 * bc.BUSBW[args.collective](comm.size),
+                    None,
+                )
+            )
         if r0 and nbytes >= (1 << 20):
             print(f"[mpitp bench] {i + 1}/{len(sz)} sizes done ({bc.human(nbytes)})", file=sys.stderr, flush=True)
     for alg in algs:
         mine = [r.busbw_gbs for r in rows if r.algorithm == alg]
         say(f"# Avg bus bandwidth ({alg}): {np.mean(mine):.3f} GB/s")
-    if copy:    # the ceiling again, timed between the largest size's trials
+    if copy:  # the ceiling again, timed between the largest size's trials
         share = ", ".join(f"{r.algorithm} {100 * r.busbw_gbs / copy:.0f}%" for r in found)
-        say(f"# memcpy of {bc.human(sz[-1])} timed between those trials: {copy:.2f} GB/s; "
-            f"busbw at {bc.human(sz[-1])} as a share of it: {share}")
+        say(
+            f"# memcpy of {bc.human(sz[-1])} timed between those trials: {copy:.2f} GB/s; "
+            f"busbw at {bc.human(sz[-1])} as a share of it: {share}"
+        )
     if any(r.wrong for r in rows):
         say("# WRONG RESULTS: see the #wrong column", file=sys.stderr)
     if r0:
@@ -207,9 +279,11 @@ def run(args) -> int:
                 json.dump(data, f, indent=1)
         if args.plot:
             from ..bench.plot import busbw_plot
+
             busbw_plot(data, memcpy, args.plot, f"{args.collective}, {comm.size} ranks, {lib}")
     if args.tune:
         from ..comm.algorithms import tuning
+
         path = tuning.write_crossover(args.tune_file, args.collective, comm.size, rows) if r0 else None
         say(f"# tuning written to {path}")
     bad = comm.mpi.allreduce(sum(r.wrong or 0 for r in rows))

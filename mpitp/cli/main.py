@@ -1,4 +1,5 @@
 """``mpitp`` entry point. Run subcommands under ``mpiexec -n N`` for N ranks."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,23 +9,34 @@ from .. import failfast
 from ..errors import MpitpError
 from . import bench, demo, export, generate, info, plan, train
 
-COMMANDS = {"info": info, "demo": demo, "generate": generate, "train": train, "export": export, "bench": bench,
-            "plan": plan}
+COMMANDS = {
+    "info": info,
+    "demo": demo,
+    "generate": generate,
+    "train": train,
+    "export": export,
+    "bench": bench,
+    "plan": plan,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mpitp",
         description="Large-model parallelism on MPI. Start ranks with your MPI launcher, e.g. "
-                    "'mpiexec -n 4 mpitp demo'; every subcommand also runs as a single process.",
+        "'mpiexec -n 4 mpitp demo'; every subcommand also runs as a single process.",
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    for name, mod in COMMANDS.items():
+    for mod in COMMANDS.values():
         mod.add_parser(sub)
     for q in sub.choices.values():
-        q.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper,
-                       help="log level of every rank (default: INFO on rank 0, WARNING elsewhere; "
-                            "MPITP_LOG_LEVEL; MPITP_LOG_DIR adds a file per rank)")
+        q.add_argument(
+            "--log-level",
+            choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+            type=str.upper,
+            help="log level of every rank (default: INFO on rank 0, WARNING elsewhere; "
+            "MPITP_LOG_LEVEL; MPITP_LOG_DIR adds a file per rank)",
+        )
     return p
 
 
@@ -38,11 +50,13 @@ def main(argv: list[str] | None = None) -> int:
         from mpi4py import MPI
 
         from ..launch import check_not_singleton
+
         problem = check_not_singleton(MPI.COMM_WORLD.size)
         if problem:
             print(problem, file=sys.stderr, flush=True)
             return 2
     from ..log import setup
+
     setup(level=args.log_level)
     try:
         return int(COMMANDS[args.command].run(args) or 0)

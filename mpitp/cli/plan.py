@@ -1,4 +1,5 @@
 """``mpitp plan``: bytes, shapes, memory and predicted time, without running a job."""
+
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ from ..units import parse_size
 def _size(text: str) -> int:
     """A size as every mpitp command reads it (:mod:`mpitp.units`)."""
     from argparse import ArgumentTypeError
+
     try:
         return parse_size(text, "size")
     except ValueError as e:
@@ -28,17 +30,24 @@ def _time(s: float) -> str:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("plan", help="predict bytes, shapes, memory and time (alpha-beta model)",
-                       description="Plans from the alpha-beta cost model; nothing is launched. Profiles: "
-                                   + ", ".join(f"{k} ({v.note})" for k, v in profiles.PROFILES.items())
-                                   + ", local (fitted with 'mpiexec -n 2 mpitp plan fit').")
+    p = sub.add_parser(
+        "plan",
+        help="predict bytes, shapes, memory and time (alpha-beta model)",
+        description="Plans from the alpha-beta cost model; nothing is launched. Profiles: "
+        + ", ".join(f"{k} ({v.note})" for k, v in profiles.PROFILES.items())
+        + ", local (fitted with 'mpiexec -n 2 mpitp plan fit').",
+    )
     ps = p.add_subparsers(dest="plan", metavar="WHAT", required=True)
 
     def common(q):
         q.add_argument("--profile", default=profiles.SEED, help=f"link profile (default {profiles.SEED})")
         for f in ("alpha-intra", "beta-intra", "alpha-inter", "beta-inter"):
-            q.add_argument(f"--{f}", type=float, default=None,
-                           help=f"override {f.replace('-', ' ')} ({'seconds' if 'alpha' in f else 'bytes/s'})")
+            q.add_argument(
+                f"--{f}",
+                type=float,
+                default=None,
+                help=f"override {f.replace('-', ' ')} ({'seconds' if 'alpha' in f else 'bytes/s'})",
+            )
         q.add_argument("--json", action="store_true", help="print JSON")
 
     a = ps.add_parser("allreduce", help="bytes per link class and time per all-reduce algorithm")
@@ -79,14 +88,18 @@ def _allreduce(args):
         print(json.dumps(res, indent=2))
         return
     B = res["bytes_per_rank"]
-    print(f"all-reduce of {_mb(B)} per rank on {args.nodes} node(s) x {args.ranks_per_node} rank(s), "
-          f"profile {prof.name}: intra {prof.intra.beta / 1e9:g} GB/s, inter {prof.inter.beta / 1e9:g} GB/s")
+    print(
+        f"all-reduce of {_mb(B)} per rank on {args.nodes} node(s) x {args.ranks_per_node} rank(s), "
+        f"profile {prof.name}: intra {prof.intra.beta / 1e9:g} GB/s, inter {prof.inter.beta / 1e9:g} GB/s"
+    )
     print(f"{'algorithm':<21} {'intra/node':>14} {'inter/node':>14} {'vs naive':>9} {'time':>12}  model")
     for r in res["algorithms"]:
         red = f"{r['inter_reduction_vs_naive']:.2f}x" if r["inter_reduction_vs_naive"] else "-"
         tag = "" if r["runnable"] else "   (model only)"
-        print(f"{r['algorithm']:<21} {_mb(r['intra_bytes_per_node']):>14} {_mb(r['inter_bytes_per_node']):>14} "
-              f"{red:>9} {_time(r['time_s']):>12}  {r['formula']}{tag}")
+        print(
+            f"{r['algorithm']:<21} {_mb(r['intra_bytes_per_node']):>14} {_mb(r['inter_bytes_per_node']):>14} "
+            f"{red:>9} {_time(r['time_s']):>12}  {r['formula']}{tag}"
+        )
     print("bytes are what each node's ranks send (intra: to the same node, inter: across nodes)")
 
 
@@ -98,31 +111,42 @@ def _tp(args):
         print(json.dumps(res, indent=2))
         return
     s, pre, dec = res["shards"], res["prefill"], res["decode_step"]
-    print(f"{m.name}: hidden {m.hidden}, {m.layers} layers, {m.heads} heads ({m.kv_heads} KV), "
-          f"intermediate {m.intermediate}, vocab {m.vocab}; {res['params'] / 1e9:.2f}B parameters")
+    print(
+        f"{m.name}: hidden {m.hidden}, {m.layers} layers, {m.heads} heads ({m.kv_heads} KV), "
+        f"intermediate {m.intermediate}, vocab {m.vocab}; {res['params'] / 1e9:.2f}B parameters"
+    )
     print(f"TP={args.tp}, {args.dtype}; per-rank shard shapes [in, out] (HF stores [out, in]):")
     for k in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head"):
         print(f"  {k:<13} {tuple(s[k])}")
     o = s["qkv_local_offsets"]
-    print(f"  merged qkv_proj local rows: q at {o['q']}, k at {o['k']}, v at {o['v']} "
-          f"(shard k starts at sum(output_sizes[:k]) / tp); KV heads per rank {s['kv_heads_per_rank']}, "
-          f"each replicated on {s['kv_replication']} rank(s)")
+    print(
+        f"  merged qkv_proj local rows: q at {o['q']}, k at {o['k']}, v at {o['v']} "
+        f"(shard k starts at sum(output_sizes[:k]) / tp); KV heads per rank {s['kv_heads_per_rank']}, "
+        f"each replicated on {s['kv_replication']} rank(s)"
+    )
     print(f"  merged gate_up_proj local rows: gate at 0, up at {s['gate_up_local_offsets']['up']}")
     nb = ptp.DTYPE_BYTES[args.dtype.lower()]
     ranks = s["per_rank"]
     print("per rank: query heads, KV heads, intermediate columns, vocabulary rows, weights, bytes streamed per token")
     for r in ranks:
-        print(f"  rank {r['rank']:>2}: q {r['q_heads'][0]:>3}-{r['q_heads'][1] - 1:<3} kv {r['kv_heads'][0]:>2}-"
-              f"{r['kv_heads'][1] - 1:<2} inter {r['intermediate']:>6} vocab {r['vocab_rows']:>7}  "
-              f"{_mb(r['weights'] * nb):>12} {_mb(r['streamed'] * nb):>12}")
+        print(
+            f"  rank {r['rank']:>2}: q {r['q_heads'][0]:>3}-{r['q_heads'][1] - 1:<3} kv {r['kv_heads'][0]:>2}-"
+            f"{r['kv_heads'][1] - 1:<2} inter {r['intermediate']:>6} vocab {r['vocab_rows']:>7}  "
+            f"{_mb(r['weights'] * nb):>12} {_mb(r['streamed'] * nb):>12}"
+        )
     streamed = [r["streamed"] for r in ranks]
     print(f"  most-loaded rank streams {max(streamed) * len(streamed) / sum(streamed):.3f}x the average")
     print(f"weights: {_mb(res['weights_total_bytes'])} in all, {_mb(res['weights_per_rank_bytes'])} per rank")
-    for label, c, shape in (("forward", pre, f"batch {args.batch} x seq {args.seq}"), ("decode step", dec, f"batch {args.batch} x 1")):
-        print(f"{label} ({shape}): {c['allreduces']} all-reduces (2 per layer x {m.layers}) of "
-              f"{c['bytes_each'] / 2**20:,.4g} MiB = {c['bytes_total'] / 2**30:,.4g} GiB; "
-              f"{_time(c['time_volume_s'])} at {prof.intra.beta / 1e9:g} GB/s (volume/bandwidth), "
-              f"{_time(c['time_ring_s'])} as {args.tp}-rank rings (alpha-beta)")
+    for label, c, shape in (
+        ("forward", pre, f"batch {args.batch} x seq {args.seq}"),
+        ("decode step", dec, f"batch {args.batch} x 1"),
+    ):
+        print(
+            f"{label} ({shape}): {c['allreduces']} all-reduces (2 per layer x {m.layers}) of "
+            f"{c['bytes_each'] / 2**20:,.4g} MiB = {c['bytes_total'] / 2**30:,.4g} GiB; "
+            f"{_time(c['time_volume_s'])} at {prof.intra.beta / 1e9:g} GB/s (volume/bandwidth), "
+            f"{_time(c['time_ring_s'])} as {args.tp}-rank rings (alpha-beta)"
+        )
 
 
 def _fsdp(args):
@@ -138,8 +162,10 @@ def _fsdp(args):
     print(f"{name} ({params / 1e9:.2f}B), {args.ranks} ranks, K={args.k} (ZeRO paper Table 1 units: GB = 1e9 B)")
     print(f"{'stage':<7} {'memory/rank':>14} {'volume/step':>12} {'sent/rank/step':>16}")
     for r in res["stages"]:
-        print(f"{r['stage']:<7} {r['memory_bytes'] / 1e9:>11.2f} GB {r['volume_psi']:>10} Psi "
-              f"{_mb(r['sent_per_rank_bytes']):>16}")
+        print(
+            f"{r['stage']:<7} {r['memory_bytes'] / 1e9:>11.2f} GB {r['volume_psi']:>10} Psi "
+            f"{_mb(r['sent_per_rank_bytes']):>16}"
+        )
 
 
 def _fit(args):

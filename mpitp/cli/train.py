@@ -1,4 +1,5 @@
 """``mpitp train``: FSDP / ZeRO / DDP training of a LLaMA-family model on N ranks."""
+
 from __future__ import annotations
 
 import argparse
@@ -30,21 +31,28 @@ def _betas(s: str) -> tuple:
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "train", help="train or fine-tune with FSDP (ZeRO-3), ZeRO-1/2 or DDP across the ranks",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLE,
+        "train",
+        help="train or fine-tune with FSDP (ZeRO-3), ZeRO-1/2 or DDP across the ranks",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLE,
         description="Train a LLaMA-family model on N ranks (mpiexec -n N). Each decoder layer, the embedding "
-                    "and the head are flat units cut over the ranks; --mode picks what is sharded (ddp: nothing, "
-                    "zero1: AdamW state, zero2: + gradients, fsdp: + parameters, gathered per unit). --batch is "
-                    "the GLOBAL batch in sequences, so the same command at any N trains on the same data. Rank 0 "
-                    "shows a progress bar; --out gets checkpoints, the log and loss.png.")
+        "and the head are flat units cut over the ranks; --mode picks what is sharded (ddp: nothing, "
+        "zero1: AdamW state, zero2: + gradients, fsdp: + parameters, gathered per unit). --batch is "
+        "the GLOBAL batch in sequences, so the same command at any N trains on the same data. Rank 0 "
+        "shows a progress bar; --out gets checkpoints, the log and loss.png.",
+    )
     src = p.add_argument_group("model (one of)")
     src.add_argument("--config", help="tiny | small | a config.json: train from scratch")
-    src.add_argument("--init", help="a Hugging Face checkpoint directory to fine-tune, or 'default' "
-                                    "(the embedded SmolLM2-135M)")
+    src.add_argument(
+        "--init", help="a Hugging Face checkpoint directory to fine-tune, or 'default' (the embedded SmolLM2-135M)"
+    )
     src.add_argument("--resume", help="a checkpoint (or an --out directory: its latest), at any N")
     d = p.add_argument_group("data")
-    d.add_argument("--data", help="text file (tokenized with the model's tokenizer, or a BPE trained on it), "
-                                  ".npy of ids, or .bin of uint16 ids (nanoGPT / llm.c)")
+    d.add_argument(
+        "--data",
+        help="text file (tokenized with the model's tokenizer, or a BPE trained on it), "
+        ".npy of ids, or .bin of uint16 ids (nanoGPT / llm.c)",
+    )
     d.add_argument("--data-default", action="store_true", help="Python's own documentation text (no download)")
     d.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
     d.add_argument("--batch", type=int, default=8, help="GLOBAL batch in sequences (default 8)")
@@ -68,8 +76,9 @@ def add_parser(sub) -> None:
     o.add_argument("--seed", type=int, default=0, help="initialisation seed")
     o.add_argument("--algorithm", default="auto", help="collective algorithm (auto, mpi, ring)")
     r = p.add_argument_group("output")
-    r.add_argument("--out", help="directory for checkpoints, the log and loss.png (default with --resume: "
-                                 "the resumed run's)")
+    r.add_argument(
+        "--out", help="directory for checkpoints, the log and loss.png (default with --resume: the resumed run's)"
+    )
     r.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (and at the end)")
     r.add_argument("--log", help="JSONL file: one object per step (default OUT/log.jsonl)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -81,17 +90,41 @@ def run(args) -> int:
 
     if args.eval_fraction < 0 or args.eval_fraction >= 1:
         raise TrainError(f"--eval-fraction must lie in [0, 1), got {args.eval_fraction}")
-    if args.resume and not args.out:            # keep writing where the run lives
+    if args.resume and not args.out:  # keep writing where the run lives
         from ..train.checkpoint import resolve
+
         args.out = str(resolve(args.resume).parent)
-    opts = Options(config=args.config, init=args.init, data=args.data, data_default=args.data_default,
-                   mode=args.mode, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, min_lr=args.min_lr,
-                   weight_decay=args.weight_decay, betas=args.betas, eps=args.eps, grad_clip=args.grad_clip,
-                   warmup=args.warmup, schedule=args.schedule, grad_accum=args.grad_accum, recompute=args.recompute,
-                   out=args.out, resume=args.resume, save_every=args.save_every, eval_every=args.eval_every,
-                   eval_fraction=args.eval_fraction, shuffle=args.shuffle, seed=args.seed, dtype=args.dtype,
-                   algorithm=args.algorithm, progress=not args.no_progress,
-                   log=args.log or (str(Path(args.out) / "log.jsonl") if args.out else None))
+    opts = Options(
+        config=args.config,
+        init=args.init,
+        data=args.data,
+        data_default=args.data_default,
+        mode=args.mode,
+        steps=args.steps,
+        batch=args.batch,
+        seq=args.seq,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        betas=args.betas,
+        eps=args.eps,
+        grad_clip=args.grad_clip,
+        warmup=args.warmup,
+        schedule=args.schedule,
+        grad_accum=args.grad_accum,
+        recompute=args.recompute,
+        out=args.out,
+        resume=args.resume,
+        save_every=args.save_every,
+        eval_every=args.eval_every,
+        eval_fraction=args.eval_fraction,
+        shuffle=args.shuffle,
+        seed=args.seed,
+        dtype=args.dtype,
+        algorithm=args.algorithm,
+        progress=not args.no_progress,
+        log=args.log or (str(Path(args.out) / "log.jsonl") if args.out else None),
+    )
     comm = Communicator()
     try:
         return _loop(Trainer(opts, comm), comm)
@@ -103,15 +136,18 @@ def _loop(t, comm) -> int:
     o, r0 = t.o, comm.rank == 0
     if t.step >= o.steps:
         if r0:
-            print(f"mpitp train: the checkpoint is at step {t.step}, --steps is {o.steps}: nothing to do",
-                  file=sys.stderr)
+            print(
+                f"mpitp train: the checkpoint is at step {t.step}, --steps is {o.steps}: nothing to do", file=sys.stderr
+            )
         return 0
     if r0:
         mem = t.memory()
-        log.info(f"train {o.mode} on {comm.size} rank(s): {mem['psi'] / 1e6:.2f}M parameters, "
-              f"{t.windows.count} windows of {o.seq}+1 tokens, global batch {o.batch}, steps {t.step}->{o.steps}; "
-              f"held per rank {mem['total'] / 2**20:.1f} MiB (params {mem['params'] / 2**20:.1f}, "
-              f"grads {mem['grads'] / 2**20:.1f}, AdamW {mem['optimizer'] / 2**20:.1f})")
+        log.info(
+            f"train {o.mode} on {comm.size} rank(s): {mem['psi'] / 1e6:.2f}M parameters, "
+            f"{t.windows.count} windows of {o.seq}+1 tokens, global batch {o.batch}, steps {t.step}->{o.steps}; "
+            f"held per rank {mem['total'] / 2**20:.1f} MiB (params {mem['params'] / 2**20:.1f}, "
+            f"grads {mem['grads'] / 2**20:.1f}, AdamW {mem['optimizer'] / 2**20:.1f})"
+        )
     jsonl = None
     if r0 and o.log:
         Path(o.log).parent.mkdir(parents=True, exist_ok=True)
@@ -119,6 +155,7 @@ def _loop(t, comm) -> int:
     bar = None
     if r0 and o.progress:
         from tqdm import tqdm
+
         bar = tqdm(total=o.steps, initial=t.step, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
     try:
         while t.step < o.steps:
@@ -144,22 +181,25 @@ def _loop(t, comm) -> int:
         where = t.save()
         if r0:
             history = t.history
-            if o.log and Path(o.log).exists():       # after a resume: the whole run
+            if o.log and Path(o.log).exists():  # after a resume: the whole run
                 history = [json.loads(line) for line in open(o.log) if line.strip()]
             _plot(history, Path(o.out) / "loss.png")
     if r0:
         last = t.history[-1]
         tps = sorted(h["tokens_per_s"] for h in t.history[1:] or t.history)
-        log.info(f"step {t.step}: train loss {last['loss']:.4f}"
-              + (f", eval loss {final_eval:.4f}" if final_eval is not None else "")
-              + f", median {tps[len(tps) // 2]:.0f} tokens/s"
-              + (f"; checkpoint {where}" if o.out else ""))
+        log.info(
+            f"step {t.step}: train loss {last['loss']:.4f}"
+            + (f", eval loss {final_eval:.4f}" if final_eval is not None else "")
+            + f", median {tps[len(tps) // 2]:.0f} tokens/s"
+            + (f"; checkpoint {where}" if o.out else "")
+        )
     return 0
 
 
 def _plot(history: list, path: Path) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

@@ -1,4 +1,5 @@
 """Communication layer: collectives on arrays, hand-written algorithms, counters."""
+
 from .communicator import Communicator
 from .handle import Handle
 from .ops import ReduceOp

@@ -1,5 +1,6 @@
 """What every collective of :class:`mpitp.Communicator` stands on: the duplicated MPI
 communicators, validation, the watchdog, host staging of device arrays, counters."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -11,11 +12,11 @@ from .. import backend, settings
 from ..errors import MpitpError
 from . import transport, validate
 from .algorithms import hierarchical, tuning
-from .transport import cma, shm
 from .handle import Handle, Steps, Watchdog, drive
 from .ops import check_dtype
 from .topology import Topology
 from .traffic import Traffic
+from .transport import cma, shm
 from .workspace import Workspace
 
 _LOCAL_ERRORS = (MpitpError, ValueError, TypeError)
@@ -24,34 +25,40 @@ _LOCAL_ERRORS = (MpitpError, ValueError, TypeError)
 class CommunicatorBase:
     """Setup and the helpers every collective uses (see :class:`mpitp.Communicator`)."""
 
-    def __init__(self, comm: "MPI.Comm | CommunicatorBase | None" = None, *, validate: bool | None = None,
-                 timeout: float | None = None, ranks_per_node: int | None = None):
+    def __init__(
+        self,
+        comm: MPI.Comm | CommunicatorBase | None = None,
+        *,
+        validate: bool | None = None,
+        timeout: float | None = None,
+        ranks_per_node: int | None = None,
+    ):
         base = comm.mpi if isinstance(comm, CommunicatorBase) else (comm or MPI.COMM_WORLD)
-        self.mpi: MPI.Comm = base.Dup()            # user-visible traffic (collectives, p2p)
-        self._algo: MPI.Comm = self.mpi.Dup()      # hand-written algorithms' messages
-        self._meta: MPI.Comm = self.mpi.Dup()      # validation exchange
+        self.mpi: MPI.Comm = base.Dup()  # user-visible traffic (collectives, p2p)
+        self._algo: MPI.Comm = self.mpi.Dup()  # hand-written algorithms' messages
+        self._meta: MPI.Comm = self.mpi.Dup()  # validation exchange
         self.rank, self.size = self.mpi.rank, self.mpi.size
-        self._fast: dict = {}     # (dtype, op, algorithm) -> reductions.FastAllreduce
+        self._fast: dict = {}  # (dtype, op, algorithm) -> reductions.FastAllreduce
         env = settings.current()
         self.validate = env.validate if validate is None else bool(validate)
         self.watchdog = Watchdog.from_env(timeout, MPI.COMM_WORLD.rank)
         self.topology = Topology.detect(self.mpi, ranks_per_node)
         self.traffic = Traffic()
         self.segment_bytes = env.ring_segment
-        self.ring_depth = env.ring_depth        # receive segments in flight
-        self._staging = None      # decided on first device array (asks MPI once)
+        self.ring_depth = env.ring_depth  # receive segments in flight
+        self._staging: bool | None = None  # decided on first device array (asks MPI once)
         self._seq = 0
         self._workspace = Workspace()
         self._node_comms: hierarchical.NodeComms | None = None
         # the ring's shared-memory transport (mpitp.comm.transport.shm): opened on first use, when
         # every rank is on one node; ``shm = False`` (or MPITP_SHM=0) keeps MPI's transport
         self.shm = shm.enabled()
-        self.shm_max_bytes = shm.max_bytes()    # the largest buffer it takes (see shm.py)
+        self.shm_max_bytes = shm.max_bytes()  # the largest buffer it takes (see shm.py)
         # larger buffers: single-copy reads from the neighbour's memory (mpitp.comm.transport.cma);
         # ``cma = False`` (or MPITP_CMA=0) gives them MPI's transport
         self.cma = cma.enabled()
         self.cma_segment_bytes = cma.segment_bytes()
-        self._links = transport.Links(self.watchdog, self._meta)    # channels opened so far
+        self._links = transport.Links(self.watchdog, self._meta)  # channels opened so far
         self.tuning = self.mpi.bcast(tuning.load() if self.rank == 0 else None, root=0)
 
     @property
@@ -62,7 +69,7 @@ class CommunicatorBase:
     @validate.setter
     def validate(self, on: bool) -> None:
         self._validate = bool(on)
-        self._fast.clear()          # the fast path skips validation: drop it
+        self._fast.clear()  # the fast path skips validation: drop it
 
     # ------------------------------------------------------------------ plumbing
     def phase(self, label: str):
@@ -125,8 +132,12 @@ class CommunicatorBase:
 
     @staticmethod
     def _sig(name: str, x: Any, **extra) -> dict:
-        return {"collective": name, "dtype": str(getattr(x, "dtype", type(x).__name__)),
-                "shape": tuple(getattr(x, "shape", ())), **extra}
+        return {
+            "collective": name,
+            "dtype": str(getattr(x, "dtype", type(x).__name__)),
+            "shape": tuple(getattr(x, "shape", ())),
+            **extra,
+        }
 
     def _array(self, x: Any):
         """Contiguous array of a supported dtype (lists and scalars become NumPy arrays)."""
@@ -173,6 +184,7 @@ class CommunicatorBase:
 
         def on_send(nbytes: int, peer: int) -> None:
             traffic.record(nbytes, name, topo.peer_class(peer))
+
         return on_send
 
     def _out_buffer(self, out, a, shape):
@@ -180,8 +192,7 @@ class CommunicatorBase:
         if out is None:
             return backend.empty(shape, a.dtype, a)
         if tuple(out.shape) != tuple(shape) or out.dtype != a.dtype:
-            raise ValueError(f"out has shape {tuple(out.shape)} dtype {out.dtype}; "
-                             f"expected {tuple(shape)} {a.dtype}")
+            raise ValueError(f"out has shape {tuple(out.shape)} dtype {out.dtype}; expected {tuple(shape)} {a.dtype}")
         if backend.is_device(out) or out.flags.c_contiguous:
             return out
         return np.empty(shape, a.dtype)

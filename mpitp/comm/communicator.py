@@ -15,6 +15,7 @@ Conventions (the same on every rank):
 Device arrays are synchronized before MPI sees them; they go to MPI directly when MPI is
 CUDA-aware and through host copies otherwise (:mod:`mpitp.backend`).
 """
+
 from __future__ import annotations
 
 from .gathers import Gathers

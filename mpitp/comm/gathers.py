@@ -1,13 +1,14 @@
 """Gather, all-gather, scatter and all-to-all: axis-0 concatenation and
 ``numpy.array_split`` pieces, per-rank first dimensions allowed to differ."""
+
 from __future__ import annotations
 
 import numpy as np
 
 from .. import backend
 from .algorithms import mpi_collectives, ring, select
-from .handle import Steps
 from .base import CommunicatorBase
+from .handle import Steps
 from .ops import mpi_datatype
 
 
@@ -18,14 +19,19 @@ class Gathers(CommunicatorBase):
         row = int(np.prod(shape[1:], dtype=np.int64))
         return shape[0], shape[1:], row
 
-    def _row_counts(self, rows: int, root: int | None) -> list[int] | None:
+    def _all_row_counts(self, rows: int) -> list[int]:
+        """Every rank's row count, on every rank."""
+        every = np.empty(self.size, np.int64)
+        self.watchdog.wait([self.mpi.Iallgather(np.array([rows], np.int64), every)], "allgather of row counts")
+        return every.tolist()
+
+    def _root_row_counts(self, rows: int, root: int) -> list[int] | None:
+        """Every rank's row count, on ``root`` (None elsewhere)."""
         mine = np.array([rows], np.int64)
         every = np.empty(self.size, np.int64)
-        if root is None:
-            self.watchdog.wait([self.mpi.Iallgather(mine, every)], "allgather of row counts")
-            return every.tolist()
-        self.watchdog.wait([self.mpi.Igather(mine, every if self.rank == root else None, root=root)],
-                           "gather of row counts")
+        self.watchdog.wait(
+            [self.mpi.Igather(mine, every if self.rank == root else None, root=root)], "gather of row counts"
+        )
         return every.tolist() if self.rank == root else None
 
     def gather(self, x, root: int = 0, *, nonblocking: bool = False):
@@ -35,18 +41,21 @@ class Gathers(CommunicatorBase):
         def prep():
             self._check_root(root)
             return self._array(x)
+
         sig = lambda: self._sig("gather", x, root=root, trailing=tuple(getattr(x, "shape", ()))[1:])  # noqa: E731
         a = self._prepare(label, sig, ("collective", "dtype", "trailing", "root"), prep)
         staged = self._via_host(a)
         src = self._to_host(a) if staged else a
         rows, trailing, row = self._rows(src)
-        counts = self._row_counts(rows, root)
+        counts = self._root_row_counts(rows, root)
         dst = None
-        if self.rank == root:
+        if counts is not None:  # the root
             dst = (np.empty if staged else lambda s, d: backend.empty(s, d, a))((sum(counts),) + trailing, a.dtype)
         self._record_mpi("gather", 0 if self.rank == root else src.nbytes)
         elems = None if counts is None else [c * row for c in counts]
-        steps = mpi_collectives.gatherv(self.mpi, src, dst, elems, mpi_datatype(a.dtype), root, self._call_blocking(nonblocking))
+        steps = mpi_collectives.gatherv(
+            self.mpi, src, dst, elems, mpi_datatype(a.dtype), root, self._call_blocking(nonblocking)
+        )
         return self._run(self._back_to_device(steps, x, None) if staged else steps, label, nonblocking)
 
     def allgather(self, x, *, out=None, algorithm: str = "auto", nonblocking: bool = False):
@@ -56,15 +65,18 @@ class Gathers(CommunicatorBase):
 
         def prep():
             a = self._array(x)
-            return a, select.choose("allgather", algorithm, a.nbytes * self.size, self.size, None, self.topology, self.tuning)
+            return a, select.choose(
+                "allgather", algorithm, a.nbytes * self.size, self.size, None, self.topology, self.tuning
+            )
+
         a, alg = self._prepare(label, sig, ("collective", "dtype", "trailing", "algorithm"), prep)
         staged = self._via_host(a)
         src = self._to_host(a) if staged else a
         rows, trailing, row = self._rows(src)
         if out is not None and tuple(out.shape) == (rows * self.size,) + trailing and not self.validate:
-            counts = [rows] * self.size      # out's shape says every rank has ``rows``: no count exchange
+            counts = [rows] * self.size  # out's shape says every rank has ``rows``: no count exchange
         else:
-            counts = self._row_counts(rows, None)
+            counts = self._all_row_counts(rows)
         shape = (sum(counts),) + trailing
         dst = np.empty(shape, a.dtype) if staged else self._out_buffer(out, a, shape)
         elems = [c * row for c in counts]
@@ -81,12 +93,19 @@ class Gathers(CommunicatorBase):
 
     def _ring_allgather(self, src, dst, elems, dt, seq, nonblocking: bool) -> Steps:
         flat = dst.reshape(-1)
-        lo = sum(elems[:self.rank])
-        flat[lo:lo + elems[self.rank]] = src.reshape(-1)
+        lo = sum(elems[: self.rank])
+        flat[lo : lo + elems[self.rank]] = src.reshape(-1)
         link = self._ring_transport(src, dst.nbytes, nonblocking, f"allgather #{seq}")
-        yield from ring.all_gather(link, flat, elems, dtype=dt, itemsize=src.dtype.itemsize,
-                                   seg=self._segment(src.dtype), tag=seq & 0x7FFF,
-                                   on_send=self._on_send("allgather"))
+        yield from ring.all_gather(
+            link,
+            flat,
+            elems,
+            dtype=dt,
+            itemsize=src.dtype.itemsize,
+            seg=self._segment(src.dtype),
+            tag=seq & 0x7FFF,
+            on_send=self._on_send("allgather"),
+        )
         return dst
 
     def scatter(self, x, root: int = 0, *, nonblocking: bool = False):
@@ -103,6 +122,7 @@ class Gathers(CommunicatorBase):
                     raise ValueError("scatter needs an array with at least one dimension")
                 return a
             return None
+
         a = self._prepare(label, sig, ("collective", "root"), prep)
         staged = a is not None and self._via_host(a)
         src = self._to_host(a) if staged else a
@@ -112,12 +132,16 @@ class Gathers(CommunicatorBase):
         counts = ring.chunk_counts(shape[0], self.size)
         row = int(np.prod(shape[1:], dtype=np.int64))
         like = x if (self.rank == root and not staged) else None
-        dst = backend.empty((counts[self.rank],) + tuple(shape[1:]), dtype, like) if like is not None \
+        dst = (
+            backend.empty((counts[self.rank],) + tuple(shape[1:]), dtype, like)
+            if like is not None
             else np.empty((counts[self.rank],) + tuple(shape[1:]), dtype)
+        )
         if self.rank == root:
             self._record_mpi("scatter", src.nbytes - counts[root] * row * dtype.itemsize)
-        steps = mpi_collectives.scatterv(self.mpi, src, dst, [c * row for c in counts], mpi_datatype(dtype), root,
-                                self._call_blocking(nonblocking))
+        steps = mpi_collectives.scatterv(
+            self.mpi, src, dst, [c * row for c in counts], mpi_datatype(dtype), root, self._call_blocking(nonblocking)
+        )
         if staged:
             steps = self._back_to_device(steps, x, None)
         return self._run(steps, label, nonblocking)
@@ -131,9 +155,11 @@ class Gathers(CommunicatorBase):
         def prep():
             a = self._array(x)
             if a.ndim == 0 or a.shape[0] % self.size:
-                raise ValueError(f"alltoall needs axis 0 divisible by the communicator size {self.size}; "
-                                 f"got shape {tuple(a.shape)}")
+                raise ValueError(
+                    f"alltoall needs axis 0 divisible by the communicator size {self.size}; got shape {tuple(a.shape)}"
+                )
             return a
+
         a = self._prepare(label, sig, ("collective", "dtype", "shape"), prep)
         staged = self._via_host(a)
         src = self._to_host(a) if staged else a

@@ -6,14 +6,16 @@ generator runs blocking (:func:`drive`) or nonblocking (:class:`Handle`), and ev
 goes through :class:`Watchdog`, so a collective that one rank never enters aborts the
 job with a message instead of hanging it.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Any, Generator
+from collections.abc import Generator
+from typing import Any
 
 from mpi4py import MPI
 
-Steps = Generator[Any, None, Any]   # yields Request | list[Request]; returns the result
+Steps = Generator[Any, None, Any]  # yields Request | list[Request]; returns the result
 
 
 class Watchdog:
@@ -24,9 +26,10 @@ class Watchdog:
         self.rank = rank
 
     @classmethod
-    def from_env(cls, timeout: float | None, rank: int) -> "Watchdog":
+    def from_env(cls, timeout: float | None, rank: int) -> Watchdog:
         if timeout is None:
             from .. import settings
+
             timeout = settings.current().timeout
         return cls(timeout, rank)
 
@@ -44,8 +47,10 @@ class Watchdog:
                 time.sleep(0)  # let an oversubscribed peer run
 
     def abort(self, label: str) -> None:
-        self._end(f"mpitp watchdog: rank {self.rank} waited more than {self.timeout:g} s in {label}; "
-                  "another rank never entered it or is stuck. Aborting the job (MPITP_TIMEOUT).")
+        self._end(
+            f"mpitp watchdog: rank {self.rank} waited more than {self.timeout:g} s in {label}; "
+            "another rank never entered it or is stuck. Aborting the job (MPITP_TIMEOUT)."
+        )
 
     def fail(self, label: str, reason: str) -> None:
         """End the job over an error in the middle of a collective, where the other ranks
@@ -54,6 +59,7 @@ class Watchdog:
 
     def _end(self, msg: str) -> None:
         from ..failfast import EXIT_WATCHDOG, abort
+
         abort(EXIT_WATCHDOG, msg)
 
 
@@ -83,7 +89,8 @@ class Handle:
 
     def __init__(self, steps: Steps, watchdog: Watchdog, label: str):
         self._steps, self._watchdog, self.label = steps, watchdog, label
-        self._done, self._result, self._pending = False, None, []
+        self._done, self._result = False, None
+        self._pending: list = []
         self._advance(first=True)
 
     def _advance(self, first: bool = False) -> None:

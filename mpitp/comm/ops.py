@@ -8,10 +8,11 @@ bfloat16 (``ml_dtypes``) travels as 16-bit words; each addition of two bfloat16 
 is computed in float32 and rounded once (ml_dtypes' ufuncs), as torch's bf16 all-reduce
 does per hop, and MPI's own call reduces it with a user op applying the same ufunc.
 """
+
 from __future__ import annotations
 
 import enum
-from functools import lru_cache
+from functools import cache
 
 import ml_dtypes
 import numpy as np
@@ -32,7 +33,7 @@ class ReduceOp(str, enum.Enum):
     BXOR = "bxor"
 
     @property
-    def base(self) -> "ReduceOp":
+    def base(self) -> ReduceOp:
         """The op the algorithms run (avg: a sum, divided afterwards)."""
         return ReduceOp.SUM if self is ReduceOp.AVG else self
 
@@ -41,7 +42,7 @@ class ReduceOp(str, enum.Enum):
         return True  # all built-in ops; user ops would set this
 
     @classmethod
-    def parse(cls, op: "ReduceOp | str") -> "ReduceOp":
+    def parse(cls, op: ReduceOp | str) -> ReduceOp:
         if isinstance(op, ReduceOp):
             return op
         try:
@@ -56,18 +57,41 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 SUPPORTED_DTYPES = (BFLOAT16,) + tuple(
     np.dtype(t)
     for t in (
-        "float16", "float32", "float64",
-        "int8", "int16", "int32", "int64",
-        "uint8", "uint16", "uint32", "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
         "bool",
-        "complex64", "complex128",
+        "complex64",
+        "complex128",
     )
 )
 
-_UFUNC = {ReduceOp.SUM: "add", ReduceOp.PROD: "multiply", ReduceOp.MAX: "maximum", ReduceOp.MIN: "minimum",
-          ReduceOp.BAND: "bitwise_and", ReduceOp.BOR: "bitwise_or", ReduceOp.BXOR: "bitwise_xor"}
-_MPI_OP = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD, ReduceOp.MAX: MPI.MAX, ReduceOp.MIN: MPI.MIN,
-           ReduceOp.BAND: MPI.BAND, ReduceOp.BOR: MPI.BOR, ReduceOp.BXOR: MPI.BXOR}
+_UFUNC = {
+    ReduceOp.SUM: "add",
+    ReduceOp.PROD: "multiply",
+    ReduceOp.MAX: "maximum",
+    ReduceOp.MIN: "minimum",
+    ReduceOp.BAND: "bitwise_and",
+    ReduceOp.BOR: "bitwise_or",
+    ReduceOp.BXOR: "bitwise_xor",
+}
+_MPI_OP = {
+    ReduceOp.SUM: MPI.SUM,
+    ReduceOp.PROD: MPI.PROD,
+    ReduceOp.MAX: MPI.MAX,
+    ReduceOp.MIN: MPI.MIN,
+    ReduceOp.BAND: MPI.BAND,
+    ReduceOp.BOR: MPI.BOR,
+    ReduceOp.BXOR: MPI.BXOR,
+}
 _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
 
@@ -86,8 +110,9 @@ def check_reducible(op: ReduceOp, dtype: np.dtype) -> None:
     if op in _BITWISE and dtype.kind not in "iub":
         raise UnsupportedOperation(f"op {op.value!r} is bitwise: it needs an integer or bool dtype, not {dtype}")
     if op is ReduceOp.AVG and not (dtype.kind in "fc" or dtype == BFLOAT16):
-        raise UnsupportedOperation(f"op 'avg' needs a floating dtype (an average of {dtype} is not one); "
-                                   "use 'sum' and divide")
+        raise UnsupportedOperation(
+            f"op 'avg' needs a floating dtype (an average of {dtype} is not one); use 'sum' and divide"
+        )
     if dtype == np.bool_ and op in (ReduceOp.SUM, ReduceOp.PROD):
         raise UnsupportedOperation(f"op {op.value!r} is not defined for bool arrays (use 'max' or 'min')")
     if dtype.kind == "c" and op in (ReduceOp.MAX, ReduceOp.MIN):
@@ -110,7 +135,7 @@ def ufunc(op: ReduceOp, xp=np):
     return getattr(xp, _UFUNC[op.base])
 
 
-@lru_cache(maxsize=None)
+@cache
 def mpi_datatype(dtype: np.dtype) -> MPI.Datatype:
     """MPI's predefined datatype for a NumPy dtype (mpi4py's public mapping, ``dtlib``);
     16-bit words for bfloat16, and for float16 where the MPI library has no half type
@@ -129,7 +154,7 @@ def mpi_datatype(dtype: np.dtype) -> MPI.Datatype:
     return dt
 
 
-@lru_cache(maxsize=None)
+@cache
 def inferred(dtype: np.dtype) -> bool:
     """Whether mpi4py infers ``mpi_datatype(dtype)`` from a buffer of this dtype by itself
     (then a plain array may be handed to MPI without a datatype)."""
@@ -141,7 +166,7 @@ def inferred(dtype: np.dtype) -> bool:
 
 def _probe_values(dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """Operands that expose wrong integer semantics (saturation instead of wrap-around)."""
-    n = 256   # long enough to take vectorised code paths
+    n = 256  # long enough to take vectorised code paths
     if dtype == np.bool_:
         a = np.arange(n) % 2 == 0
         return a, np.arange(n) % 3 == 0
@@ -153,7 +178,7 @@ def _probe_values(dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     return a, (np.arange(n) % 5 - 2).astype(dtype)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _native_reduction_ok(op: ReduceOp, dtype_char: str) -> bool:
     """Does MPI's predefined ``op`` compute this dtype the way NumPy does?
 
@@ -163,7 +188,7 @@ def _native_reduction_ok(op: ReduceOp, dtype_char: str) -> bool:
     then uses a user-defined op that applies the NumPy ufunc.
     """
     dtype = _dtype(dtype_char)
-    if dtype == BFLOAT16:          # 16-bit words to MPI: its SUM would add the bit patterns
+    if dtype == BFLOAT16:  # 16-bit words to MPI: its SUM would add the bit patterns
         return False
     a, b = _probe_values(dtype)
     want = ufunc(op)(a, b)
@@ -182,7 +207,7 @@ def _bool_op(op: ReduceOp) -> MPI.Op:
     return MPI.LOR if op is ReduceOp.MAX else MPI.LAND
 
 
-@lru_cache(maxsize=None)
+@cache
 def _user_op(op: ReduceOp, dtype_char: str) -> MPI.Op:
     """A user-defined MPI op applying the NumPy ufunc, for dtypes MPI cannot reduce itself."""
     dtype = _dtype(dtype_char)

@@ -1,4 +1,5 @@
 """Barrier and point-to-point calls, counted by peer class like everything else."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,8 +25,7 @@ class PointToPoint(CommunicatorBase):
         self.traffic.record(a.nbytes, "send", self.topology.peer_class(dest))
         self.mpi.Send([a, mpi_datatype(a.dtype)], dest=dest, tag=tag)
 
-    def recv(self, source: int = MPI.ANY_SOURCE, *, out=None, shape=None, dtype=None,
-             tag: int = MPI.ANY_TAG):
+    def recv(self, source: int = MPI.ANY_SOURCE, *, out=None, shape=None, dtype=None, tag: int = MPI.ANY_TAG):
         """Receive into ``out``, or into a new array of ``shape``/``dtype``; with only
         ``dtype`` the message length decides (a 1-D array)."""
         if out is None:
@@ -47,8 +47,9 @@ class PointToPoint(CommunicatorBase):
         self.mpi.Recv([buf, mpi_datatype(out.dtype)], source=source, tag=tag)
         return self._finish(buf, out)
 
-    def sendrecv(self, x, dest: int, source: int | None = None, *, out=None, sendtag: int = 0,
-                 recvtag: int = MPI.ANY_TAG):
+    def sendrecv(
+        self, x, dest: int, source: int | None = None, *, out=None, sendtag: int = 0, recvtag: int = MPI.ANY_TAG
+    ):
         """Send ``x`` to ``dest`` while receiving a same-shaped array from ``source``."""
         a = self._array(x)
         source = dest if source is None else source

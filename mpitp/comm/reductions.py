@@ -1,8 +1,10 @@
 """All-reduce, reduce, broadcast and reduce-scatter: MPI's own call, the ring, or the
 two-level algorithm, chosen per call (:mod:`mpitp.comm.algorithms.select`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -14,30 +16,45 @@ from .base import CommunicatorBase, _value
 from .handle import Steps
 from .ops import ReduceOp, average, check_reducible, inferred, mpi_datatype, mpi_op, ufunc
 
+
 @dataclass(slots=True)
 class FastAllreduce:
     """What the small all-reduce reuses for one (dtype, op, algorithm): valid while the
     traffic counters' ``epoch`` is unchanged and validation and the watchdog are off."""
+
     datatype: MPI.Datatype
     mpi_op: MPI.Op
-    max_bytes: int            # messages from this size on go to the ring: not this path
-    plain: bool               # mpi4py infers ``datatype`` from the buffer itself
-    calls: list               # the traffic cells it bumps: [calls]
-    sent: list                # [bytes, messages]
+    max_bytes: int  # messages from this size on go to the ring: not this path
+    plain: bool  # mpi4py infers ``datatype`` from the buffer itself
+    calls: list  # the traffic cells it bumps: [calls]
+    sent: list  # [bytes, messages]
     epoch: int
 
 
 class Reductions(CommunicatorBase):
     # ------------------------------------------------------------------ all-reduce
-    def allreduce(self, x, op: "ReduceOp | str" = "sum", *, out=None, algorithm: str = "auto",
-                  nonblocking: bool = False):
+    def allreduce(self, x, op: ReduceOp | str = "sum", *, out=None, algorithm: str = "auto", nonblocking: bool = False):
         """Element-wise reduction over all ranks; every rank gets the (bit-identical) result."""
         if type(x) is np.ndarray and not nonblocking:
             fast = self._fast.get((x.dtype, op, algorithm))
-            if fast is not None and x.nbytes < fast.max_bytes and fast.epoch == self.traffic.epoch and (
-                    x.flags.c_contiguous and (out is None or out is x or (
-                        type(out) is np.ndarray and out.flags.c_contiguous and out.shape == x.shape
-                        and out.dtype == x.dtype))):
+            if (
+                fast is not None
+                and x.nbytes < fast.max_bytes
+                and fast.epoch == self.traffic.epoch
+                and (
+                    x.flags.c_contiguous
+                    and (
+                        out is None
+                        or out is x
+                        or (
+                            type(out) is np.ndarray
+                            and out.flags.c_contiguous
+                            and out.shape == x.shape
+                            and out.dtype == x.dtype
+                        )
+                    )
+                )
+            ):
                 # Fast path: a small host message that goes to MPI's own call, for a
                 # (dtype, op, algorithm) the checked path has seen once; its MPI handles and
                 # traffic counters are cached (inline: a method call would cost 10% here).
@@ -68,6 +85,7 @@ class Reductions(CommunicatorBase):
             check_reducible(o, a.dtype)
             alg = select.choose("allreduce", algorithm, a.nbytes, self.size, o, self.topology, self.tuning)
             return o, a, alg
+
         o, a, alg = self._prepare(label, sig, ("collective", "dtype", "shape", "op", "algorithm"), prep)
         label = f"{label} ({alg}, {a.nbytes} bytes)"
         self._remember_fast(x, op, algorithm, o, a, alg)
@@ -93,38 +111,65 @@ class Reductions(CommunicatorBase):
         dt = mpi_datatype(a.dtype)
         if alg == "mpi":
             self._record_mpi("allreduce", a.nbytes)
-            return (yield from mpi_collectives.allreduce(self.mpi, a, dst, dt, mpi_op(op, a.dtype), self._call_blocking(nonblocking)))
+            return (
+                yield from mpi_collectives.allreduce(
+                    self.mpi, a, dst, dt, mpi_op(op, a.dtype), self._call_blocking(nonblocking)
+                )
+            )
         fn = ufunc(op, backend.xp_of(a))
         reduce = lambda p, q, r: fn(p, q, out=r)  # noqa: E731
-        kw = dict(dtype=dt, itemsize=a.dtype.itemsize, seg=self._segment(a.dtype), tag=seq & 0x7FFF,
-                  on_send=self._on_send("allreduce"))
+        kw = dict(
+            dtype=dt,
+            itemsize=a.dtype.itemsize,
+            seg=self._segment(a.dtype),
+            tag=seq & 0x7FFF,
+            on_send=self._on_send("allreduce"),
+        )
         with self._workspace.borrow(self._slots(a.size, a.dtype), a.dtype, a) as tmp:
             if alg == "ring":
                 link = self._ring_transport(a, a.nbytes, nonblocking, f"allreduce #{seq}")
                 yield from ring.all_reduce(link, a.reshape(-1), dst.reshape(-1), reduce, tmp, **kw)
-            else:   # two-level; uneven nodes have no common shard layout: leader variant
+            else:  # two-level; uneven nodes have no common shard layout: leader variant
                 sharded = alg == "hierarchical" and self.topology.uniform
                 intra = self._ring_transport(a, a.nbytes, nonblocking, f"allreduce #{seq}", scope="intra")
-                yield from hierarchical.all_reduce(self.node_comms, a.reshape(-1), dst.reshape(-1), reduce,
-                                                   tmp, sharded=sharded, intra=intra, **kw)
+                yield from hierarchical.all_reduce(
+                    self.node_comms, a.reshape(-1), dst.reshape(-1), reduce, tmp, sharded=sharded, intra=intra, **kw
+                )
         return dst
 
     def _remember_fast(self, x, op, algorithm, o: ReduceOp, a, alg: str) -> None:
         """Cache MPI handles for (dtype, op, algorithm) when small host calls go to MPI."""
-        if (alg != "mpi" or self.validate or self.watchdog.timeout is not None or o is ReduceOp.AVG
-                or type(x) is not np.ndarray or not isinstance(op, (str, ReduceOp))):
+        if (
+            alg != "mpi"
+            or self.validate
+            or self.watchdog.timeout is not None
+            or o is ReduceOp.AVG
+            or type(x) is not np.ndarray
+            or not isinstance(op, (str, ReduceOp))
+        ):
             return
         t = self.traffic
         self._fast[(a.dtype, op, algorithm)] = FastAllreduce(
-            datatype=mpi_datatype(a.dtype), mpi_op=mpi_op(o, a.dtype),
+            datatype=mpi_datatype(a.dtype),
+            mpi_op=mpi_op(o, a.dtype),
             max_bytes=NEVER if algorithm == "mpi" else select.crossover("allreduce", self.size, self.tuning),
-            plain=inferred(a.dtype), calls=t.calls_cell("allreduce"),
-            sent=t.cell("allreduce", "mpi") if self.size > 1 else [0, 0],    # alone, nothing goes to others
-            epoch=t.epoch)
+            plain=inferred(a.dtype),
+            calls=t.calls_cell("allreduce"),
+            sent=t.cell("allreduce", "mpi") if self.size > 1 else [0, 0],  # alone, nothing goes to others
+            epoch=t.epoch,
+        )
 
     # ------------------------------------------------------------------ rooted reduce / bcast
-    def reduce(self, x, op: "ReduceOp | str" = "sum", root: int = 0, *, out=None,
-               algorithm: str = "auto", nonblocking: bool = False):
+    def reduce(
+        self,
+        x,
+        op: ReduceOp | str = "sum",
+        root: int = 0,
+        *,
+        out=None,
+        algorithm: str = "auto",
+        nonblocking: bool = False,
+    ):
         """Reduction to ``root``; returns the result there and ``None`` elsewhere."""
         seq, label = self._begin("reduce")
         sig = lambda: self._sig("reduce", x, op=str(op), root=root, algorithm=algorithm)  # noqa: E731
@@ -136,21 +181,27 @@ class Reductions(CommunicatorBase):
             check_reducible(o, a.dtype)
             select.choose("reduce", algorithm, a.nbytes, self.size, o, self.topology, self.tuning)
             return o, a
+
         o, a = self._prepare(label, sig, ("collective", "dtype", "shape", "op", "root", "algorithm"), prep)
         staged = self._via_host(a)
         src = self._to_host(a) if staged else a
         is_root = self.rank == root
-        dst = None
+        dst: Any = None
         if is_root:
-            dst = src if (out is x and src is x) else (np.empty_like(src) if staged else self._out_buffer(out, a, a.shape))
+            dst = (
+                src
+                if (out is x and src is x)
+                else (np.empty_like(src) if staged else self._out_buffer(out, a, a.shape))
+            )
         if self.size == 1:
             if dst is not src:
                 dst[...] = src
             steps = _value(dst)
         else:
             self._record_mpi("reduce", 0 if is_root else a.nbytes)
-            steps = mpi_collectives.reduce(self.mpi, src, dst, mpi_datatype(a.dtype), mpi_op(o, a.dtype), root,
-                                  self._call_blocking(nonblocking))
+            steps = mpi_collectives.reduce(
+                self.mpi, src, dst, mpi_datatype(a.dtype), mpi_op(o, a.dtype), root, self._call_blocking(nonblocking)
+            )
         if o is ReduceOp.AVG:
             steps = _averaged(steps, self.size)
         if staged:
@@ -167,6 +218,7 @@ class Reductions(CommunicatorBase):
         def prep():
             self._check_root(root)
             return self._array(x)
+
         a = self._prepare(label, sig, ("collective", "dtype", "shape", "root"), prep)
         staged = self._via_host(a)
         buf = self._to_host(a) if staged else a
@@ -181,8 +233,7 @@ class Reductions(CommunicatorBase):
         res = self._run(steps, label, nonblocking)
         return res if nonblocking or staged else self._finish(res, target)
 
-    def reduce_scatter(self, x, op: "ReduceOp | str" = "sum", *, algorithm: str = "auto",
-                       nonblocking: bool = False):
+    def reduce_scatter(self, x, op: ReduceOp | str = "sum", *, algorithm: str = "auto", nonblocking: bool = False):
         """Reduce ``x`` over ranks, then split axis 0 like ``numpy.array_split``;
         rank r gets piece r."""
         seq, label = self._begin("reduce_scatter")
@@ -195,6 +246,7 @@ class Reductions(CommunicatorBase):
                 raise ValueError("reduce_scatter needs an array with at least one dimension")
             check_reducible(o, a.dtype)
             return o, a, select.choose("reduce_scatter", algorithm, a.nbytes, self.size, o, self.topology, self.tuning)
+
         o, a, alg = self._prepare(label, sig, ("collective", "dtype", "shape", "op", "algorithm"), prep)
         staged = self._via_host(a)
         src = self._to_host(a) if staged else a
@@ -211,8 +263,9 @@ class Reductions(CommunicatorBase):
             steps = self._ring_reduce_scatter(src, dst, elems, o, dt, seq, nonblocking)
         else:
             self._record_mpi("reduce_scatter", src.nbytes - elems[self.rank] * a.dtype.itemsize)
-            steps = mpi_collectives.reduce_scatter(self.mpi, src, dst, elems, dt, mpi_op(o, a.dtype),
-                                          self._call_blocking(nonblocking))
+            steps = mpi_collectives.reduce_scatter(
+                self.mpi, src, dst, elems, dt, mpi_op(o, a.dtype), self._call_blocking(nonblocking)
+            )
         if o is ReduceOp.AVG:
             steps = _averaged(steps, self.size)
         if staged:
@@ -221,15 +274,26 @@ class Reductions(CommunicatorBase):
 
     def _ring_reduce_scatter(self, src, dst, elems, op, dt, seq, nonblocking: bool) -> Steps:
         fn = ufunc(op, backend.xp_of(src))
-        lo = sum(elems[:self.rank])
-        with self._workspace.borrow(src.size, src.dtype, src) as full, \
-                self._workspace.borrow(self._slots(max(elems), src.dtype), src.dtype, src) as tmp:
+        lo = sum(elems[: self.rank])
+        with (
+            self._workspace.borrow(src.size, src.dtype, src) as full,
+            self._workspace.borrow(self._slots(max(elems), src.dtype), src.dtype, src) as tmp,
+        ):
             link = self._ring_transport(src, src.nbytes, nonblocking, f"reduce_scatter #{seq}")
             yield from ring.reduce_scatter(
-                link, src.reshape(-1), full, elems, lambda p, q, r: fn(p, q, out=r), tmp,
-                dtype=dt, itemsize=src.dtype.itemsize, seg=self._segment(src.dtype), tag=seq & 0x7FFF,
-                on_send=self._on_send("reduce_scatter"))
-            dst.reshape(-1)[...] = full[lo:lo + elems[self.rank]]
+                link,
+                src.reshape(-1),
+                full,
+                elems,
+                lambda p, q, r: fn(p, q, out=r),
+                tmp,
+                dtype=dt,
+                itemsize=src.dtype.itemsize,
+                seg=self._segment(src.dtype),
+                tag=seq & 0x7FFF,
+                on_send=self._on_send("reduce_scatter"),
+            )
+            dst.reshape(-1)[...] = full[lo : lo + elems[self.rank]]
         return dst
 
 

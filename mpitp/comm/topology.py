@@ -7,6 +7,7 @@ split can be exercised without a cluster. The last simulated node may be smaller
 
     5 ranks, k=3:   node 0 = ranks 0 1 2     node 1 = ranks 3 4
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,13 +19,14 @@ from mpi4py import MPI
 @dataclass(frozen=True)
 class Topology:
     rank: int
-    node_of: tuple[int, ...]        # node index of every rank of the communicator
+    node_of: tuple[int, ...]  # node index of every rank of the communicator
     simulated: bool = False
 
     @classmethod
-    def detect(cls, comm: MPI.Comm, ranks_per_node: int | None = None) -> "Topology":
+    def detect(cls, comm: MPI.Comm, ranks_per_node: int | None = None) -> Topology:
         if ranks_per_node is None:
             from .. import settings
+
             ranks_per_node = settings.current().ranks_per_node
         if ranks_per_node is not None:
             if ranks_per_node < 1:

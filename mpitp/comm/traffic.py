@@ -13,6 +13,7 @@ phase go under ``None``. Counters live in small lists ("cells") keyed by
 them directly (``epoch`` tells it when to fetch new ones), and the totals below are
 summed from the cells when read.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -21,8 +22,8 @@ from contextlib import contextmanager
 
 class Traffic:
     def __init__(self):
-        self._cells: dict = {}     # (collective, peer, phase) -> [bytes, messages]
-        self._calls: dict = {}     # collective -> [calls]
+        self._cells: dict = {}  # (collective, peer, phase) -> [bytes, messages]
+        self._calls: dict = {}  # collective -> [calls]
         self._phases: list = []
         # bumped whenever a cell handed out by ``cell``/``calls_cell`` may stop being the
         # right one (a phase starts or ends, counters are reset): holders check it

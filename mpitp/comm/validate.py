@@ -5,6 +5,7 @@ shape, op, root, algorithm, and any local argument error) in a fixed-size slot. 
 ranks all-gather the slots, so every rank sees the same evidence and raises the same
 :class:`~mpitp.errors.CollectiveMismatchError` — nobody is left waiting inside MPI.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -16,7 +17,7 @@ from mpi4py import MPI
 from ..errors import CollectiveMismatchError
 from .handle import Watchdog
 
-SLOT = 4096   # bytes per rank
+SLOT = 4096  # bytes per rank
 
 
 def exchange(mpi: MPI.Comm, watchdog: Watchdog, label: str, sig: dict, error: BaseException | None) -> list:
@@ -27,13 +28,13 @@ def exchange(mpi: MPI.Comm, watchdog: Watchdog, label: str, sig: dict, error: Ba
         payload = pickle.dumps(({"collective": sig.get("collective")}, text or "arguments too large to describe"))
     slot = np.zeros(SLOT, np.uint8)
     slot[:8] = np.frombuffer(np.int64(len(payload)).tobytes(), np.uint8)
-    slot[8:8 + len(payload)] = np.frombuffer(payload, np.uint8)
+    slot[8 : 8 + len(payload)] = np.frombuffer(payload, np.uint8)
     table = np.empty((mpi.size, SLOT), np.uint8)
     watchdog.wait([mpi.Iallgather(slot, table)], f"validation of {label}")
     out = []
     for row in table:
         n = int(row[:8].view(np.int64)[0])
-        out.append(pickle.loads(row[8:8 + n].tobytes()))
+        out.append(pickle.loads(row[8 : 8 + n].tobytes()))
     return out
 
 

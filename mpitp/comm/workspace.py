@@ -6,6 +6,7 @@ Allreduce is slow at 64 MiB). Keeping the ring's receive buffers alive between c
 pays that once. Buffers are borrowed and returned, so concurrent nonblocking
 collectives never share one.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -17,14 +18,14 @@ from .. import backend
 
 class Workspace:
     def __init__(self, keep: int = 4):
-        self._free: list[np.ndarray] = []   # uint8 host buffers
+        self._free: list[np.ndarray] = []  # uint8 host buffers
         self._keep = keep
 
     @contextmanager
     def borrow(self, count: int, dtype, like):
         """A flat array of ``count`` elements of ``dtype`` on ``like``'s device."""
         dtype = np.dtype(dtype)
-        if backend.is_device(like):   # device pools (CuPy's allocator) already cache
+        if backend.is_device(like):  # device pools (CuPy's allocator) already cache
             yield backend.empty((count,), dtype, like)
             return
         nbytes = max(count * dtype.itemsize, 1)
@@ -34,7 +35,7 @@ class Workspace:
         else:
             buf = np.empty(nbytes, np.uint8)
         try:
-            yield buf[:count * dtype.itemsize].view(dtype)
+            yield buf[: count * dtype.itemsize].view(dtype)
         finally:
             self._free.append(buf)
             if len(self._free) > self._keep:

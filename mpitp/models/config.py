@@ -4,6 +4,7 @@ Reads both config styles: transformers 4 (``rope_theta`` and ``rope_scaling`` at
 level) and transformers 5 (``rope_parameters = {"rope_type": ..., "rope_theta": ...}``).
 Qwen2 differs from LLaMA only by biases on q/k/v, so it loads as the same model.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,7 @@ class LlamaConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict = field(default_factory=dict)     # {"rope_type": "llama3", "factor": ...} or {}
+    rope_scaling: dict = field(default_factory=dict)  # {"rope_type": "llama3", "factor": ...} or {}
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -42,7 +43,7 @@ class LlamaConfig:
     torch_dtype: str = "float32"
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> "LlamaConfig":
+    def from_dict(cls, cfg: dict) -> LlamaConfig:
         """Parse and check a config; anything malformed is a :class:`ConfigError`."""
         try:
             return cls._from_dict(cfg)
@@ -52,7 +53,7 @@ class LlamaConfig:
             raise ConfigError(f"config.json: a field has an unusable value ({type(e).__name__}: {e})") from None
 
     @classmethod
-    def _from_dict(cls, cfg: dict) -> "LlamaConfig":
+    def _from_dict(cls, cfg: dict) -> LlamaConfig:
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
@@ -61,18 +62,21 @@ class LlamaConfig:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
             out = cls(
-                vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]), num_hidden_layers=int(cfg["num_hidden_layers"]),
-                num_attention_heads=heads, num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
             )
         except KeyError as e:
             raise ConfigError(f"config.json has no {e.args[0]!r}") from None
         rope = cfg.get("rope_parameters")
-        if isinstance(rope, dict):                       # transformers 5
+        if isinstance(rope, dict):  # transformers 5
             out.rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
             scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        else:                                             # transformers 4
+        else:  # transformers 4
             out.rope_theta = float(cfg.get("rope_theta", 10000.0))
             scaling = dict(cfg.get("rope_scaling") or {})
         kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -97,40 +101,61 @@ class LlamaConfig:
 
     def check(self) -> None:
         """Refuse shapes no model can have, naming the fields and numbers."""
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"config.json: {name} = {getattr(self, name)}; it must be at least 1")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"config.json: num_attention_heads = {self.num_attention_heads} is not a multiple of "
-                              f"num_key_value_heads = {self.num_key_value_heads}")
+            raise ConfigError(
+                f"config.json: num_attention_heads = {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads = {self.num_key_value_heads}"
+            )
         if self.head_dim % 2:
             raise ConfigError(f"config.json: head_dim = {self.head_dim} is odd; rotary embeddings need pairs")
         if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
-            raise ConfigError(f"config.json: rms_norm_eps = {self.rms_norm_eps} and rope_theta = {self.rope_theta} "
-                              "must be positive")
+            raise ConfigError(
+                f"config.json: rms_norm_eps = {self.rms_norm_eps} and rope_theta = {self.rope_theta} must be positive"
+            )
 
     def to_dict(self) -> dict:
         """A transformers-style ``config.json`` that :meth:`from_dict` (and transformers'
         LlamaConfig / Qwen2Config) read back as this config."""
         qwen = self.architecture == "Qwen2ForCausalLM"
-        out = {"architectures": [self.architecture], "model_type": "qwen2" if qwen else "llama",
-               "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-               "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
-               "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-               "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
-               "rope_scaling": self.rope_scaling or None, "max_position_embeddings": self.max_position_embeddings,
-               "tie_word_embeddings": self.tie_word_embeddings, "hidden_act": "silu",
-               "bos_token_id": self.bos_token_id, "eos_token_id": (self.eos_token_id[0] if len(self.eos_token_id) == 1
-                                                                    else (self.eos_token_id or None)),
-               "torch_dtype": self.torch_dtype}
+        out = {
+            "architectures": [self.architecture],
+            "model_type": "qwen2" if qwen else "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling or None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": (self.eos_token_id[0] if len(self.eos_token_id) == 1 else (self.eos_token_id or None)),
+            "torch_dtype": self.torch_dtype,
+        }
         if not qwen:
             out["attention_bias"] = self.qkv_bias
             out["mlp_bias"] = self.mlp_bias
         return out
 
     @classmethod
-    def from_path(cls, path: str | Path) -> "LlamaConfig":
+    def from_path(cls, path: str | Path) -> LlamaConfig:
         p = Path(path)
         f = p / "config.json" if p.is_dir() else p
         if not f.exists():

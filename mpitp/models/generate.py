@@ -6,6 +6,7 @@ all-gathered from the same shards), so greedy decoding picks the same token ever
 with no message; a sampled token is drawn on rank 0 and broadcast, so every rank continues
 with the same ids whatever its random generator does.
 """
+
 from __future__ import annotations
 
 import time
@@ -37,15 +38,18 @@ def check_prompts(model, prompts: list[list[int]], max_new_tokens: int) -> None:
     context = model.config.max_position_embeddings
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens > context:
-        raise GenerationError(f"a prompt of {longest} tokens plus max_new_tokens {max_new_tokens} exceeds the "
-                              f"model's context of {context} tokens (max_position_embeddings); shorten the prompt "
-                              "or ask for fewer new tokens")
+        raise GenerationError(
+            f"a prompt of {longest} tokens plus max_new_tokens {max_new_tokens} exceeds the "
+            f"model's context of {context} tokens (max_position_embeddings); shorten the prompt "
+            "or ask for fewer new tokens"
+        )
     for p in prompts:
         model.check_ids(p)
 
 
-def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 0.0, top_k: int = 0,
-           top_p: float = 1.0) -> np.ndarray:
+def sample(
+    logits: np.ndarray, rng: np.random.Generator, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0
+) -> np.ndarray:
     """Next token per row of ``logits`` [B, V]: greedy when temperature is 0."""
     if temperature <= 0:
         return np.asarray(logits).argmax(axis=-1)
@@ -59,7 +63,7 @@ def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 0.
     if top_p < 1.0:
         order = np.argsort(-p, axis=-1)
         sorted_p = np.take_along_axis(p, order, axis=-1)
-        keep_sorted = np.cumsum(sorted_p, axis=-1) - sorted_p < top_p     # always keeps the top token
+        keep_sorted = np.cumsum(sorted_p, axis=-1) - sorted_p < top_p  # always keeps the top token
         keep = np.zeros_like(keep_sorted)
         np.put_along_axis(keep, order, keep_sorted, axis=-1)
         p = np.where(keep, p, 0.0)
@@ -67,8 +71,17 @@ def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 0.
     return np.array([rng.choice(p.shape[-1], p=row) for row in p])
 
 
-def generate(model, input_ids, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0, stop_tokens=None, on_token=None) -> list[list[int]]:
+def generate(
+    model,
+    input_ids,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_tokens=None,
+    on_token=None,
+) -> list[list[int]]:
     """Prompt + new tokens for every sequence (a list of lists; stops at a stop token)."""
     xp, comm = model.xp, model.comm
     prompts = [list(map(int, p)) for p in (input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids)]
@@ -81,8 +94,8 @@ def generate(model, input_ids, max_new_tokens: int = 32, temperature: float = 0.
     ids = np.zeros((B, T), np.int64)
     valid = np.zeros((B, T), bool)
     for b, p in enumerate(prompts):
-        ids[b, T - len(p):] = p
-        valid[b, T - len(p):] = True
+        ids[b, T - len(p) :] = p
+        valid[b, T - len(p) :] = True
     cache = model.new_cache(B, T + max_new_tokens)
     cache.valid[:, :T] = xp.asarray(valid)
     positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0)
@@ -113,6 +126,11 @@ def generate(model, input_ids, max_new_tokens: int = 32, temperature: float = 0.
         logits = model.forward(xp.asarray(tok[:, None]), xp.asarray(next_pos[:, None]), cache, last_only=True)[:, -1]
         next_pos = next_pos + 1
     decode = time.perf_counter() - t1
-    model.last_stats = {"prefill_s": prefill, "prompt_tokens": int(valid.sum()), "new_tokens": new,
-                        "decode_s": decode, "decode_tokens_per_s": (new - 1) / decode if new > 1 and decode > 0 else 0.0}
+    model.last_stats = {
+        "prefill_s": prefill,
+        "prompt_tokens": int(valid.sum()),
+        "new_tokens": new,
+        "decode_s": decode,
+        "decode_tokens_per_s": (new - 1) / decode if new > 1 and decode > 0 else 0.0,
+    }
     return out

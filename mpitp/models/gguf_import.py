@@ -6,6 +6,7 @@ q/k rows (its converter permutes HF's rotate-half layout per head, ``permute`` i
 convert_hf_to_gguf.py), and writes config.json, model.safetensors and a tokenizer.json
 rebuilt from the GGUF vocabulary and merges (byte-level BPE, "gpt2" tokenizer model).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,9 +25,15 @@ NAMES = {
     "output.weight": "lm_head.weight",
 }
 LAYER = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
 
 
@@ -37,7 +44,7 @@ class GGUFError(MpitpError, ValueError):
 def hf_name(name: str) -> str:
     if name in NAMES:
         return NAMES[name]
-    parts = name.split(".")                      # blk.{i}.{what}.{weight|bias}
+    parts = name.split(".")  # blk.{i}.{what}.{weight|bias}
     if parts[0] == "blk" and parts[2] in LAYER:
         return f"model.layers.{parts[1]}.{LAYER[parts[2]]}.{parts[3]}"
     raise GGUFError(f"unexpected tensor {name!r} in a llama GGUF file")
@@ -68,7 +75,7 @@ def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
     try:
         reader = gguf.GGUFReader(str(gguf_path))
         arch = _field(reader, "general.architecture")
-    except Exception as e:            # truncated, corrupt, or not a GGUF file at all
+    except Exception as e:  # truncated, corrupt, or not a GGUF file at all
         raise GGUFError(f"{gguf_path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     if arch != "llama":
         raise GGUFError(f"{gguf_path}: architecture {arch!r}; only 'llama' GGUF files are imported")
@@ -79,9 +86,10 @@ def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
             w = w.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
-        except Exception as e:        # data cut short: the header promised more bytes
-            raise GGUFError(f"{gguf_path}: tensor {t.name} cannot be read ({type(e).__name__}: {e}; "
-                            "truncated file?)") from None
+        except Exception as e:  # data cut short: the header promised more bytes
+            raise GGUFError(
+                f"{gguf_path}: tensor {t.name} cannot be read ({type(e).__name__}: {e}; truncated file?)"
+            ) from None
         name = hf_name(t.name)
         if t.name.endswith("attn_q.weight"):
             w = unpermute(w, heads)
@@ -90,16 +98,22 @@ def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
         tensors[name] = np.ascontiguousarray(w)
     tokens = _field(reader, "tokenizer.ggml.tokens", _REQUIRED)
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": int(g("embedding_length")), "intermediate_size": int(g("feed_forward_length")),
-        "num_hidden_layers": int(g("block_count")), "num_attention_heads": heads, "num_key_value_heads": kv,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": int(g("embedding_length")),
+        "intermediate_size": int(g("feed_forward_length")),
+        "num_hidden_layers": int(g("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
         "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(g("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(g("context_length", 2048)),
-        "vocab_size": len(tokens), "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "vocab_size": len(tokens),
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-        "torch_dtype": "float32", "source": f"converted by mpitp from {Path(gguf_path).name}",
+        "torch_dtype": "float32",
+        "source": f"converted by mpitp from {Path(gguf_path).name}",
     }
     out = Path(out_dir)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent if out.parent.exists() else None))
@@ -126,10 +140,11 @@ def _tokenizer(reader, tokens: list[str]):
         raise GGUFError(f"tokenizer model {kind!r}; only byte-level BPE ('gpt2') is imported")
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", _REQUIRED)]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     tok.decoder = decoders.ByteLevel()
     types = _field(reader, "tokenizer.ggml.token_type") or []
-    control = [tokens[i] for i, t in enumerate(types) if int(t) == 3]          # GGUF: 3 = control
+    control = [tokens[i] for i, t in enumerate(types) if int(t) == 3]  # GGUF: 3 = control
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
     return tok

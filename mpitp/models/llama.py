@@ -8,15 +8,21 @@ The Megatron cut, per decoder layer on ``p`` ranks::
 Exactly two all-reduces per layer, plus one for the vocab-parallel embedding and an
 all-gather of the logits in the head. Every rank ends with the full logits.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..tp import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
-                  VocabParallelEmbedding)
-from ..tp import partition
+from ..tp import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    partition,
+)
 from ..tp.arena import pack
 from .config import LlamaConfig
 from .ops import attention, rms_norm, swiglu
@@ -31,6 +37,7 @@ class RMSNorm:
     def weight_loader(self, param, src, shard_id=None) -> None:
         if tuple(src.shape) != tuple(self.weight.shape):
             from ..tp import ShardingError
+
             raise ShardingError(f"{src.name}: checkpoint shape {tuple(src.shape)}, model expects {self.weight.shape}")
         self.weight[...] = self.xp.asarray(src.read(), self.weight.dtype)
 
@@ -42,13 +49,13 @@ class Step:
     """What every layer of one forward shares: RoPE tables for the new positions and the
     attention mask (causal, and pads of left-padded prompts masked out), built once."""
 
-    def __init__(self, rotary: Rotary, positions, cache: "KVCache", T: int, xp):
+    def __init__(self, rotary: Rotary, positions, cache: KVCache, T: int, xp):
         self.cos, self.sin = rotary.tables(positions)
         s = cache.length
         S = s + T
-        causal = xp.arange(S)[None, :] <= (s + xp.arange(T))[:, None]       # [T, S]
-        self.allowed = (causal[None] & cache.valid[:, None, :S])[:, None, None]   # [B, 1, 1, T, S]
-        self.masked = not bool(self.allowed.all())    # decoding without pads masks nothing
+        causal = xp.arange(S)[None, :] <= (s + xp.arange(T))[:, None]  # [T, S]
+        self.allowed = (causal[None] & cache.valid[:, None, :S])[:, None, None]  # [B, 1, 1, T, S]
+        self.masked = not bool(self.allowed.all())  # decoding without pads masks nothing
 
 
 class KVCache:
@@ -69,29 +76,44 @@ class Attention:
         self.xp, self.rotary, self.head_dim = xp, rotary, cfg.head_dim
         # a Python float, as transformers' ``scaling``: a NumPy float64 here would promote
         # the scores and the softmax to float64 (NEP 50)
-        self.scale = cfg.head_dim ** -0.5
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, bias=cfg.qkv_bias, comm=comm, split=split,
-                                          dtype=dtype, xp=xp)
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias,
-                                        comm=comm, sizes=[q * cfg.head_dim for q in split.q], dtype=dtype, xp=xp)
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            bias=cfg.qkv_bias,
+            comm=comm,
+            split=split,
+            dtype=dtype,
+            xp=xp,
+        )
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * cfg.head_dim,
+            cfg.hidden_size,
+            bias=cfg.o_bias,
+            comm=comm,
+            sizes=[q * cfg.head_dim for q in split.q],
+            dtype=dtype,
+            xp=xp,
+        )
         self.nh, self.nkv = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
 
-    def __call__(self, x, step: "Step", cache: KVCache, layer: int):
+    def __call__(self, x, step: Step, cache: KVCache, layer: int):
         d = self.head_dim
         B, T, _ = x.shape
         qkv = self.qkv_proj(x)
-        nq = self.nh + self.nkv                     # q and k sit side by side: one rotation for both
-        qk = self.rotary.apply(qkv[..., :nq * d].reshape(B, T, nq, d), step.cos, step.sin)
-        q, k, v = qk[:, :, :self.nh], qk[:, :, self.nh:], qkv[..., nq * d:]
+        nq = self.nh + self.nkv  # q and k sit side by side: one rotation for both
+        qk = self.rotary.apply(qkv[..., : nq * d].reshape(B, T, nq, d), step.cos, step.sin)
+        q, k, v = qk[:, :, : self.nh], qk[:, :, self.nh :], qkv[..., nq * d :]
         s = cache.length
-        cache.k[layer][:, s:s + T] = k
-        cache.v[layer][:, s:s + T] = v.reshape(B, T, self.nkv, d)
+        cache.k[layer][:, s : s + T] = k
+        cache.v[layer][:, s : s + T] = v.reshape(B, T, self.nkv, d)
         S = s + T
-        keys = cache.k[layer][:, :S].transpose(0, 2, 1, 3)                 # [B, kv, S, d]
-        vals = cache.v[layer][:, :S].transpose(0, 2, 1, 3)                 # [B, kv, S, d]
+        keys = cache.k[layer][:, :S].transpose(0, 2, 1, 3)  # [B, kv, S, d]
+        vals = cache.v[layer][:, :S].transpose(0, 2, 1, 3)  # [B, kv, S, d]
         g = self.nh // self.nkv
-        qh = q.reshape(B, T, self.nkv, g, d).transpose(0, 2, 3, 1, 4)     # [B, kv, g, T, d]
+        qh = q.reshape(B, T, self.nkv, g, d).transpose(0, 2, 3, 1, 4)  # [B, kv, g, T, d]
         out, _ = attention(qh, keys, vals, self.scale, step.allowed if step.masked else None)
         out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, self.nh * d)
         return self.o_proj(out)
@@ -100,10 +122,12 @@ class Attention:
 class MLP:
     def __init__(self, cfg: LlamaConfig, comm, dtype, xp, sizes: list[int]):
         self.xp = xp
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
-                                                       bias=cfg.mlp_bias, comm=comm, sizes=sizes, dtype=dtype, xp=xp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, comm=comm,
-                                           sizes=sizes, dtype=dtype, xp=xp)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias, comm=comm, sizes=sizes, dtype=dtype, xp=xp
+        )
+        self.down_proj = RowParallelLinear(
+            cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, comm=comm, sizes=sizes, dtype=dtype, xp=xp
+        )
 
     def __call__(self, x):
         gu = self.gate_up_proj(x)
@@ -112,7 +136,7 @@ class MLP:
 
 
 class DecoderLayer:
-    def __init__(self, cfg: LlamaConfig, comm, rotary: Rotary, dtype, xp, plan: "TPPlan"):
+    def __init__(self, cfg: LlamaConfig, comm, rotary: Rotary, dtype, xp, plan: TPPlan):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, xp)
         self.self_attn = Attention(cfg, comm, rotary, dtype, xp, plan.attention)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, xp)
@@ -127,15 +151,15 @@ class DecoderLayer:
 class TPPlan:
     """How every decoder layer is cut over p ranks: attention by KV-head groups, the MLP's
     intermediate columns balancing what each rank streams (:mod:`mpitp.tp.partition`)."""
+
     attention: partition.AttentionSplit
     mlp: list[int]
 
     @classmethod
-    def of(cls, c: LlamaConfig, p: int) -> "TPPlan":
+    def of(cls, c: LlamaConfig, p: int) -> TPPlan:
         att = partition.attention(c.num_attention_heads, c.num_key_value_heads, p)
         if p > c.intermediate_size:
-            raise partition.ShardingError(f"tensor-parallel size {p} exceeds intermediate_size = "
-                                          f"{c.intermediate_size}")
+            raise partition.ShardingError(f"tensor-parallel size {p} exceeds intermediate_size = {c.intermediate_size}")
         return cls(att, partition.mlp(c.intermediate_size, c.hidden_size, c.head_dim, att))
 
 
@@ -147,24 +171,29 @@ class LlamaForCausalLM:
 
     # checkpoint tensors that land in one merged module: name part -> (module, shard id)
     packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
     }
 
     def __init__(self, config: LlamaConfig, comm=None, dtype="float32", xp=np):
         self.config, self.comm, self.xp, self.dtype = config, comm, xp, np.dtype(dtype)
         c = config
-        self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, min(c.max_position_embeddings, 4096),
-                             xp=xp, dtype=np.float32)
+        self.rotary = Rotary(
+            c.head_dim, c.rope_theta, c.rope_scaling, min(c.max_position_embeddings, 4096), xp=xp, dtype=np.float32
+        )
         self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, comm=comm, dtype=self.dtype, xp=xp)
         self.plan = TPPlan.of(c, comm.size if comm is not None else 1)
-        self.layers = [DecoderLayer(c, comm, self.rotary, self.dtype, xp, self.plan)
-                       for _ in range(c.num_hidden_layers)]
+        self.layers = [
+            DecoderLayer(c, comm, self.rotary, self.dtype, xp, self.plan) for _ in range(c.num_hidden_layers)
+        ]
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, xp)
         self.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size, comm=comm, dtype=self.dtype, xp=xp)
         if c.tie_word_embeddings:
             self.lm_head.tie(self.embed_tokens)
-        if xp is np:        # one stream of the matrices decoding reads, in reading order: the
+        if xp is np:  # one stream of the matrices decoding reads, in reading order: the
             # layers', then the head's; the embedding last (one row of it is read per token;
             # packed once when the head shares it)
             mats = [m for _, m in self.named_modules() if hasattr(m, "_wt")]
@@ -172,8 +201,9 @@ class LlamaForCausalLM:
         self.last_stats: dict = {}
 
     @classmethod
-    def from_pretrained(cls, path, comm=None, dtype: str = "float32", device: str = "cpu") -> "LlamaForCausalLM":
+    def from_pretrained(cls, path, comm=None, dtype: str = "float32", device: str = "cpu") -> LlamaForCausalLM:
         from .loader import load_pretrained
+
         return load_pretrained(cls, path, comm=comm, dtype=dtype, device=device)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
@@ -184,9 +214,12 @@ class LlamaForCausalLM:
         ids = np.asarray(ids)
         if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
             from .generate import GenerationError
+
             bad = int(ids.max() if ids.max() >= self.config.vocab_size else ids.min())
-            raise GenerationError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size}) of "
-                                  "this model (does the tokenizer belong to it?)")
+            raise GenerationError(
+                f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size}) of "
+                "this model (does the tokenizer belong to it?)"
+            )
 
     def forward(self, ids, positions, cache: KVCache, last_only: bool = False):
         """Logits [B, T, vocab] for ``ids`` [B, T] appended to ``cache`` at ``cache.length``
@@ -213,6 +246,7 @@ class LlamaForCausalLM:
 
     def generate(self, input_ids, max_new_tokens: int = 32, **sampling):
         from .generate import generate
+
         return generate(self, input_ids, max_new_tokens=max_new_tokens, **sampling)
 
     def named_modules(self):
@@ -249,8 +283,9 @@ class LlamaForCausalLM:
 
     def weight_bytes(self) -> int:
         """Bytes of weights this rank holds (a tied head counted once)."""
-        arrays = {id(a): a for _, m in self.named_modules() for a in (m.weight, getattr(m, "bias", None))
-                  if a is not None}
+        arrays = {
+            id(a): a for _, m in self.named_modules() for a in (m.weight, getattr(m, "bias", None)) if a is not None
+        }
         return sum(a.nbytes for a in arrays.values())
 
     def streamed_bytes(self) -> int:

@@ -7,11 +7,13 @@ qkv_proj, gate/up into gate_up_proj, by its ``packed_modules_mapping``);
 bf16 and fp16 tensors are upcast. Problems are reported at load time, naming the tensor
 or config field and the numbers.
 """
+
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -48,6 +50,7 @@ def open_safetensors(f: Path):
     """``safe_open`` with a message naming the file when it is not a safetensors file
     (truncated, corrupt header, something else renamed)."""
     from safetensors import safe_open
+
     if f.stat().st_size < 8:
         raise CheckpointError(f"{f}: {f.stat().st_size} bytes, too short for a safetensors file (truncated?)")
     try:
@@ -71,7 +74,7 @@ def locate(wmap: dict, model, name: str):
     m = _LAYER.match(name)
     if m and int(m.group(1)) >= len(model.layers):
         raise CheckpointError(f"{name}: layer {m.group(1)}, but config has num_hidden_layers = {len(model.layers)}")
-    if name.endswith(".bias") and name[:-len("bias")] + "weight" in wmap:
+    if name.endswith(".bias") and name[: -len("bias")] + "weight" in wmap:
         raise CheckpointError(f"{name}: the checkpoint has a bias the config does not declare")
     return None
 
@@ -92,7 +95,7 @@ def load_weights(model, path: Path) -> dict:
                     obj.weight_loader(param, src, shard)
                 except MpitpError:
                     raise
-                except Exception as e:          # a header that lies about the data, a short file
+                except Exception as e:  # a header that lies about the data, a short file
                     raise CheckpointError(f"{f}: tensor {name} cannot be read ({e})") from None
                 bytes_read += src.bytes_read
                 seen.add(name)
@@ -113,10 +116,12 @@ def load_pretrained(cls, path, comm=None, dtype: str = "float32", device: str = 
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a checkpoint directory (config.json + *.safetensors)")
     cfg = LlamaConfig.from_path(path)
-    xp = np
+    xp: Any = np
     if device == "cuda":
         try:
-            import cupy as xp  # noqa: F811
+            import cupy
+
+            xp = cupy
         except ImportError:
             raise ConfigError("device='cuda' needs CuPy: pip install 'mpitp[cuda12]'") from None
     elif device != "cpu":

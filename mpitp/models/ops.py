@@ -10,6 +10,7 @@ these; the backward of each lives in :mod:`mpitp.train.grads`. Shapes::
 (``g`` = query heads per KV head: grouped-query attention without repeating K and V.)
 RoPE is :meth:`mpitp.models.rope.Rotary.apply`. NumPy or CuPy arrays alike.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,7 +28,7 @@ def norm_dtype(dtype) -> np.dtype:
 def mean_square(x):
     """(x, mean(x²) over the last axis, keepdims), both in :func:`norm_dtype`."""
     x32 = x.astype(norm_dtype(x.dtype), copy=False)
-    return x32, (x32 * x32).sum(axis=-1, keepdims=True) / x.shape[-1]     # mean, without mean()'s Python
+    return x32, (x32 * x32).sum(axis=-1, keepdims=True) / x.shape[-1]  # mean, without mean()'s Python
 
 
 def rms_norm(x, weight, eps: float):
@@ -44,13 +45,13 @@ def attention(q, k, v, scale: float, allowed=None):
     """softmax(q kᵀ · scale) v over the last two axes; ``allowed`` is a boolean mask that
     broadcasts to the scores (``None``: nothing masked). Returns (out, probs)."""
     xp = xp_of(q)
-    scores = (q @ k[:, :, None].swapaxes(-1, -2)) * scale                    # [B, kv, g, T, S]
+    scores = (q @ k[:, :, None].swapaxes(-1, -2)) * scale  # [B, kv, g, T, S]
     if allowed is not None:
         scores = xp.where(allowed, scores, MASKED)
     scores -= scores.max(axis=-1, keepdims=True)
     probs = xp.exp(scores, out=scores)
     probs /= probs.sum(axis=-1, keepdims=True)
-    out = probs.astype(v.dtype, copy=False) @ v[:, :, None]                 # [B, kv, g, T, d]
+    out = probs.astype(v.dtype, copy=False) @ v[:, :, None]  # [B, kv, g, T, d]
     return out, probs
 
 

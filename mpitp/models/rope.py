@@ -5,9 +5,11 @@ halves of the head dimension (HF LLaMA q/k weights are stored for this layout).
 Frequencies: ``theta^(-2i/d)``, optionally rescaled ("linear", or "llama3": long
 wavelengths divided by ``factor``, short ones kept, a smooth blend between).
 """
+
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -36,7 +38,8 @@ class Rotary:
         inv = inv_frequencies(head_dim, theta, scaling)
         self.xp, self.dtype = xp, dtype
         self.inv = inv
-        self._cos = self._sin = None
+        self._cos: Any = None  # [positions, head_dim] tables, grown on demand
+        self._sin: Any = None
         self._grow(max(max_positions, 1))
 
     def _grow(self, n: int) -> None:

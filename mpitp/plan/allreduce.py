@@ -15,7 +15,10 @@ with seed 000's formulas for the two model-only rows:
 
 with B bytes per rank, L ranks per node, M nodes, N = L*M.
 """
+
 from __future__ import annotations
+
+from typing import Any
 
 from ..comm.algorithms.ring import chunk_counts
 from .profiles import Profile
@@ -34,7 +37,7 @@ def _ring_elems(n: int, parts: int, idx: int, *, sent_by: str) -> int:
         return n - c[idx]
     if sent_by == "ag":
         return n - c[(idx + 1) % parts]
-    return 2 * n - c[idx] - c[(idx + 1) % parts]       # all-reduce
+    return 2 * n - c[idx] - c[(idx + 1) % parts]  # all-reduce
 
 
 def per_rank_elements(algorithm: str, node_sizes: list[int], n: int) -> list[tuple[int, int]]:
@@ -49,7 +52,7 @@ def per_rank_elements(algorithm: str, node_sizes: list[int], n: int) -> list[tup
             out.append((e, 0) if node_of[(r + 1) % N] == node_of[r] else (0, e))
         return out
     if algorithm == "hierarchical" and len(set(node_sizes)) > 1:
-        algorithm = "hierarchical_leader"            # what the runtime falls back to
+        algorithm = "hierarchical_leader"  # what the runtime falls back to
     for r in range(N):
         m, lr, L = node_of[r], local[r], node_sizes[node_of[r]]
         c = chunk_counts(n, L)
@@ -58,10 +61,10 @@ def per_rank_elements(algorithm: str, node_sizes: list[int], n: int) -> list[tup
             inter = _ring_elems(c[lr], M, m, sent_by="ar")
         elif algorithm == "hierarchical_leader":
             if lr == 0:
-                intra += n - c[0]                        # shards back to the local ranks
+                intra += n - c[0]  # shards back to the local ranks
                 inter = _ring_elems(n, M, m, sent_by="ar")
             else:
-                intra += c[lr]                            # shard to the leader
+                intra += c[lr]  # shard to the leader
                 inter = 0
         else:
             raise ValueError(f"no exact byte count for {algorithm!r}")
@@ -75,11 +78,11 @@ def per_node_bytes(algorithm: str, node_sizes: list[int], nbytes: int, itemsize:
     if algorithm == "naive":
         return [(0, L * nbytes) for L in node_sizes]
     if algorithm == "hierarchical_sharp":
-        return [(L * nbytes, nbytes) for L in node_sizes]   # seed: B*L inside, B up
+        return [(L * nbytes, nbytes) for L in node_sizes]  # seed: B*L inside, B up
     ranks = per_rank_elements(algorithm, node_sizes, n)
     out, r = [], 0
     for L in node_sizes:
-        mine = ranks[r:r + L]
+        mine = ranks[r : r + L]
         out.append((sum(a for a, _ in mine) * itemsize, sum(b for _, b in mine) * itemsize))
         r += L
     return out
@@ -109,16 +112,27 @@ def predict_time(algorithm: str, nodes: int, per_node: int, nbytes: float, prof:
 def plan(nodes: int, per_node: int, nbytes: int, prof: Profile, itemsize: int = 1) -> dict:
     """Every algorithm for one all-reduce of ``nbytes`` per rank on ``nodes`` x ``per_node`` ranks."""
     sizes = [per_node] * nodes
-    rows = []
+    rows: list[dict[str, Any]] = []
     for alg in ALGORITHMS:
         by_node = per_node_bytes(alg, sizes, nbytes, itemsize)
         t, formula = predict_time(alg, nodes, per_node, nbytes, prof)
-        rows.append({"algorithm": alg, "runnable": alg in RUNNABLE,
-                     "intra_bytes_per_node": max(a for a, _ in by_node),
-                     "inter_bytes_per_node": max(b for _, b in by_node),
-                     "time_s": t, "formula": formula})
+        rows.append(
+            {
+                "algorithm": alg,
+                "runnable": alg in RUNNABLE,
+                "intra_bytes_per_node": max(a for a, _ in by_node),
+                "inter_bytes_per_node": max(b for _, b in by_node),
+                "time_s": t,
+                "formula": formula,
+            }
+        )
     naive = rows[0]["inter_bytes_per_node"]
     for row in rows:
         row["inter_reduction_vs_naive"] = naive / row["inter_bytes_per_node"] if row["inter_bytes_per_node"] else None
-    return {"nodes": nodes, "ranks_per_node": per_node, "bytes_per_rank": nbytes, "profile": prof.to_dict(),
-            "algorithms": rows}
+    return {
+        "nodes": nodes,
+        "ranks_per_node": per_node,
+        "bytes_per_rank": nbytes,
+        "profile": prof.to_dict(),
+        "algorithms": rows,
+    }

@@ -13,6 +13,7 @@ Communication volume per step (section 7): DP all-reduce 2 Psi; ZeRO-1/2 reduce-
 all-gather 2 Psi; ZeRO-3 all-gather in forward + all-gather in backward + reduce-scatter
 3 Psi. Each ring rank sends (N-1)/N of every volume.
 """
+
 from __future__ import annotations
 
 STAGES = ("dp", "zero1", "zero2", "zero3")
@@ -38,9 +39,15 @@ def plan(params: float, ranks: int, k: int = 12, grad_bytes: int = 2) -> dict:
     rows = []
     for s in STAGES:
         v = volume(s)
-        rows.append({"stage": s, "memory_bytes": mem[s], "volume_psi": v,
-                     "volume_bytes": v * params * grad_bytes,
-                     "sent_per_rank_bytes": v * params * grad_bytes * (ranks - 1) / ranks})
+        rows.append(
+            {
+                "stage": s,
+                "memory_bytes": mem[s],
+                "volume_psi": v,
+                "volume_bytes": v * params * grad_bytes,
+                "sent_per_rank_bytes": v * params * grad_bytes * (ranks - 1) / ranks,
+            }
+        )
     return {"params": params, "ranks": ranks, "K": k, "stages": rows}
 
 
@@ -50,12 +57,20 @@ def fp32_memory(padded: list[int], ranks: int, mode: str) -> int:
     (each a multiple of ``ranks``). ddp 16Ψ; zero1 4Ψ + 4Ψ + 8Ψ/N; zero2 4Ψ + 12Ψ/N;
     fsdp 16Ψ/N."""
     psi, n = sum(padded), ranks
-    return {"ddp": 16 * psi, "zero1": 8 * psi + 8 * psi // n, "zero2": 4 * psi + 12 * psi // n,
-            "fsdp": 16 * psi // n}[mode]
+    return {"ddp": 16 * psi, "zero1": 8 * psi + 8 * psi // n, "zero2": 4 * psi + 12 * psi // n, "fsdp": 16 * psi // n}[
+        mode
+    ]
 
 
-def train_step_bytes(padded: list[int], gathered_backward: list[bool], kept: list[bool], ranks: int, mode: str,
-                     itemsize: int, accum: int = 1) -> int:
+def train_step_bytes(
+    padded: list[int],
+    gathered_backward: list[bool],
+    kept: list[bool],
+    ranks: int,
+    mode: str,
+    itemsize: int,
+    accum: int = 1,
+) -> int:
     """Bytes one rank sends per training step with ring collectives: each ring all-gather
     or reduce-scatter of P elements sends (N-1)/N·P, an all-reduce twice that.
 

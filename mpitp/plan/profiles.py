@@ -2,6 +2,7 @@
 
 ``T_link(X) = alpha + X / beta`` moves X bytes over one link of that class.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,8 @@ class ProfileError(MpitpError, ValueError):
 
 @dataclass(frozen=True)
 class Link:
-    alpha: float   # seconds per message
-    beta: float    # bytes per second
+    alpha: float  # seconds per message
+    beta: float  # bytes per second
 
     def time(self, nbytes: float, messages: int = 1) -> float:
         return messages * self.alpha + nbytes / self.beta
@@ -37,13 +38,23 @@ class Profile:
 
 
 PROFILES = {
-    # the cluster of seed 000 (README, "The seeds' numbers"): NVLink/NVSwitch inside a node, InfiniBand 200 Gb/s between nodes
-    "nvlink-ib200": Profile("nvlink-ib200", Link(2e-6, 600e9), Link(5e-6, 200e9 / 8),
-                            "NVLink 600 GB/s inside a node, InfiniBand HDR 200 Gb/s (25 GB/s) between nodes"),
-    "nvlink-ib400": Profile("nvlink-ib400", Link(2e-6, 900e9), Link(4e-6, 400e9 / 8),
-                            "NVLink 900 GB/s (H100), InfiniBand NDR 400 Gb/s"),
-    "pcie-eth100": Profile("pcie-eth100", Link(5e-6, 25e9), Link(20e-6, 100e9 / 8),
-                           "PCIe 4.0 x16 inside a node, 100 Gb Ethernet between nodes"),
+    # the cluster of seed 000 (README, "The seeds' numbers"): NVLink/NVSwitch inside a node,
+    # InfiniBand 200 Gb/s between nodes
+    "nvlink-ib200": Profile(
+        "nvlink-ib200",
+        Link(2e-6, 600e9),
+        Link(5e-6, 200e9 / 8),
+        "NVLink 600 GB/s inside a node, InfiniBand HDR 200 Gb/s (25 GB/s) between nodes",
+    ),
+    "nvlink-ib400": Profile(
+        "nvlink-ib400", Link(2e-6, 900e9), Link(4e-6, 400e9 / 8), "NVLink 900 GB/s (H100), InfiniBand NDR 400 Gb/s"
+    ),
+    "pcie-eth100": Profile(
+        "pcie-eth100",
+        Link(5e-6, 25e9),
+        Link(20e-6, 100e9 / 8),
+        "PCIe 4.0 x16 inside a node, 100 Gb Ethernet between nodes",
+    ),
 }
 SEED = "nvlink-ib200"
 
@@ -74,10 +85,14 @@ def get(name: str | None, alpha_intra=None, beta_intra=None, alpha_inter=None, b
         prof = PROFILES[name]
     else:
         raise ProfileError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}, local")
-    intra = Link(alpha_intra if alpha_intra is not None else prof.intra.alpha,
-                 beta_intra if beta_intra is not None else prof.intra.beta)
-    inter = Link(alpha_inter if alpha_inter is not None else prof.inter.alpha,
-                 beta_inter if beta_inter is not None else prof.inter.beta)
+    intra = Link(
+        alpha_intra if alpha_intra is not None else prof.intra.alpha,
+        beta_intra if beta_intra is not None else prof.intra.beta,
+    )
+    inter = Link(
+        alpha_inter if alpha_inter is not None else prof.inter.alpha,
+        beta_inter if beta_inter is not None else prof.inter.beta,
+    )
     custom = (intra, inter) != (prof.intra, prof.inter)
     return Profile(prof.name + (" (custom)" if custom else ""), intra, inter, prof.note)
 
@@ -113,5 +128,10 @@ def fit(comm, sizes=(8, 1 << 22), reps: int = 20) -> Profile:
     alpha = half[small]
     beta = (large - small) / max(half[large] - half[small], 1e-9)
     link = Link(alpha, beta)
-    return Profile("local", link, link, f"fitted by ping-pong on this machine (alpha {alpha * 1e6:.1f} us, "
-                                        f"beta {beta / 1e9:.2f} GB/s); inter = intra on simulated nodes")
+    return Profile(
+        "local",
+        link,
+        link,
+        f"fitted by ping-pong on this machine (alpha {alpha * 1e6:.1f} us, "
+        f"beta {beta / 1e9:.2f} GB/s); inter = intra on simulated nodes",
+    )

@@ -11,6 +11,7 @@ Hugging Face stores ``[out, in]``)::
 
 Two all-reduces per decoder layer per forward, each of batch*seq*h*bytes.
 """
+
 from __future__ import annotations
 
 import json
@@ -67,15 +68,25 @@ def load_model(name_or_path: str) -> ModelShape:
         p = p / "config.json"
     if not p.exists():
         from ..tp.partition import ShardingError
-        raise ShardingError(f"unknown model {name_or_path!r}: not a preset ({', '.join(PRESETS)}) "
-                            "and no config.json there")
+
+        raise ShardingError(
+            f"unknown model {name_or_path!r}: not a preset ({', '.join(PRESETS)}) and no config.json there"
+        )
     cfg = json.loads(p.read_text())
     try:
-        return ModelShape(p.parent.name or "model", cfg["hidden_size"], cfg["num_hidden_layers"],
-                          cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
-                          cfg["intermediate_size"], cfg["vocab_size"], bool(cfg.get("tie_word_embeddings", False)))
+        return ModelShape(
+            p.parent.name or "model",
+            cfg["hidden_size"],
+            cfg["num_hidden_layers"],
+            cfg["num_attention_heads"],
+            cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+            cfg["intermediate_size"],
+            cfg["vocab_size"],
+            bool(cfg.get("tie_word_embeddings", False)),
+        )
     except KeyError as e:
         from ..tp.partition import ShardingError
+
         raise ShardingError(f"{p}: config has no {e.args[0]!r}; is it a LLaMA-family config?") from None
 
 
@@ -84,6 +95,7 @@ def shard_shapes(m: ModelShape, p: int) -> dict:
     (:mod:`mpitp.tp.partition`: uneven, GQA-aware, MLP balancing the bytes each rank
     streams). Top-level keys are rank 0's; ``per_rank`` has every rank's."""
     from ..tp import partition
+
     att = partition.attention(m.heads, m.kv_heads, p)
     inter = partition.mlp(m.intermediate, m.hidden, m.head_dim, att)
     vocab_padded, vocab_rows = partition.vocab(m.vocab, p)
@@ -92,17 +104,31 @@ def shard_shapes(m: ModelShape, p: int) -> dict:
     for r in range(p):
         q, q0, kv, kv0 = att.rank(r)
         layer = (2 * q + 2 * kv) * d * h + 3 * h * inter[r] + 2 * h
-        ranks.append({"rank": r, "q_heads": [q0, q0 + q], "kv_heads": [kv0, kv0 + kv], "intermediate": inter[r],
-                      "vocab_rows": vocab_rows[r],
-                      "weights": m.layers * layer + vocab_rows[r] * h * (1 if m.tied else 2) + h,
-                      "streamed": m.layers * layer + vocab_rows[r] * h + h})
+        ranks.append(
+            {
+                "rank": r,
+                "q_heads": [q0, q0 + q],
+                "kv_heads": [kv0, kv0 + kv],
+                "intermediate": inter[r],
+                "vocab_rows": vocab_rows[r],
+                "weights": m.layers * layer + vocab_rows[r] * h * (1 if m.tied else 2) + h,
+                "streamed": m.layers * layer + vocab_rows[r] * h + h,
+            }
+        )
     q, kv, i0 = att.q[0] * d, att.kv[0] * d, inter[0]
     return {
-        "q_proj": [h, q], "k_proj": [h, kv], "v_proj": [h, kv], "o_proj": [q, h],
-        "gate_proj": [h, i0], "up_proj": [h, i0], "down_proj": [i0, h],
-        "embed_tokens": [vocab_rows[0], h], "lm_head": [h, vocab_rows[0]],
+        "q_proj": [h, q],
+        "k_proj": [h, kv],
+        "v_proj": [h, kv],
+        "o_proj": [q, h],
+        "gate_proj": [h, i0],
+        "up_proj": [h, i0],
+        "down_proj": [i0, h],
+        "embed_tokens": [vocab_rows[0], h],
+        "lm_head": [h, vocab_rows[0]],
         "vocab_padded": vocab_padded,
-        "kv_heads_per_rank": att.kv[0], "kv_replication": max(1, -(-p // m.kv_heads)) if p > m.kv_heads else 1,
+        "kv_heads_per_rank": att.kv[0],
+        "kv_replication": max(1, -(-p // m.kv_heads)) if p > m.kv_heads else 1,
         # merged qkv_proj: [Q_r | K_r | V_r]; merged gate_up_proj: [gate_r ; up_r]
         "qkv_local_offsets": {"q": 0, "k": q, "v": q + kv},
         "gate_up_local_offsets": {"gate": 0, "up": i0},
@@ -128,9 +154,11 @@ def comm_plan(m: ModelShape, p: int, batch: int, seq: int, nbytes: int, prof: Pr
     link = prof.intra
     ring = 2 * (p - 1) * link.time(each / p) if p > 1 else 0.0
     return {
-        "allreduces": count, "bytes_each": each, "bytes_total": count * each,
-        "time_volume_s": count * each / link.beta,                 # the note's estimate: volume / bandwidth
-        "time_ring_s": count * ring,                                # alpha-beta ring at p ranks
+        "allreduces": count,
+        "bytes_each": each,
+        "bytes_total": count * each,
+        "time_volume_s": count * each / link.beta,  # the note's estimate: volume / bandwidth
+        "time_ring_s": count * ring,  # alpha-beta ring at p ranks
         "sent_per_rank_bytes": count * (2 * (p - 1) * each // p if p > 1 else 0),
     }
 
@@ -138,7 +166,12 @@ def comm_plan(m: ModelShape, p: int, batch: int, seq: int, nbytes: int, prof: Pr
 def plan(m: ModelShape, p: int, batch: int, seq: int, dtype: str, prof: Profile) -> dict:
     nbytes = DTYPE_BYTES[dtype.lower()]
     return {
-        "model": m.__dict__, "tp": p, "batch": batch, "seq": seq, "dtype": dtype, "profile": prof.to_dict(),
+        "model": m.__dict__,
+        "tp": p,
+        "batch": batch,
+        "seq": seq,
+        "dtype": dtype,
+        "profile": prof.to_dict(),
         "params": m.params(),
         "shards": shard_shapes(m, p),
         "weights_total_bytes": m.params() * nbytes,

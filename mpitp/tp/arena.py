@@ -11,11 +11,12 @@ for allocations of 4 MiB and more) and reads as one long stream:
 Pack before loading: the layers' own zero-filled arrays are untouched calloc pages, so
 packing costs no extra memory, and the loader then writes straight into the arena.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
-ALIGN = 64      # bytes: every view starts on a cache line
+ALIGN = 64  # bytes: every view starts on a cache line
 
 
 def pack(modules, xp=np) -> object:
@@ -38,13 +39,13 @@ def pack(modules, xp=np) -> object:
         off += -(-m._wt.size // step) * step
     raw = xp.zeros(off + step, dtype)
     skip = (-raw.ctypes.data % ALIGN) // dtype.itemsize if xp is np else 0
-    arena = raw[skip:skip + off]
+    arena = raw[skip : skip + off]
     shared = {}
     for m, o in zip(mods, offsets):
         old = m._wt
-        view = arena[o:o + old.size].reshape(old.shape)
+        view = arena[o : o + old.size].reshape(old.shape)
         view[...] = old
-        shared[id(old)] = (old, view)      # old kept alive while ids are compared
+        shared[id(old)] = (old, view)  # old kept alive while ids are compared
     for m in modules:
         old_view = shared.get(id(m._wt))
         view = old_view[1] if old_view is not None else m._wt

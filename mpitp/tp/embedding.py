@@ -11,6 +11,7 @@ Embedding: each rank looks up the ids in its block (others give zero rows), then
 all-reduce sums the blocks. LM head: each rank computes the logits of its block, an
 all-gather puts them side by side, and the padding is trimmed.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -31,17 +32,18 @@ class VocabParallelEmbedding:
         self.per_rank = self.sizes[self.tp_rank]
         self.start = partition.starts(self.sizes)[self.tp_rank]
         self.end = self.start + self.per_rank
-        self._wt = xp.zeros((hidden, self.per_rank), self.dtype)     # [hidden, rows]: the head's GEMV
-        self.weight = self._wt.T                                       # [rows, hidden] view
+        self._wt = xp.zeros((hidden, self.per_rank), self.dtype)  # [hidden, rows]: the head's GEMV
+        self.weight = self._wt.T  # [rows, hidden] view
 
     def weight_loader(self, param: str, src: TensorSource, shard_id=None) -> None:
         if tuple(src.shape) != (self.vocab_size, self.hidden):
-            raise ShardingError(f"{src.name}: checkpoint shape {tuple(src.shape)}, model expects "
-                                f"{(self.vocab_size, self.hidden)}")
+            raise ShardingError(
+                f"{src.name}: checkpoint shape {tuple(src.shape)}, model expects {(self.vocab_size, self.hidden)}"
+            )
         real_end = min(self.end, self.vocab_size)
-        self.weight[...] = 0                                   # padding rows stay zero
+        self.weight[...] = 0  # padding rows stay zero
         if real_end > self.start:
-            self.weight[:real_end - self.start] = self.xp.asarray(src.rows(self.start, real_end), self.dtype)
+            self.weight[: real_end - self.start] = self.xp.asarray(src.rows(self.start, real_end), self.dtype)
 
     def __call__(self, ids):
         xp = self.xp
@@ -70,4 +72,4 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = h @ self._wt
         if self.tp_size > 1:
             logits = gather_last_dim(self.comm, logits, self.sizes)
-        return logits[..., :self.vocab_size]
+        return logits[..., : self.vocab_size]

@@ -16,6 +16,7 @@ disk, or an array), so the checkpoint loader stays generic. Cuts need not be equ
         |------|  rank 2      (sharded output)      +----+----+----+   (all-reduce, then + b)
         +------+
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -54,8 +55,9 @@ class LinearBase:
     def _put(self, param: str, value: np.ndarray) -> None:
         dst = getattr(self, param)
         if tuple(value.shape) != tuple(dst.shape):
-            raise ShardingError(f"{type(self).__name__}.{param}: slice has shape {tuple(value.shape)}, "
-                                f"expected {tuple(dst.shape)}")
+            raise ShardingError(
+                f"{type(self).__name__}.{param}: slice has shape {tuple(value.shape)}, expected {tuple(dst.shape)}"
+            )
         dst[...] = self.xp.asarray(value, dtype=self.dtype)
 
     @staticmethod
@@ -84,8 +86,18 @@ class ColumnParallelLinear(LinearBase):
     """Rank r holds output rows ``[r*out/p, (r+1)*out/p)``; output stays sharded unless
     ``gather_output`` (then every rank gets the whole output, ranks in order)."""
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool = False, comm=None,
-                 gather_output: bool = False, sizes=None, dtype=np.float32, xp=np):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = False,
+        comm=None,
+        gather_output: bool = False,
+        sizes=None,
+        dtype=np.float32,
+        xp=np,
+    ):
         p, r = (comm.size, comm.rank) if comm is not None else (1, 0)
         self.sizes = _cut(out_features, p, sizes, "output")
         self.start = partition.starts(self.sizes)[r]
@@ -111,8 +123,19 @@ class RowParallelLinear(LinearBase):
     """Rank r holds input columns ``[r*in/p, (r+1)*in/p)``; the partial outputs are
     all-reduced (``reduce_results``) and the bias is added once, after the reduction."""
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool = False, comm=None,
-                 input_is_parallel: bool = True, reduce_results: bool = True, sizes=None, dtype=np.float32, xp=np):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = False,
+        comm=None,
+        input_is_parallel: bool = True,
+        reduce_results: bool = True,
+        sizes=None,
+        dtype=np.float32,
+        xp=np,
+    ):
         p, r = (comm.size, comm.rank) if comm is not None else (1, 0)
         self.sizes = _cut(in_features, p, sizes, "input")
         self.start = partition.starts(self.sizes)[r]
@@ -130,7 +153,7 @@ class RowParallelLinear(LinearBase):
 
     def __call__(self, x):
         if not self.input_is_parallel:
-            x = x[..., self.start:self.start + self.in_features]
+            x = x[..., self.start : self.start + self.in_features]
         y = self.matmul(x)
         if self.reduce_results and self.tp_size > 1:
             self.comm.allreduce(y, out=y)
@@ -143,23 +166,39 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     intermediate cut). Locally ``[gate_r ; up_r]``: shard k lands at the local row where
     the rank's shards before it end (with even cuts, ``sum(output_sizes[:k]) / p``)."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], *, bias: bool = False, comm=None,
-                 sizes=None, dtype=np.float32, xp=np):
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        *,
+        bias: bool = False,
+        comm=None,
+        sizes=None,
+        dtype=np.float32,
+        xp=np,
+    ):
         p, r = (comm.size, comm.rank) if comm is not None else (1, 0)
         self.output_sizes = list(output_sizes)
         self.cuts = [_cut(n, p, sizes, f"output_sizes[{k}]") for k, n in enumerate(output_sizes)]
         mine = [c[r] for c in self.cuts]
         self.shard_offsets = partition.starts(mine)
         self.shard_starts = [partition.starts(c)[r] for c in self.cuts]
-        super().__init__(in_features, sum(output_sizes), bias=bias, comm=comm,
-                         sizes=[sum(c[q] for c in self.cuts) for q in range(p)], dtype=dtype, xp=xp)
+        super().__init__(
+            in_features,
+            sum(output_sizes),
+            bias=bias,
+            comm=comm,
+            sizes=[sum(c[q] for c in self.cuts) for q in range(p)],
+            dtype=dtype,
+            xp=xp,
+        )
 
     def weight_loader(self, param: str, src: TensorSource, shard_id: int = 0) -> None:
         size = self.output_sizes[shard_id]
         self._check_full(src, (size, self.in_features) if param == "weight" else (size,))
         n, off, start = self.cuts[shard_id][self.tp_rank], self.shard_offsets[shard_id], self.shard_starts[shard_id]
         dst = getattr(self, param)
-        dst[off:off + n] = self.xp.asarray(src.rows(start, start + n), dtype=self.dtype)
+        dst[off : off + n] = self.xp.asarray(src.rows(start, start + n), dtype=self.dtype)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -168,9 +207,19 @@ class QKVParallelLinear(ColumnParallelLinear):
     heads, then its KV heads — its own share of them, or, with more ranks than KV heads,
     the one KV head its query heads use (replicated on the ranks that share it)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, total_heads: int, total_kv_heads: int, *,
-                 bias: bool = False, comm=None, split: "partition.AttentionSplit | None" = None,
-                 dtype=np.float32, xp=np):
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        total_heads: int,
+        total_kv_heads: int,
+        *,
+        bias: bool = False,
+        comm=None,
+        split: partition.AttentionSplit | None = None,
+        dtype=np.float32,
+        xp=np,
+    ):
         p, r = (comm.size, comm.rank) if comm is not None else (1, 0)
         self.split_plan = split or partition.attention(total_heads, total_kv_heads, p)
         self.num_heads, self.q_head_start, self.num_kv_heads, self.kv_start = self.split_plan.rank(r)
@@ -179,7 +228,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_size = self.num_kv_heads * head_dim
         local = [(q + 2 * k) * head_dim for q, k in zip(self.split_plan.q, self.split_plan.kv)]
         super().__init__(hidden_size, sum(local), bias=bias, comm=comm, sizes=local, dtype=dtype, xp=xp)
-        self.full_out = (total_heads + 2 * total_kv_heads) * head_dim      # q, k, v as the checkpoint has them
+        self.full_out = (total_heads + 2 * total_kv_heads) * head_dim  # q, k, v as the checkpoint has them
 
     def weight_loader(self, param: str, src: TensorSource, shard_id: str = "q") -> None:
         d = self.head_dim
@@ -190,12 +239,12 @@ class QKVParallelLinear(ColumnParallelLinear):
             off = self.q_size + (0 if shard_id == "k" else self.kv_size)
         self._check_full(src, (full, self.in_features) if param == "weight" else (full,))
         dst = getattr(self, param)
-        dst[off:off + n] = self.xp.asarray(src.rows(start, start + n), dtype=self.dtype)
+        dst[off : off + n] = self.xp.asarray(src.rows(start, start + n), dtype=self.dtype)
 
     def split(self, qkv):
-        q = qkv[..., :self.q_size]
-        k = qkv[..., self.q_size:self.q_size + self.kv_size]
-        v = qkv[..., self.q_size + self.kv_size:]
+        q = qkv[..., : self.q_size]
+        k = qkv[..., self.q_size : self.q_size + self.kv_size]
+        v = qkv[..., self.q_size + self.kv_size :]
         return q, k, v
 
 
@@ -206,7 +255,7 @@ def gather_last_dim(comm, y, sizes=None):
     part = xp.moveaxis(y, -1, 0)
     if sizes is None or len(set(sizes)) == 1:
         full = backend.empty((part.shape[0] * comm.size,) + tuple(part.shape[1:]), y.dtype, y)
-        comm.allgather(part, out=full)        # equal shards: out's shape spares the count exchange
+        comm.allgather(part, out=full)  # equal shards: out's shape spares the count exchange
     else:
         full = comm.allgather(part)
     return xp.moveaxis(full, 0, -1)

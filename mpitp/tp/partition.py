@@ -14,6 +14,7 @@ of every all-reduce) carries no more than its share. The vocabulary is cut in bl
 ``PAD`` rows, as evenly as blocks allow. Every split is a list of (start, size) per rank,
 computed the same way on every rank, so nothing is exchanged.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from ..comm.algorithms.ring import chunk_counts, offsets
 from ..errors import MpitpError
 
-PAD = 64            # vocabulary rows per block
+PAD = 64  # vocabulary rows per block
 
 
 class ShardingError(MpitpError, ValueError):
@@ -34,14 +35,14 @@ def even(n: int, p: int, block: int = 1) -> list[int]:
     return [c * block for c in chunk_counts(n // block, p)]
 
 
-starts = offsets        # where each rank's part begins
+starts = offsets  # where each rank's part begins
 
 
 @dataclass(frozen=True)
 class AttentionSplit:
-    q: list[int]            # query heads per rank
+    q: list[int]  # query heads per rank
     q_start: list[int]
-    kv: list[int]           # KV heads each rank holds (1 when replicated)
+    kv: list[int]  # KV heads each rank holds (1 when replicated)
     kv_start: list[int]
 
     def rank(self, r: int) -> tuple[int, int, int, int]:
@@ -52,14 +53,15 @@ def attention(heads: int, kv_heads: int, p: int) -> AttentionSplit:
     if heads % kv_heads:
         raise ShardingError(f"number of attention heads = {heads} is not a multiple of the KV heads = {kv_heads}")
     if p > heads:
-        raise ShardingError(f"tensor-parallel size {p} exceeds the number of attention heads = {heads}: "
-                            "some rank would hold no head")
+        raise ShardingError(
+            f"tensor-parallel size {p} exceeds the number of attention heads = {heads}: some rank would hold no head"
+        )
     g = heads // kv_heads
     if p <= kv_heads:
         kv = even(kv_heads, p)
         return AttentionSplit([k * g for k in kv], [s * g for s in starts(kv)], kv, starts(kv))
     q, q_start, kv_start = [], [], []
-    for head, ranks in enumerate(even(p, kv_heads)):        # ranks sharing each KV head
+    for head, ranks in enumerate(even(p, kv_heads)):  # ranks sharing each KV head
         for size, off in zip(even(g, ranks), starts(even(g, ranks))):
             q.append(size)
             q_start.append(head * g + off)
@@ -73,8 +75,9 @@ def vocab(vocab_size: int, p: int) -> tuple[int, list[int]]:
     return blocks * PAD, even(blocks * PAD, p, PAD)
 
 
-def mlp(intermediate: int, hidden: int, head_dim: int, att: AttentionSplit, fixed: list[int] | None = None,
-        block: int = 1) -> list[int]:
+def mlp(
+    intermediate: int, hidden: int, head_dim: int, att: AttentionSplit, fixed: list[int] | None = None, block: int = 1
+) -> list[int]:
     """Intermediate columns per rank that balance the bytes each rank streams per token:
     attention (q, k, v and o rows) + 3·hidden per column (gate, up, down) + ``fixed``
     (e.g. the rank's vocabulary rows); every rank keeps at least one block."""
@@ -89,7 +92,7 @@ def mlp(intermediate: int, hidden: int, head_dim: int, att: AttentionSplit, fixe
     sizes = [max(1, int(w * scale)) for w in want]
     order = sorted(range(p), key=lambda i: want[i] * scale - sizes[i], reverse=True)
     i = 0
-    while sum(sizes) < units:           # hand out what rounding left, largest remainders first
+    while sum(sizes) < units:  # hand out what rounding left, largest remainders first
         sizes[order[i % p]] += 1
         i += 1
     while sum(sizes) > units:

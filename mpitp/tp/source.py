@@ -4,6 +4,7 @@
 just that block; safetensors reads only those bytes (``get_slice``), so a rank never
 reads the shards of other ranks. bf16 tensors are upcast through ``ml_dtypes``.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -13,7 +14,7 @@ import numpy as np
 try:  # registers bfloat16 with NumPy, so safetensors can hand bf16 tensors over
     import ml_dtypes  # noqa: F401
 except ImportError:  # pragma: no cover
-    ml_dtypes = None
+    pass
 
 
 class TensorSource(Protocol):

@@ -6,6 +6,7 @@
 recomputation the trainer keeps only ``x`` and calls ``forward`` again in backward.
 ``p`` and ``g`` are the unit's parameter and gradient views (:meth:`UnitLayout.views`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from .grads import attention_backward, linear_backward, rms_norm_backward, rope_
 @dataclass
 class Ctx:
     """What every layer of one micro-batch shares: RoPE tables and the causal mask."""
+
     cfg: LlamaConfig
     rotary: Rotary
     cos: Any
@@ -30,7 +32,7 @@ class Ctx:
     mask: Any
 
     @classmethod
-    def build(cls, cfg: LlamaConfig, rotary: Rotary, B: int, T: int, xp=np) -> "Ctx":
+    def build(cls, cfg: LlamaConfig, rotary: Rotary, B: int, T: int, xp=np) -> Ctx:
         cos, sin = rotary.tables(xp.broadcast_to(xp.arange(T), (B, T)))
         return cls(cfg, rotary, cos, sin, causal_mask(T, xp))
 
@@ -62,12 +64,12 @@ def forward(p: dict, x, c: Ctx, keep: bool = True):
     d, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     h1 = rms_norm(x, p["ln1"], cfg.rms_norm_eps)
     qkv = _linear(h1, p, "qkv", "bqkv")
-    nq = nh + nkv                                     # q and k side by side: one rotation for both
-    qk = c.rotary.apply(qkv[..., :nq * d].reshape(B, T, nq, d), c.cos, c.sin)
-    q = qk[:, :, :nh].reshape(B, T, nkv, nh // nkv, d).transpose(0, 2, 3, 1, 4)   # [B, kv, g, T, d]
-    k = qk[:, :, nh:].transpose(0, 2, 1, 3)                                         # [B, kv, T, d]
-    v = qkv[..., nq * d:].reshape(B, T, nkv, d).transpose(0, 2, 1, 3)
-    att, probs = attention(q, k, v, d ** -0.5, c.mask)
+    nq = nh + nkv  # q and k side by side: one rotation for both
+    qk = c.rotary.apply(qkv[..., : nq * d].reshape(B, T, nq, d), c.cos, c.sin)
+    q = qk[:, :, :nh].reshape(B, T, nkv, nh // nkv, d).transpose(0, 2, 3, 1, 4)  # [B, kv, g, T, d]
+    k = qk[:, :, nh:].transpose(0, 2, 1, 3)  # [B, kv, T, d]
+    v = qkv[..., nq * d :].reshape(B, T, nkv, d).transpose(0, 2, 1, 3)
+    att, probs = attention(q, k, v, d**-0.5, c.mask)
     a = att.transpose(0, 3, 1, 2, 4).reshape(B, T, nh * d)
     h = x + _linear(a, p, "o", "bo")
     h2 = rms_norm(h, p["ln2"], cfg.rms_norm_eps)
@@ -91,7 +93,7 @@ def backward(p: dict, g: dict, s: Saved, dy, c: Ctx):
     dh = dy + rms_norm_backward(dh2, s.h, p["ln2"], cfg.rms_norm_eps, g["ln2"])
     da = linear_backward(dh, s.a, p["o"], g["o"], g.get("bo"))
     datt = da.reshape(B, T, nkv, nh // nkv, d).transpose(0, 2, 3, 1, 4)
-    dq, dk, dv = attention_backward(datt, s.q, s.k, s.v, s.probs, d ** -0.5)
+    dq, dk, dv = attention_backward(datt, s.q, s.k, s.v, s.probs, d**-0.5)
     dqk = xp.concatenate([dq.transpose(0, 3, 1, 2, 4).reshape(B, T, nh, d), dk.transpose(0, 2, 1, 3)], axis=2)
     dqk = rope_backward(c.rotary, dqk, c.cos, c.sin)
     dqkv = xp.concatenate([dqk.reshape(B, T, (nh + nkv) * d), dv.transpose(0, 2, 1, 3).reshape(B, T, nkv * d)], axis=-1)

@@ -14,6 +14,7 @@ so a crash mid-save leaves the previous checkpoint as it was. Ranges are in the 
 flat buffer of each unit, so a run saved at N ranks resumes at any other N: each rank
 reads the pieces of the old ranges that overlap its new one (safetensors slices).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -61,8 +62,16 @@ def agree(comm, err: Exception | None, what: str) -> None:
         raise CheckpointError(f"{what}: " + "; ".join(f"rank {r}: {m}" for r, m in bad))
 
 
-def save(out: Path, step: int, comm, layouts: list[UnitLayout], ranges: list[tuple[int, int]],
-         tensors: dict[str, np.ndarray], meta: dict, tokenizer: Path | None = None) -> Path:
+def save(
+    out: Path,
+    step: int,
+    comm,
+    layouts: list[UnitLayout],
+    ranges: list[tuple[int, int]],
+    tensors: dict[str, np.ndarray],
+    meta: dict,
+    tokenizer: Path | None = None,
+) -> Path:
     """Collective. ``ranges[i]`` is this rank's [lo, hi) of unit i (unpadded); ``tensors``
     maps ``u{i}.{kind}`` to this rank's values over that range."""
     from safetensors.numpy import save_file
@@ -93,16 +102,26 @@ def save(out: Path, step: int, comm, layouts: list[UnitLayout], ranges: list[tup
     final = out / name
     if rank == 0:
         try:
-            full = dict(meta, format=FORMAT, step=step, world_size=n,
-                        units=[{"name": u.name, "numel": u.numel,
-                                "tensors": [[t.key, t.name, list(t.shape), t.offset] for t in u.tensors]}
-                               for u in layouts],
-                        ranks=[{"file": f, "sha256": d, "ranges": [list(r) for r in rg]} for f, d, rg in every])
+            full = dict(
+                meta,
+                format=FORMAT,
+                step=step,
+                world_size=n,
+                units=[
+                    {
+                        "name": u.name,
+                        "numel": u.numel,
+                        "tensors": [[t.key, t.name, list(t.shape), t.offset] for t in u.tensors],
+                    }
+                    for u in layouts
+                ],
+                ranks=[{"file": f, "sha256": d, "ranges": [list(r) for r in rg]} for f, d, rg in every],
+            )
             if tokenizer is not None and Path(tokenizer).exists():
                 shutil.copyfile(tokenizer, tmp / "tokenizer.json")
             (tmp / "meta.json").write_text(json.dumps(full, indent=1))
             _fsync_dir(tmp)
-            if final.exists():                       # saving the same step again
+            if final.exists():  # saving the same step again
                 old = out / f".{name}.old"
                 shutil.rmtree(old, ignore_errors=True)
                 final.rename(old)
@@ -145,6 +164,7 @@ class Reader:
 
     def _open(self, rank_entry: dict):
         from safetensors import safe_open
+
         f = self.path / rank_entry["file"]
         if f.name not in self._verified:
             if not f.exists():
@@ -166,19 +186,20 @@ class Reader:
             if s >= e:
                 continue
             with self._open(entry) as h:
-                out[s - lo:e - lo] = h.get_slice(f"u{unit}.{kind}")[s - a:e - a]
+                out[s - lo : e - lo] = h.get_slice(f"u{unit}.{kind}")[s - a : e - a]
         return out
 
 
 def export_hf(ckpt: Path, out: Path) -> Path:
     """A Hugging Face directory (config.json, model.safetensors, tokenizer.json)."""
     from safetensors.numpy import save_file
+
     r = Reader(ckpt)
     tensors = {}
     for i, unit in enumerate(r.meta["units"]):
         flat = r.read(i, "param", 0, unit["numel"], np.float32)
         for _key, name, shape, off in unit["tensors"]:
-            tensors[name] = flat[off:off + int(np.prod(shape))].reshape(shape)
+            tensors[name] = flat[off : off + int(np.prod(shape))].reshape(shape)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = r.config.to_dict()

@@ -7,6 +7,7 @@ The stream is cut into windows of ``seq + 1`` tokens, window i starting at token
 them, so the same command trains on the same data at any N. The last ``eval_fraction`` of
 the stream is held out for the eval loss.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,7 +17,7 @@ import numpy as np
 from ..comm.algorithms.ring import chunk_counts, offsets
 from ..errors import MpitpError
 
-LLMC_MAGIC = 20240520          # llm.c's .bin header: 256 int32, magic, version, token count
+LLMC_MAGIC = 20240520  # llm.c's .bin header: 256 int32, magic, version, token count
 
 
 class DataError(MpitpError, ValueError):
@@ -26,6 +27,7 @@ class DataError(MpitpError, ValueError):
 def default_text() -> str:
     """The text of Python's own documentation topics (``pydoc_data``, shipped with CPython)."""
     from pydoc_data.topics import topics
+
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
@@ -55,11 +57,16 @@ def read_ids(path: Path) -> np.ndarray | None:
 def train_tokenizer(text: str, vocab_size: int):
     """A byte-level BPE with ``vocab_size`` entries learned from ``text`` (GPT-2 style)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([text], trainer=trainer)
     return tok
 

@@ -9,8 +9,8 @@ Units in order ``[embed, layer 0 … layer L-1, head]``. The schedule, with fsdp
 Each step prefetches the next unit that needs gathering; a unit's gradients are reduced
 (nonblocking) as soon as backward leaves it.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 from ..models.config import LlamaConfig
 from ..models.ops import rms_norm
@@ -26,8 +26,9 @@ class Engine:
         self.L = cfg.num_hidden_layers
         self.head = self.L + 1
         self.tied = cfg.tie_word_embeddings
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings,
-                             dtype=sharding.dtype)
+        self.rotary = Rotary(
+            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, dtype=sharding.dtype
+        )
         self.layouts = [u.layout for u in sharding.units]
 
     def _views(self, i: int, flat) -> dict:

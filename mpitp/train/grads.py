@@ -3,6 +3,7 @@
 what the forward kept, returns the input gradients, and *accumulates* weight gradients
 into the buffers it is given (so micro-batches add up in place). Checked in float64
 against central differences (tests/test_train_grads.py)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -46,12 +47,12 @@ def attention_backward(dout, q, k, v, probs, scale: float):
     """Gradients of :func:`mpitp.models.ops.attention` (q [B,kv,g,T,d], k, v [B,kv,S,d],
     probs [B,kv,g,T,S]); masked positions have probability 0 and get no gradient. K and V
     gradients sum over the g query heads that share them."""
-    dv = (probs.swapaxes(-1, -2) @ dout).sum(axis=2)                     # [B, kv, S, d]
-    dp = dout @ v[:, :, None].swapaxes(-1, -2)                          # [B, kv, g, T, S]
+    dv = (probs.swapaxes(-1, -2) @ dout).sum(axis=2)  # [B, kv, S, d]
+    dp = dout @ v[:, :, None].swapaxes(-1, -2)  # [B, kv, g, T, S]
     ds = probs * (dp - (dp * probs).sum(axis=-1, keepdims=True))
     ds *= scale
-    dq = ds @ k[:, :, None]                                             # [B, kv, g, T, d]
-    dk = (ds.swapaxes(-1, -2) @ q).sum(axis=2)                          # [B, kv, S, d]
+    dq = ds @ k[:, :, None]  # [B, kv, g, T, d]
+    dk = (ds.swapaxes(-1, -2) @ q).sum(axis=2)  # [B, kv, S, d]
     return dq, dk, dv
 
 

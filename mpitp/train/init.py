@@ -1,9 +1,11 @@
 """Where a run's parameters come from: fresh (transformers' LLaMA init), a Hugging Face
 checkpoint (fine-tuning), or a training checkpoint (resume, at any N). Each rank fills
 only the range it owns, reading just those rows (safetensors ``get_slice``)."""
+
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -12,20 +14,37 @@ from ..models.loader import CheckpointError, checkpoint_files, open_safetensors
 from ..tp import SafetensorsSource
 from .layout import UnitLayout, init_unit
 
-PRESETS = {
+PRESETS: dict[str, dict[str, Any]] = {
     # small enough for tests, with grouped-query attention
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2),
-    "small": dict(vocab_size=4096, hidden_size=256, intermediate_size=672, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=4),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "small": dict(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=672,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    ),
 }
 
 
 def preset_config(name: str) -> LlamaConfig:
     if name in PRESETS:
         c = PRESETS[name]
-        return LlamaConfig(**c, head_dim=c["hidden_size"] // c["num_attention_heads"], rms_norm_eps=1e-5,
-                           max_position_embeddings=1024, tie_word_embeddings=False)
+        return LlamaConfig(
+            **c,
+            head_dim=c["hidden_size"] // c["num_attention_heads"],
+            rms_norm_eps=1e-5,
+            max_position_embeddings=1024,
+            tie_word_embeddings=False,
+        )
     return LlamaConfig.from_path(Path(name))
 
 
@@ -63,5 +82,5 @@ class HFReader:
             block = src.rows(r0, r1).reshape(-1)
             self.bytes_read += src.bytes_read
             a = s - t.offset - r0 * row
-            out[s - lo:e - lo] = block[a:a + e - s]
+            out[s - lo : e - lo] = block[a : a + e - s]
         return out

@@ -10,6 +10,7 @@ buffer is padded to a multiple of N ranks, and rank r owns ``[r·P/N, (r+1)·P/N
 
 Tensors of two or more dimensions get weight decay; norms and biases do not.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,8 +22,8 @@ from ..models.config import LlamaConfig
 
 @dataclass(frozen=True)
 class Tensor:
-    key: str            # short name inside the unit ("q", "ln1", ...)
-    name: str           # Hugging Face name
+    key: str  # short name inside the unit ("q", "ln1", ...)
+    name: str  # Hugging Face name
     shape: tuple
     offset: int
 
@@ -38,8 +39,9 @@ class Tensor:
 class UnitLayout:
     """Where each tensor of one unit lies in its flat buffer."""
 
-    def __init__(self, name: str, specs: list[tuple[str, str, tuple]], fused: dict[str, tuple[str, ...]] = {}):
+    def __init__(self, name: str, specs: list[tuple[str, str, tuple]], fused: dict[str, tuple[str, ...]] | None = None):
         self.name, self.tensors, off = name, [], 0
+        fused = fused or {}
         for key, hf, shape in specs:
             self.tensors.append(Tensor(key, hf, tuple(shape), off))
             off += int(np.prod(shape))
@@ -57,11 +59,11 @@ class UnitLayout:
 
     def views(self, flat) -> dict:
         """Each tensor (and fused group, stacked along rows) as a view of ``flat``."""
-        out = {t.key: flat[t.offset:t.offset + t.size].reshape(t.shape) for t in self.tensors}
+        out = {t.key: flat[t.offset : t.offset + t.size].reshape(t.shape) for t in self.tensors}
         for key, parts in self.fused.items():
             first, last = self.by_key[parts[0]], self.by_key[parts[-1]]
             rows = sum(self.by_key[p].shape[0] for p in parts)
-            out[key] = flat[first.offset:last.offset + last.size].reshape((rows,) + first.shape[1:])
+            out[key] = flat[first.offset : last.offset + last.size].reshape((rows,) + first.shape[1:])
         return out
 
     def decay_mask(self, lo: int, hi: int) -> np.ndarray:
@@ -71,7 +73,7 @@ class UnitLayout:
             if t.decay:
                 a, b = max(t.offset, lo), min(t.offset + t.size, hi)
                 if a < b:
-                    mask[a - lo:b - lo] = True
+                    mask[a - lo : b - lo] = True
         return mask
 
 
@@ -82,25 +84,44 @@ def llama_units(cfg: LlamaConfig) -> list[UnitLayout]:
     units = [UnitLayout("embed", [("embed", "model.embed_tokens.weight", (V, H))])]
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        specs = [("ln1", p + "input_layernorm.weight", (H,)),
-                 ("q", p + "self_attn.q_proj.weight", (q, H)), ("k", p + "self_attn.k_proj.weight", (kv, H)),
-                 ("v", p + "self_attn.v_proj.weight", (kv, H))]
+        specs = [
+            ("ln1", p + "input_layernorm.weight", (H,)),
+            ("q", p + "self_attn.q_proj.weight", (q, H)),
+            ("k", p + "self_attn.k_proj.weight", (kv, H)),
+            ("v", p + "self_attn.v_proj.weight", (kv, H)),
+        ]
         if cfg.qkv_bias:
-            specs += [("bq", p + "self_attn.q_proj.bias", (q,)), ("bk", p + "self_attn.k_proj.bias", (kv,)),
-                      ("bv", p + "self_attn.v_proj.bias", (kv,))]
+            specs += [
+                ("bq", p + "self_attn.q_proj.bias", (q,)),
+                ("bk", p + "self_attn.k_proj.bias", (kv,)),
+                ("bv", p + "self_attn.v_proj.bias", (kv,)),
+            ]
         specs.append(("o", p + "self_attn.o_proj.weight", (H, q)))
         if cfg.o_bias:
             specs.append(("bo", p + "self_attn.o_proj.bias", (H,)))
-        specs += [("ln2", p + "post_attention_layernorm.weight", (H,)),
-                  ("gate", p + "mlp.gate_proj.weight", (I, H)), ("up", p + "mlp.up_proj.weight", (I, H))]
+        specs += [
+            ("ln2", p + "post_attention_layernorm.weight", (H,)),
+            ("gate", p + "mlp.gate_proj.weight", (I, H)),
+            ("up", p + "mlp.up_proj.weight", (I, H)),
+        ]
         if cfg.mlp_bias:
             specs += [("bgate", p + "mlp.gate_proj.bias", (I,)), ("bup", p + "mlp.up_proj.bias", (I,))]
         specs.append(("down", p + "mlp.down_proj.weight", (H, I)))
         if cfg.mlp_bias:
             specs.append(("bdown", p + "mlp.down_proj.bias", (H,)))
-        units.append(UnitLayout(f"layer{i}", specs, {"qkv": ("q", "k", "v"), "bqkv": ("bq", "bk", "bv"),
-                                                     "gate_up": ("gate", "up"), "bgate_up": ("bgate", "bup")}))
-    head = [("norm", "model.norm.weight", (H,))]
+        units.append(
+            UnitLayout(
+                f"layer{i}",
+                specs,
+                {
+                    "qkv": ("q", "k", "v"),
+                    "bqkv": ("bq", "bk", "bv"),
+                    "gate_up": ("gate", "up"),
+                    "bgate_up": ("bgate", "bup"),
+                },
+            )
+        )
+    head: list[tuple[str, str, tuple]] = [("norm", "model.norm.weight", (H,))]
     if not cfg.tie_word_embeddings:
         head.append(("head", "lm_head.weight", (V, H)))
     units.append(UnitLayout("head", head))
@@ -113,7 +134,7 @@ def init_unit(layout: UnitLayout, seed: int, std: float = 0.02, dtype=np.float64
     flat = np.zeros(layout.numel, dtype)
     rng = np.random.default_rng(seed)
     for t in layout.tensors:
-        view = flat[t.offset:t.offset + t.size]
+        view = flat[t.offset : t.offset + t.size]
         if t.key.startswith(("ln", "norm")):
             view[...] = 1.0
         elif t.decay:

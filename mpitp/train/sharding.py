@@ -12,9 +12,11 @@ fsdp prefetches the next unit's all-gather (nonblocking) while the current one c
 A tied embedding is gathered once per step and kept until the embedding's backward has
 run (the head uses it in between), as torch FSDP keeps its root unit.
 """
+
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 
@@ -29,18 +31,30 @@ class Unit:
         self.padded = layout.padded(n)
         self.lo, self.hi = layout.owned(n, rank)
         sharded_params = mode == "fsdp"
-        self.full = None if sharded_params else np.zeros(self.padded, dtype)
-        self.shard = np.zeros(self.hi - self.lo, dtype) if sharded_params else self.full[self.lo:self.hi]
-        self.grad = np.zeros(self.padded, dtype) if mode in ("ddp", "zero1") else None   # persistent full grads
-        self.gshard = None if mode == "ddp" else np.zeros(self.hi - self.lo, dtype)
-        self.pending = None        # a nonblocking gather or reduction in flight
+        # Which arrays exist depends on the mode (None where it keeps none); each code path
+        # below runs in the modes that have its arrays, so they are typed Any, not Optional.
+        self.full: Any = None
+        self.shard: Any = np.zeros(self.hi - self.lo, dtype)
+        if not sharded_params:
+            self.full = np.zeros(self.padded, dtype)
+            self.shard = self.full[self.lo : self.hi]
+        self.grad: Any = np.zeros(self.padded, dtype) if mode in ("ddp", "zero1") else None  # persistent full grads
+        self.gshard: Any = None if mode == "ddp" else np.zeros(self.hi - self.lo, dtype)
+        self.pending: Any = None  # a nonblocking gather or reduction in flight
 
 
 class Sharding:
     """Parameters, gradients and the optimizer's slice of both, for one mode."""
 
-    def __init__(self, comm, layouts: list[UnitLayout], mode: str, dtype=np.float32, algorithm: str = "auto",
-                 keep: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        comm,
+        layouts: list[UnitLayout],
+        mode: str,
+        dtype=np.float32,
+        algorithm: str = "auto",
+        keep: tuple[int, ...] = (),
+    ):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
         self.comm, self.mode, self.dtype, self.algorithm = comm, mode, np.dtype(dtype), algorithm
@@ -48,8 +62,8 @@ class Sharding:
         self.rank = comm.rank if comm is not None else 0
         self.units = [Unit(lay, self.n, self.rank, mode, self.dtype, i in keep) for i, lay in enumerate(layouts)]
         self._reductions: list = []
-        self.comm_wait = 0.0       # seconds spent waiting for communication (exposed)
-        self.peak_gathered = 0     # fsdp: most bytes of gathered parameters held at once
+        self.comm_wait = 0.0  # seconds spent waiting for communication (exposed)
+        self.peak_gathered = 0  # fsdp: most bytes of gathered parameters held at once
 
     # ---------------------------------------------------------------- parameters
     def owned_params(self, i: int):
@@ -88,8 +102,10 @@ class Sharding:
     def sync_params(self) -> None:
         """zero1/zero2: after the optimizer updated the shards, gather the full parameters."""
         if self.mode in ("zero1", "zero2") and self.n > 1:
-            handles = [self.comm.allgather(u.full[u.lo:u.hi].copy(), out=u.full, algorithm=self.algorithm,
-                                           nonblocking=True) for u in self.units]
+            handles = [
+                self.comm.allgather(u.full[u.lo : u.hi].copy(), out=u.full, algorithm=self.algorithm, nonblocking=True)
+                for u in self.units
+            ]
             for h in handles:
                 self._wait(h)
 
@@ -117,15 +133,18 @@ class Sharding:
                 u.gshard += u.grad
                 u.grad = None
             else:
-                self._reductions.append((u, self.comm.reduce_scatter(u.grad, algorithm=self.algorithm,
-                                                                     nonblocking=True)))
+                self._reductions.append(
+                    (u, self.comm.reduce_scatter(u.grad, algorithm=self.algorithm, nonblocking=True))
+                )
         elif last_micro and self.n > 1:
             if self.mode == "ddp":
-                self._reductions.append((u, self.comm.allreduce(u.grad, out=u.grad, algorithm=self.algorithm,
-                                                                nonblocking=True)))
+                self._reductions.append(
+                    (u, self.comm.allreduce(u.grad, out=u.grad, algorithm=self.algorithm, nonblocking=True))
+                )
             else:
-                self._reductions.append((u, self.comm.reduce_scatter(u.grad, algorithm=self.algorithm,
-                                                                     nonblocking=True)))
+                self._reductions.append(
+                    (u, self.comm.reduce_scatter(u.grad, algorithm=self.algorithm, nonblocking=True))
+                )
         elif last_micro and self.mode == "zero1":
             u.gshard[...] = u.grad
 

@@ -5,6 +5,7 @@ Every rank runs the same loop (SPMD). Per step: each rank's piece of the global 
 and the gradient norm are all-reduced; clipping; AdamW on the owned slices; zero1/zero2
 gather the updated parameters. Rank 0 shows progress and writes the log.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,13 +30,13 @@ class TrainError(MpitpError, ValueError):
 
 @dataclass
 class Options:
-    config: str | None = None          # tiny | small | config.json path
-    init: str | None = None            # Hugging Face directory, or "default"
+    config: str | None = None  # tiny | small | config.json path
+    init: str | None = None  # Hugging Face directory, or "default"
     data: str | None = None
     data_default: bool = False
     mode: str = "fsdp"
     steps: int = 100
-    batch: int = 8                     # global batch, in sequences
+    batch: int = 8  # global batch, in sequences
     seq: int = 128
     lr: float = 3e-4
     min_lr: float | None = None
@@ -79,7 +80,8 @@ def _on_root(comm, fn):
 class Trainer:
     def __init__(self, opts: Options, comm=None):
         self.o, self.comm = opts, comm
-        self.n, self.rank = (comm.size, comm.rank) if comm is not None else (1, 0)
+        self.n: int = comm.size if comm is not None else 1
+        self.rank: int = comm.rank if comm is not None else 0
         o = opts
         if o.mode not in ("ddp", "zero1", "zero2", "fsdp"):
             raise TrainError(f"--mode {o.mode!r}: choose ddp, zero1, zero2 or fsdp")
@@ -92,8 +94,9 @@ class Trainer:
         self.ckpt = checkpoint.Reader(Path(o.resume)) if o.resume else None
         self.cfg, self.tokenizer = self._model_source()
         if o.seq > self.cfg.max_position_embeddings:
-            raise TrainError(f"--seq {o.seq} exceeds the model's max_position_embeddings "
-                             f"{self.cfg.max_position_embeddings}")
+            raise TrainError(
+                f"--seq {o.seq} exceeds the model's max_position_embeddings {self.cfg.max_position_embeddings}"
+            )
         tokens = self._tokens()
         train, held = data.split_eval(tokens, o.eval_fraction, o.seq)
         self.windows = data.Windows(train, o.seq)
@@ -104,13 +107,19 @@ class Trainer:
         self.S = Sharding(comm, self.layouts, o.mode, self.dtype, o.algorithm, keep=keep)
         self.engine = Engine(self.cfg, self.S, recompute=o.recompute)
         ranges = [self.S.opt_range(i) for i in range(len(self.layouts))]
-        self.opt = AdamW([b - a for a, b in ranges], [u.decay_mask(a, b) for u, (a, b) in zip(self.layouts, ranges)],
-                         self.dtype, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        self.opt = AdamW(
+            [b - a for a, b in ranges],
+            [u.decay_mask(a, b) for u, (a, b) in zip(self.layouts, ranges)],
+            self.dtype,
+            betas=o.betas,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+        )
         self.step = 0
         err = None
         try:
             self._load_state()
-        except (MpitpError, OSError, ValueError) as e:      # one rank's file: every rank must stop
+        except (MpitpError, OSError, ValueError) as e:  # one rank's file: every rank must stop
             err = e
         checkpoint.agree(comm, err, "loading the parameters")
         self.history: list[dict] = []
@@ -126,6 +135,7 @@ class Trainer:
             path = Path(o.init)
             if o.init == "default":
                 from ..models import default
+
                 found = default.ensure(self.comm)
                 if found is None:
                     raise TrainError(f"--init default needs the embedded model: {default.INSTALL}")
@@ -133,6 +143,7 @@ class Trainer:
             if not path.is_dir():
                 raise TrainError(f"--init {path}: no such directory")
             from ..models.config import LlamaConfig
+
             tok = path / "tokenizer.json"
             self.init_dir = path
             return LlamaConfig.from_path(path), (tok if tok.exists() else None)
@@ -146,6 +157,7 @@ class Trainer:
         o = self.o
 
         def load():
+            text: str | None
             if o.data_default:
                 text, ids = data.default_text(), None
             elif o.data:
@@ -158,9 +170,11 @@ class Trainer:
                 raise TrainError("no data: pass --data FILE (text, .npy or .bin ids) or --data-default")
             if ids is None:
                 from tokenizers import Tokenizer
+
                 if self.tokenizer is not None:
                     tok = Tokenizer.from_file(str(self.tokenizer))
                 else:
+                    assert text is not None  # ids is None: the data was text
                     tok = data.train_tokenizer(text, self.cfg.vocab_size)
                     if o.out:
                         Path(o.out).mkdir(parents=True, exist_ok=True)
@@ -168,9 +182,11 @@ class Trainer:
                         self.tokenizer = Path(o.out) / "tokenizer.json"
                 ids = np.asarray(tok.encode(text).ids, np.int64)
             if ids.size and (ids.min() < 0 or ids.max() >= self.cfg.vocab_size):
-                raise data.DataError(f"token id {int(ids.max())} is outside the model's vocabulary "
-                                     f"[0, {self.cfg.vocab_size})")
+                raise data.DataError(
+                    f"token id {int(ids.max())} is outside the model's vocabulary [0, {self.cfg.vocab_size})"
+                )
             return ids, (str(self.tokenizer) if self.tokenizer else None)
+
         ids, tok = _on_root(self.comm, load)
         self.tokenizer = Path(tok) if tok else None
         return ids
@@ -184,17 +200,17 @@ class Trainer:
             dst = u.shard if fsdp else u.full
             if hi > lo:
                 if self.ckpt is not None:
-                    dst[:hi - lo] = self.ckpt.read(i, "param", lo, hi, self.dtype)
+                    dst[: hi - lo] = self.ckpt.read(i, "param", lo, hi, self.dtype)
                 elif hf is not None:
-                    dst[:hi - lo] = hf.read(lay, lo, hi, self.dtype)
+                    dst[: hi - lo] = hf.read(lay, lo, hi, self.dtype)
                 else:
-                    dst[:hi - lo] = fresh_range(lay, i, lo, hi, self.o.seed, self.dtype)
+                    dst[: hi - lo] = fresh_range(lay, i, lo, hi, self.o.seed, self.dtype)
             if self.ckpt is not None:
                 a, b = self.S.opt_range(i)
                 b = min(b, lay.numel)
                 if b > a:
-                    self.opt.m[i][:b - a] = self.ckpt.read(i, "exp_avg", a, b, self.opt.m[i].dtype)
-                    self.opt.v[i][:b - a] = self.ckpt.read(i, "exp_avg_sq", a, b, self.opt.v[i].dtype)
+                    self.opt.m[i][: b - a] = self.ckpt.read(i, "exp_avg", a, b, self.opt.m[i].dtype)
+                    self.opt.v[i][: b - a] = self.ckpt.read(i, "exp_avg_sq", a, b, self.opt.v[i].dtype)
         if self.ckpt is not None:
             self.step = int(self.ckpt.meta["step"])
             self.opt.t = int(self.ckpt.meta["optimizer"]["t"])
@@ -234,9 +250,16 @@ class Trainer:
         S.sync_params()
         self.step += 1
         t2 = time.perf_counter()
-        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
-                "tokens_per_s": o.batch * o.seq / (t2 - t0), "step_s": t2 - t0,
-                "comm_wait_s": S.comm_wait, "optimizer_s": t2 - t1}
+        return {
+            "step": self.step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": norm,
+            "tokens_per_s": o.batch * o.seq / (t2 - t0),
+            "step_s": t2 - t0,
+            "comm_wait_s": S.comm_wait,
+            "optimizer_s": t2 - t1,
+        }
 
     def eval_loss(self) -> float | None:
         if self.eval_windows is None:
@@ -244,9 +267,9 @@ class Trainer:
         o = self.o
         count = min(self.eval_windows.count, o.eval_batches * o.batch)
         mine = np.arange(count)[data.local_rows(count, self.n, self.rank)]
-        per = -(-o.batch // self.n)                                # rows per forward: a step's share
-        most = -(-count // self.n)                                 # the most rows any rank has
-        chunks = max(1, -(-most // per))                           # the same number on every rank
+        per = -(-o.batch // self.n)  # rows per forward: a step's share
+        most = -(-count // self.n)  # the most rows any rank has
+        chunks = max(1, -(-most // per))  # the same number on every rank
         local = 0.0
         for part in np.array_split(mine, chunks):
             ids, targets = self.eval_windows.batch(part)
@@ -255,22 +278,28 @@ class Trainer:
 
     def save(self) -> Path:
         o = self.o
+        if not o.out:
+            raise TrainError("saving a checkpoint needs an output directory (--out DIR)")
         ranges, tensors = [], {}
         for i, (lay, u) in enumerate(zip(self.layouts, self.S.units)):
             lo, hi = u.lo, min(u.hi, lay.numel)
             hi = max(hi, lo)
             ranges.append((lo, hi))
-            params = u.shard if o.mode == "fsdp" else u.full[u.lo:u.hi]
+            params = u.shard if o.mode == "fsdp" else u.full[u.lo : u.hi]
             a = self.S.opt_range(i)[0]
-            tensors[f"u{i}.param"] = params[:hi - lo]
-            tensors[f"u{i}.exp_avg"] = self.opt.m[i][lo - a:hi - a]
-            tensors[f"u{i}.exp_avg_sq"] = self.opt.v[i][lo - a:hi - a]
-        meta = {"config": self.cfg.to_dict(), "mode": o.mode, "dtype": o.dtype,
-                "optimizer": {"t": self.opt.t, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
-                "data": {"step": self.step, "batch": o.batch, "seq": o.seq, "shuffle": o.shuffle},
-                # nothing draws random numbers after initialisation: the seeds are the whole state
-                "rng": {"init_seed": o.seed, "shuffle_seed": o.shuffle},
-                "options": asdict(o)}
+            tensors[f"u{i}.param"] = params[: hi - lo]
+            tensors[f"u{i}.exp_avg"] = self.opt.m[i][lo - a : hi - a]
+            tensors[f"u{i}.exp_avg_sq"] = self.opt.v[i][lo - a : hi - a]
+        meta = {
+            "config": self.cfg.to_dict(),
+            "mode": o.mode,
+            "dtype": o.dtype,
+            "optimizer": {"t": self.opt.t, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
+            "data": {"step": self.step, "batch": o.batch, "seq": o.seq, "shuffle": o.shuffle},
+            # nothing draws random numbers after initialisation: the seeds are the whole state
+            "rng": {"init_seed": o.seed, "shuffle_seed": o.shuffle},
+            "options": asdict(o),
+        }
         return checkpoint.save(Path(o.out), self.step, self.comm, self.layouts, ranges, tensors, meta, self.tokenizer)
 
     def memory(self) -> dict:

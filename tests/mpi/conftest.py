@@ -1,6 +1,7 @@
 """Per-rank fixtures and reference helpers. These tests run on every rank at once under mpiexec, so every
 assertion is collective: :func:`agree` fails on all ranks together, which keeps the
 ranks in step (and hypothesis shrinking in step) instead of leaving some blocked."""
+
 import zlib
 
 import numpy as np
@@ -35,7 +36,11 @@ def rank_inputs(shape, dtype, op, size, seed):
         if dtype == np.bool_:
             a = rng.integers(0, 2, shape).astype(bool)
         elif dtype.kind in "iu":
-            lo, hi = ((-3, 4) if op == "prod" else (-100, 101)) if dtype.kind == "i" else ((0, 4) if op == "prod" else (0, 101))
+            lo, hi = (
+                ((-3, 4) if op == "prod" else (-100, 101))
+                if dtype.kind == "i"
+                else ((0, 4) if op == "prod" else (0, 101))
+            )
             a = rng.integers(lo, hi, shape).astype(dtype)
         elif dtype.kind == "c":
             a = (rng.uniform(0.5, 1.5, shape) + 1j * rng.uniform(-0.5, 0.5, shape)).astype(dtype)
@@ -79,11 +84,10 @@ def same_on_all_ranks(y) -> bool:
     return len(set(digests)) == 1
 
 
-
-
 def cma_permitted() -> bool:
     """Whether this node lets a rank read its neighbour's memory (the CMA transport's
     own probe: ptrace permission, no seccomp filter in the way). Collective."""
     from mpitp.comm.transport import cma
+
     world = MPI.COMM_WORLD
     return world.size == 1 or cma.works(world)[0]

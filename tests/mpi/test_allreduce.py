@@ -8,23 +8,44 @@ likewise by 2g * |prod x_i| (relative error of N-1 roundings; inputs in [0.5, 1.
 clear of under/overflow), with g scaled by 4 for complex products (sqrt(5)u per complex
 multiply, Higham 3.6). max/min and all integer results must be exact.
 """
+
 import numpy as np
 import pytest
+from conftest import agree, bound, close, cma_permitted, numpy_reference, rank_inputs, same_on_all_ranks
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 
 import mpitp
-from conftest import agree, bound, close, cma_permitted, numpy_reference, rank_inputs, same_on_all_ranks
 
 N = MPI.COMM_WORLD.size
-SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=40,
-                    phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-DTYPES = ["float16", "float32", "float64", "int8", "int16", "int32", "int64",
-          "uint8", "uint16", "uint32", "uint64", "bool", "complex64"]
+SETTINGS = settings(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=40,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=list(HealthCheck),
+)
+DTYPES = [
+    "float16",
+    "float32",
+    "float64",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "bool",
+    "complex64",
+]
 OPS = ["sum", "prod", "max", "min"]
-SIZES = st.one_of(st.sampled_from([0, 1, 2, 3, 5, 7, 13, 31, 97, max(N - 1, 0), N, N + 1, 3 * N, 5 * N + 1]),
-                  st.integers(0, 5000))
+SIZES = st.one_of(
+    st.sampled_from([0, 1, 2, 3, 5, 7, 13, 31, 97, max(N - 1, 0), N, N + 1, 3 * N, 5 * N + 1]), st.integers(0, 5000)
+)
 
 
 def valid(dtype, op):
@@ -38,6 +59,7 @@ def valid(dtype, op):
 def mpi_reference(x, op):
     y = np.empty_like(x)
     from mpitp.comm.ops import ReduceOp, mpi_datatype, mpi_op
+
     dt = mpi_datatype(x.dtype)
     MPI.COMM_WORLD.Allreduce([x, dt], [y, dt], op=mpi_op(ReduceOp(op), x.dtype))
     return y
@@ -59,8 +81,13 @@ def check_allreduce(comm, n, dtype, op, algorithm, seed):
 
 
 @SETTINGS
-@given(n=SIZES, dtype=st.sampled_from(DTYPES), op=st.sampled_from(OPS),
-       algorithm=st.sampled_from(["ring", "mpi", "auto"]), seed=st.integers(0, 2**16))
+@given(
+    n=SIZES,
+    dtype=st.sampled_from(DTYPES),
+    op=st.sampled_from(OPS),
+    algorithm=st.sampled_from(["ring", "mpi", "auto"]),
+    seed=st.integers(0, 2**16),
+)
 def test_allreduce_property(comm, n, dtype, op, algorithm, seed):
     if valid(dtype, op):
         check_allreduce(comm, n, dtype, op, algorithm, seed)
@@ -78,7 +105,7 @@ def test_ring_few_mib(comm, n, dtype):
 
 def test_ring_small_segments(comm):
     old = comm.segment_bytes
-    comm.segment_bytes = 24   # 6 float32 per segment: many segments, ragged last one
+    comm.segment_bytes = 24  # 6 float32 per segment: many segments, ragged last one
     try:
         check_allreduce(comm, 1001, "float32", "sum", "ring", seed=3)
         check_allreduce(comm, 1001, "int64", "max", "ring", seed=4)
@@ -134,8 +161,12 @@ def test_unknown_op_and_algorithm(comm):
 
 
 @SETTINGS
-@given(n=st.integers(0, 3000), seg=st.sampled_from([4, 8, 24, 100, 1000, 4096]),
-       depth_slots=st.sampled_from([1, 2, 3, 4]), seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(0, 3000),
+    seg=st.sampled_from([4, 8, 24, 100, 1000, 4096]),
+    depth_slots=st.sampled_from([1, 2, 3, 4]),
+    seed=st.integers(0, 2**16),
+)
 def test_ring_pipeline_segments(comm, n, seg, depth_slots, seed):
     """Many segments per chunk and every window depth: the pipelined ring must neither
     deadlock (the watchdog would abort) nor mix up segments."""
@@ -166,8 +197,18 @@ def test_ring_pipeline_rendezvous(comm, depth_slots, segs_per_chunk):
         comm.segment_bytes, comm.ring_depth = old_seg, old_depth
 
 
-@pytest.mark.parametrize("dtype,op", [("float32", "sum"), ("float64", "max"), ("int8", "sum"), ("uint16", "sum"),
-                                      ("int64", "prod"), ("bool", "min"), ("complex64", "sum")])
+@pytest.mark.parametrize(
+    "dtype,op",
+    [
+        ("float32", "sum"),
+        ("float64", "max"),
+        ("int8", "sum"),
+        ("uint16", "sum"),
+        ("int64", "prod"),
+        ("bool", "min"),
+        ("complex64", "sum"),
+    ],
+)
 def test_small_message_fast_path(dtype, op):
     """Without the watchdog and validation, repeated small host calls skip straight to
     MPI's own call (the fast path): same results as MPI and NumPy for every output form,
@@ -180,7 +221,7 @@ def test_small_message_fast_path(dtype, op):
             tol = bound(inputs, op, dtype)
             ref = numpy_reference(inputs, op)
             ref_mpi = mpi_reference(x, op)
-            for _ in range(3):                          # 1st call: slow path; then the fast path
+            for _ in range(3):  # 1st call: slow path; then the fast path
                 y = c.allreduce(x, op=op)
                 agree(close(y, ref_mpi, tol) and close(y, ref, tol) and y.dtype == x.dtype, f"{dtype} {op} n={n}")
                 out = np.empty_like(x)
@@ -208,15 +249,15 @@ def test_persistent_buffers():
             agree(c.allreduce(x, out=out) is out, "returns out")
             want = sum(np.arange(6) + r + k for r in range(N))
             agree(np.array_equal(out, want), f"call {k}: {out} != {want}")
-        x.shape = (2, 3)                                     # the same buffer, new shape
+        x.shape = (2, 3)  # the same buffer, new shape
         out.shape = (2, 3)
         c.allreduce(x, out=out)
         agree(np.array_equal(out, want.reshape(2, 3)), "reshaped in place")
         z = np.full(4, 1 + c.rank, np.int32)
-        for k in range(3):
+        for _ in range(3):
             agree(c.allreduce(z, op="max", out=z) is z, "in place returns the buffer")
         agree(np.array_equal(z, np.full(4, N)), f"in place max: {z}")
-        z.dtype = np.float32                                  # reinterpret: MPI must follow
+        z.dtype = np.float32  # reinterpret: MPI must follow
         z[...] = 0.5 * (c.rank + 1)
         c.allreduce(z, op="max", out=z)
         agree(z.dtype == np.float32 and np.array_equal(z, np.full(4, 0.5 * N, np.float32)), f"dtype set in place: {z}")
@@ -237,7 +278,7 @@ def test_ring_transports_agree_bitwise(seg_bytes, depth):
     if not cma_permitted():
         pytest.skip("this node does not permit cross-memory attach (ptrace scope, seccomp)")
     fast, direct, plain = mpitp.Communicator(), mpitp.Communicator(), mpitp.Communicator()
-    fast.shm, fast.cma = True, False        # whatever MPITP_SHM and MPITP_CMA say
+    fast.shm, fast.cma = True, False  # whatever MPITP_SHM and MPITP_CMA say
     direct.shm_max_bytes, direct.cma = 0, True
     plain.shm, plain.cma = False, False
     try:
@@ -257,10 +298,12 @@ def test_ring_transports_agree_bitwise(seg_bytes, depth):
                 agree(np.array_equal(y, b), f"in-place all-reduce n={n}: {name} differs")
                 agree(np.array_equal(c.reduce_scatter(x, algorithm="ring"), rs_b), f"reduce-scatter n={n}: {name}")
                 agree(np.array_equal(c.allgather(x, algorithm="ring"), ag_b), f"all-gather n={n}: {name}")
-        used = {name: c._links.opened() for name, c in
-                (("shm", fast), ("cma", direct), ("mpi", plain))}
-        want = {"shm": {"flat": True}, "cma": {"flat/cma": True}, "mpi": {}} if N > 1 else \
-            {"shm": {}, "cma": {}, "mpi": {}}          # one rank: nothing to move
+        used = {name: c._links.opened() for name, c in (("shm", fast), ("cma", direct), ("mpi", plain))}
+        want = (
+            {"shm": {"flat": True}, "cma": {"flat/cma": True}, "mpi": {}}
+            if N > 1
+            else {"shm": {}, "cma": {}, "mpi": {}}
+        )  # one rank: nothing to move
         agree(used == want, f"one node: channels opened {used}, expected {want}")
     finally:
         fast.free()
@@ -275,13 +318,19 @@ def test_transport_by_size():
     c = mpitp.Communicator()
     c.shm, c.cma, c.shm_max_bytes = True, False, 4000
     try:
-        x = np.ones(1001, np.float32)                  # 4004 bytes: over the limit
-        agree(np.all(c.allreduce(x, algorithm="ring") == N) and not c._links.opened(), "CMA off: a large buffer opened a channel")
-        agree(np.all(c.allreduce(x[:1000], algorithm="ring") == N) and (list(c._links.opened()) == ["flat"] or N == 1),
-              "a buffer at the limit did not use the shared-memory channel")
+        x = np.ones(1001, np.float32)  # 4004 bytes: over the limit
+        agree(
+            np.all(c.allreduce(x, algorithm="ring") == N) and not c._links.opened(),
+            "CMA off: a large buffer opened a channel",
+        )
+        agree(
+            np.all(c.allreduce(x[:1000], algorithm="ring") == N) and (list(c._links.opened()) == ["flat"] or N == 1),
+            "a buffer at the limit did not use the shared-memory channel",
+        )
         c.cma = True
-        agree(np.all(c.allreduce(x, algorithm="ring") == N)
-              and (c._links.opened().get("flat/cma") or N == 1),
-              f"a buffer over the limit did not go by CMA: {c._links.opened()}")
+        agree(
+            np.all(c.allreduce(x, algorithm="ring") == N) and (c._links.opened().get("flat/cma") or N == 1),
+            f"a buffer over the limit did not go by CMA: {c._links.opened()}",
+        )
     finally:
         c.free()

@@ -1,18 +1,24 @@
 """Gather, reduce, broadcast, scatter, allgather, reduce_scatter, alltoall: against
 NumPy (every rank computes the reference from every rank's inputs) and MPI's own call."""
+
 import numpy as np
 import pytest
+from conftest import agree, rank_inputs
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 
 import mpitp
 
-from conftest import agree, rank_inputs
-
 N = MPI.COMM_WORLD.size
-SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=25,
-                    phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+SETTINGS = settings(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=25,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=list(HealthCheck),
+)
 DTYPES = st.sampled_from(["float16", "float32", "float64", "int8", "int32", "int64", "uint16", "uint64", "bool"])
 
 
@@ -22,8 +28,7 @@ def rows_of(r, seed):
 
 
 @SETTINGS
-@given(dtype=DTYPES, trailing=st.sampled_from([(), (3,), (2, 2)]), seed=st.integers(0, 1000),
-       root=st.integers(0, 7))
+@given(dtype=DTYPES, trailing=st.sampled_from([(), (3,), (2, 2)]), seed=st.integers(0, 1000), root=st.integers(0, 7))
 def test_gather_allgather(comm, dtype, trailing, seed, root):
     root %= N
     pieces = [rank_inputs((rows_of(r, seed),) + trailing, dtype, "sum", 1, seed + r)[0] for r in range(N)]
@@ -45,8 +50,12 @@ def test_gather_scalars_and_mpi_reference(comm):
 
 
 @SETTINGS
-@given(dtype=DTYPES, rows=st.sampled_from([0, 1, N - 1, N, N + 1, 3 * N + 2, 17]),
-       seed=st.integers(0, 1000), root=st.integers(0, 7))
+@given(
+    dtype=DTYPES,
+    rows=st.sampled_from([0, 1, N - 1, N, N + 1, 3 * N + 2, 17]),
+    seed=st.integers(0, 1000),
+    root=st.integers(0, 7),
+)
 def test_scatter(comm, dtype, rows, seed, root):
     root %= N
     full = rank_inputs((rows, 3), dtype, "sum", 1, seed)[0]
@@ -56,9 +65,12 @@ def test_scatter(comm, dtype, rows, seed, root):
 
 
 @SETTINGS
-@given(dtype=st.sampled_from(["float32", "float64", "int32", "int64", "uint8"]),
-       op=st.sampled_from(["sum", "max", "min"]), rows=st.sampled_from([1, N - 1, N, N + 1, 2 * N + 1, 50]),
-       seed=st.integers(0, 1000))
+@given(
+    dtype=st.sampled_from(["float32", "float64", "int32", "int64", "uint8"]),
+    op=st.sampled_from(["sum", "max", "min"]),
+    rows=st.sampled_from([1, N - 1, N, N + 1, 2 * N + 1, 50]),
+    seed=st.integers(0, 1000),
+)
 def test_reduce_scatter(comm, dtype, op, rows, seed):
     inputs = rank_inputs((rows, 2), dtype, op, N, seed)
     fn = {"sum": np.add, "max": np.maximum, "min": np.minimum}[op]
@@ -68,8 +80,9 @@ def test_reduce_scatter(comm, dtype, op, rows, seed):
     want = np.array_split(total, N)[comm.rank]
     for alg in ("mpi", "ring", "auto"):
         got = comm.reduce_scatter(inputs[comm.rank], op=op, algorithm=alg)
-        ok = got.shape == want.shape and (np.allclose(got, want, rtol=1e-5, atol=1e-5) if got.dtype.kind == "f"
-                                          else np.array_equal(got, want))
+        ok = got.shape == want.shape and (
+            np.allclose(got, want, rtol=1e-5, atol=1e-5) if got.dtype.kind == "f" else np.array_equal(got, want)
+        )
         agree(ok, f"reduce_scatter {alg} {dtype} {op} rows={rows}")
 
 
@@ -79,14 +92,16 @@ def test_reduce_scatter_auto_follows_the_crossover():
     c = mpitp.Communicator()
     c.tuning = {"reduce_scatter": {"1": 4096}}
     try:
-        for n, alg in ((1000, "mpi"), (1024, "ring")):              # float32: 4000 and 4096 bytes
+        for n, alg in ((1000, "mpi"), (1024, "ring")):  # float32: 4000 and 4096 bytes
             x = (np.arange(n) % 5 + c.rank).astype(np.float32)
             c.traffic.reset()
             got = c.reduce_scatter(x)
             want = np.array_split(sum((np.arange(n) % 5 + r).astype(np.float32) for r in range(N)), N)[c.rank]
             agree(np.array_equal(got, want), f"n={n}")
             ring_bytes = sum(v for k, v in c.traffic.by_peer.items() if k != "mpi")
-            agree((ring_bytes > 0) == (alg == "ring" and N > 1), f"n={n}: expected {alg}, sent {dict(c.traffic.by_peer)}")
+            agree(
+                (ring_bytes > 0) == (alg == "ring" and N > 1), f"n={n}: expected {alg}, sent {dict(c.traffic.by_peer)}"
+            )
     finally:
         c.free()
 
@@ -126,8 +141,10 @@ def test_broadcast(comm, root, dtype):
 def test_alltoall(comm, dtype):
     x = (np.arange(2 * N * 3).reshape(2 * N, 3) + 1000 * comm.rank).astype(dtype)
     got = comm.alltoall(x)
-    blocks = [(np.arange(2 * N * 3).reshape(2 * N, 3) + 1000 * r).astype(dtype)[2 * comm.rank:2 * comm.rank + 2]
-              for r in range(N)]
+    blocks = [
+        (np.arange(2 * N * 3).reshape(2 * N, 3) + 1000 * r).astype(dtype)[2 * comm.rank : 2 * comm.rank + 2]
+        for r in range(N)
+    ]
     agree(np.array_equal(got, np.concatenate(blocks)), "alltoall")
     ref = np.empty_like(x)
     MPI.COMM_WORLD.Alltoall(x, ref)

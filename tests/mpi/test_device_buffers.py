@@ -7,13 +7,14 @@ handing the CAI object straight to MPI when MPI is CUDA-aware (MPITP_CUDA_AWARE=
 staging otherwise (=0), allocation of results on the device, in-place forms. It does
 not check CuPy's own arithmetic or a real GPU; those need a CUDA machine.
 """
+
 import numpy as np
 import pytest
+from conftest import agree
 from mpi4py import MPI
 
 import mpitp
 from mpitp import backend
-from conftest import agree
 
 N = MPI.COMM_WORLD.size
 
@@ -29,9 +30,14 @@ class HostCudaArray:
     @property
     def __cuda_array_interface__(self):
         a = self._a
-        return {"shape": a.shape, "typestr": a.dtype.str, "version": 3, "stream": None,
-                "data": (a.ctypes.data if a.size else 0, False),
-                "strides": None if a.flags.c_contiguous else a.strides}
+        return {
+            "shape": a.shape,
+            "typestr": a.dtype.str,
+            "version": 3,
+            "stream": None,
+            "data": (a.ctypes.data if a.size else 0, False),
+            "strides": None if a.flags.c_contiguous else a.strides,
+        }
 
     shape = property(lambda self: self._a.shape)
     dtype = property(lambda self: self._a.dtype)
@@ -71,10 +77,17 @@ def _sync(a):
     HostCudaArray.syncs += 1
 
 
-backend.register_device_type(HostCudaArray, backend.DeviceOps(
-    xp=_XP, empty=lambda shape, dtype: HostCudaArray(np.empty(shape, dtype)),
-    to_host=lambda a: a._a.copy(), from_host=lambda dst, host: dst.__setitem__(Ellipsis, host),
-    synchronize=_sync, ascontiguous=lambda a: a if a.flags.c_contiguous else a.copy()))
+backend.register_device_type(
+    HostCudaArray,
+    backend.DeviceOps(
+        xp=_XP,
+        empty=lambda shape, dtype: HostCudaArray(np.empty(shape, dtype)),
+        to_host=lambda a: a._a.copy(),
+        from_host=lambda dst, host: dst.__setitem__(Ellipsis, host),
+        synchronize=_sync,
+        ascontiguous=lambda a: a if a.flags.c_contiguous else a.copy(),
+    ),
+)
 
 
 @pytest.fixture(params=["0", "1"], ids=["staged", "cuda-aware"])
@@ -107,15 +120,18 @@ def test_allreduce_on_device_arrays(dcomm, algorithm):
     agree(HostCudaArray.syncs > before, "stream not synchronised before MPI")
     z = HostCudaArray(np.full(7, 2, np.int64))
     r = dcomm.allreduce(z, op="prod", out=z, algorithm=algorithm)
-    agree(r is z and np.all(host(z) == 2 ** N), "in-place allreduce on device")
+    agree(r is z and np.all(host(z) == 2**N), "in-place allreduce on device")
 
 
 def test_other_collectives_on_device_arrays(dcomm):
     r = dcomm.rank
     x = HostCudaArray(np.arange(2 * N, dtype=np.int32) + 100 * r)
     ag = dcomm.allgather(x)
-    agree(isinstance(ag, HostCudaArray) and np.array_equal(
-        host(ag), np.concatenate([np.arange(2 * N) + 100 * q for q in range(N)])), "allgather")
+    agree(
+        isinstance(ag, HostCudaArray)
+        and np.array_equal(host(ag), np.concatenate([np.arange(2 * N) + 100 * q for q in range(N)])),
+        "allgather",
+    )
     rs = dcomm.reduce_scatter(x)
     want = np.array_split(sum(np.arange(2 * N) + 100 * q for q in range(N)), N)[r]
     agree(isinstance(rs, HostCudaArray) and np.array_equal(host(rs), want), "reduce_scatter")

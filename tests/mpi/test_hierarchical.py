@@ -1,16 +1,17 @@
 """Two-level all-reduce on simulated nodes (1, 2 and 3 of them, uneven ones included):
 results against MPI's own call, and traffic counters against mpitp.plan's exact bytes."""
+
 import numpy as np
 import pytest
+from conftest import agree, bound, close, cma_permitted, rank_inputs, same_on_all_ranks
 from mpi4py import MPI
 
 import mpitp
-from conftest import agree, bound, close, cma_permitted, rank_inputs, same_on_all_ranks
 from mpitp.comm.transport import shm
 from mpitp.plan.allreduce import per_rank_elements
 
 N = MPI.COMM_WORLD.size
-LAYOUTS = sorted({-(-N // nodes) for nodes in (1, 2, 3)})      # ranks per node giving 1, 2, 3 nodes
+LAYOUTS = sorted({-(-N // nodes) for nodes in (1, 2, 3)})  # ranks per node giving 1, 2, 3 nodes
 ALGS = ["hierarchical", "hierarchical_leader"]
 
 
@@ -23,6 +24,7 @@ def ncomm(request):
 
 def mpi_allreduce(x, op):
     from mpitp.comm.ops import ReduceOp, mpi_datatype, mpi_op
+
     y = np.empty_like(x)
     dt = mpi_datatype(x.dtype)
     MPI.COMM_WORLD.Allreduce([x, dt], [y, dt], op=mpi_op(ReduceOp(op), x.dtype))
@@ -30,8 +32,10 @@ def mpi_allreduce(x, op):
 
 
 @pytest.mark.parametrize("alg", ALGS)
-@pytest.mark.parametrize("dtype,op", [("int64", "sum"), ("int32", "max"), ("float32", "sum"),
-                                      ("float64", "prod"), ("uint8", "sum"), ("float16", "min")])
+@pytest.mark.parametrize(
+    "dtype,op",
+    [("int64", "sum"), ("int32", "max"), ("float32", "sum"), ("float64", "prod"), ("uint8", "sum"), ("float16", "min")],
+)
 @pytest.mark.parametrize("n", [0, 1, max(N - 1, 1), N + 1, 1000, 65537])
 def test_matches_mpi(ncomm, alg, dtype, op, n):
     inputs = rank_inputs((n,), dtype, op, N, seed=n + len(dtype))
@@ -58,8 +62,10 @@ def test_bytes_equal_the_plan(ncomm, alg, n):
     sizes = [len(r) for r in ncomm.topology.nodes]
     intra, inter = per_rank_elements(alg, sizes, n)[ncomm.rank]
     t = ncomm.traffic.by_peer
-    agree((t.get("intra", 0), t.get("inter", 0)) == (intra * 4, inter * 4),
-          f"{alg} n={n} nodes={sizes}: sent {dict(t)}, plan says intra {intra * 4} inter {inter * 4}")
+    agree(
+        (t.get("intra", 0), t.get("inter", 0)) == (intra * 4, inter * 4),
+        f"{alg} n={n} nodes={sizes}: sent {dict(t)}, plan says intra {intra * 4} inter {inter * 4}",
+    )
 
 
 @pytest.mark.parametrize("alg", ALGS)
@@ -72,7 +78,7 @@ def test_node_rings_over_shared_memory_match_mpi_transport(ncomm, alg):
         x = rank_inputs((70001,), "float32", "sum", N, 9)[ncomm.rank]
         b = plain.allreduce(x, algorithm=alg)
         cases = [("intra", 1 << 30)] + ([("intra/cma", 0)] if cma_permitted() else [])
-        for key, limit in cases:            # all by shared memory / all by CMA
+        for key, limit in cases:  # all by shared memory / all by CMA
             ncomm.shm_max_bytes = limit
             a = ncomm.allreduce(x, algorithm=alg)
             agree(np.array_equal(a, b), f"{alg} over {key}: transports differ")
@@ -94,7 +100,7 @@ def test_seed_example_two_nodes_of_four():
         pytest.skip("the seed's example has exactly 8 ranks")
     c = mpitp.Communicator(ranks_per_node=4)
     try:
-        x = np.ones(2 * 1024 * 1024, np.float32)                    # 8 MiB
+        x = np.ones(2 * 1024 * 1024, np.float32)  # 8 MiB
         per_node = {}
         for alg in ["ring"] + ALGS:
             c.traffic.reset()
@@ -103,14 +109,22 @@ def test_seed_example_two_nodes_of_four():
             inter = c.mpi.allgather(c.traffic.by_peer.get("inter", 0))
             per_node[alg] = [sum(inter[:4]), sum(inter[4:])]
         MiB = 1 << 20
-        agree(per_node == {"ring": [14 * MiB, 14 * MiB], "hierarchical": [8 * MiB, 8 * MiB],
-                           "hierarchical_leader": [8 * MiB, 8 * MiB]}, f"inter bytes per node {per_node}")
+        agree(
+            per_node
+            == {
+                "ring": [14 * MiB, 14 * MiB],
+                "hierarchical": [8 * MiB, 8 * MiB],
+                "hierarchical_leader": [8 * MiB, 8 * MiB],
+            },
+            f"inter bytes per node {per_node}",
+        )
     finally:
         c.free()
 
 
 def test_auto_picks_two_level_across_nodes(ncomm):
     from mpitp.comm.algorithms import select
+
     alg = select.choose("allreduce", "auto", 64 << 20, N, mpitp.ReduceOp.SUM, ncomm.topology, {})
     want = "mpi" if N == 1 else ("hierarchical" if ncomm.topology.num_nodes > 1 else "ring")
     agree(alg == want, f"auto chose {alg}, expected {want}")

@@ -2,14 +2,15 @@
 committed fixtures, equality with the single-process model, traffic per forward, and
 clear load-time errors where the config cannot be cut this many ways (more ranks than
 heads); every other world size, uneven ones included, must match Hugging Face."""
+
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import agree, same_on_all_ranks
 from mpi4py import MPI
 
 import mpitp
-from conftest import agree, same_on_all_ranks
 from mpitp.models.llama import LlamaForCausalLM
 from mpitp.tp import ShardingError
 
@@ -21,6 +22,7 @@ NAMES = ["mha", "gqa", "tied", "llama3_rope", "bf16", "sharded", "qwen2"]
 def cuttable(name: str) -> bool:
     """Any p up to the number of heads (uneven, GQA-aware cuts); beyond, a clear error."""
     import json
+
     cfg = json.loads((FIX / name / "config.json").read_text())
     return N <= cfg["num_attention_heads"]
 
@@ -43,7 +45,7 @@ def test_huggingface_parity(tp, name):
     logits = model(ref["input_ids"])
     diff = float(np.abs(logits - ref["logits"]).max())
     agree(diff <= 1e-4, f"{name}: max |logit - HF| = {diff:.2e} at TP={N}")
-    prompts = [ref["greedy_0"][:9].tolist(), ref["greedy_1"][:6].tolist()]      # ragged batch
+    prompts = [ref["greedy_0"][:9].tolist(), ref["greedy_1"][:6].tolist()]  # ragged batch
     out = model.generate(prompts, max_new_tokens=10, stop_tokens=[])
     agree(out == [ref["greedy_0"].tolist(), ref["greedy_1"].tolist()], f"{name}: greedy tokens differ from HF")
 
@@ -77,7 +79,7 @@ def test_two_allreduces_per_layer(tp):
     tp.traffic.reset()
     model(np.arange(9)[None] % 250)
     layers = model.config.num_hidden_layers
-    want = 0 if N == 1 else 2 * layers + 1                       # + the embedding's
+    want = 0 if N == 1 else 2 * layers + 1  # + the embedding's
     agree(tp.traffic.calls["allreduce"] == want, f"{tp.traffic.calls['allreduce']} all-reduces, want {want}")
     agree(tp.traffic.calls["allgather"] == (0 if N == 1 else 1), "one all-gather of logits in the head")
 
@@ -87,9 +89,9 @@ def test_each_rank_reads_its_slices(tp):
     total = (FIX / "mha" / "model.safetensors").stat().st_size
     read = model.load_info["bytes_read"]
     c = model.config
-    norms = (2 * c.num_hidden_layers + 1) * c.hidden_size * 4                  # replicated on every rank
-    vocab = 2 * c.vocab_size * c.hidden_size * 4                               # embedding + head, in blocks
-    block = 2 * model.embed_tokens.per_rank * c.hidden_size * 4                # of the padded vocabulary
+    norms = (2 * c.num_hidden_layers + 1) * c.hidden_size * 4  # replicated on every rank
+    vocab = 2 * c.vocab_size * c.hidden_size * 4  # embedding + head, in blocks
+    block = 2 * model.embed_tokens.per_rank * c.hidden_size * 4  # of the padded vocabulary
     bound = (total - vocab - norms) / N + norms + block + 4096
     agree(read <= bound, f"rank read {read} of {total} bytes at TP={N} (bound {bound:.0f})")
 
@@ -98,8 +100,10 @@ def test_weight_bytes_per_rank(tp):
     model = LlamaForCausalLM.from_pretrained(FIX / "tied", comm=tp)
     single = LlamaForCausalLM.from_pretrained(FIX / "tied", comm=None)
     per_rank = tp.mpi.allgather(model.weight_bytes())
-    agree(sum(per_rank) >= single.weight_bytes() and max(per_rank) <= single.weight_bytes() / N + 64 * 1024,
-          f"weights per rank {per_rank}, single {single.weight_bytes()}")
+    agree(
+        sum(per_rank) >= single.weight_bytes() and max(per_rank) <= single.weight_bytes() / N + 64 * 1024,
+        f"weights per rank {per_rank}, single {single.weight_bytes()}",
+    )
 
 
 def test_out_of_vocabulary_id_is_refused(tp):

@@ -1,9 +1,9 @@
 """Nonblocking handles (several in flight at once) and point-to-point calls."""
+
 import numpy as np
 import pytest
-from mpi4py import MPI
-
 from conftest import agree
+from mpi4py import MPI
 
 N = MPI.COMM_WORLD.size
 

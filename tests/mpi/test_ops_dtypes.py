@@ -2,6 +2,7 @@
 bf16 sums against the float32 sum rounded once to bf16 (each hop of a ring or tree rounds
 once more, so within N-1 bf16 roundings of the partial sums), avg against the mean,
 bitwise ops exactly; bf16 moves through every collective unchanged."""
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ def test_bfloat16_sum(comm, algorithm, count):
     exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
     once = exact.astype(np.float32).astype(BF16).astype(np.float64)
     # each of the N-1 additions rounds to bf16 (u = 2^-8) on partial sums <= sum |x|
-    bound = (N - 1) * 2.0 ** -8 * np.sum([np.abs(x.astype(np.float64)) for x in xs], axis=0) + np.abs(once - exact)
+    bound = (N - 1) * 2.0**-8 * np.sum([np.abs(x.astype(np.float64)) for x in xs], axis=0) + np.abs(once - exact)
     agree(y.dtype == BF16 and y.shape == (count,), f"dtype {y.dtype}")
     agree(bool(np.all(np.abs(y.astype(np.float64) - exact) <= bound * (1 + 1e-9))), "bf16 sum within its rounding")
     agree(same_on_all_ranks(y), "bit-identical on every rank")
@@ -39,7 +40,7 @@ def test_avg(comm, algorithm, dtype):
     xs = [x.astype(dtype) for x in inputs(333, 2)]
     y = comm.allreduce(xs[comm.rank], op="avg", algorithm=algorithm)
     mean = np.mean([x.astype(np.float64) for x in xs], axis=0)
-    tol = (N * 2.0 ** -7) if np.dtype(dtype) == BF16 else (N * np.finfo(dtype).eps)
+    tol = (N * 2.0**-7) if np.dtype(dtype) == BF16 else (N * np.finfo(dtype).eps)
     agree(bool(np.allclose(y.astype(np.float64), mean, rtol=tol, atol=tol)), "avg = mean")
     agree(same_on_all_ranks(y), "bit-identical")
 
@@ -69,8 +70,11 @@ def test_bitwise(comm, algorithm, op, fn, dtype):
 def test_bfloat16_moves_unchanged(comm, algorithm):
     x = inputs(9, 4)[comm.rank].astype(BF16)
     g = comm.allgather(x, algorithm=algorithm)
-    agree(g.dtype == BF16 and np.array_equal(g.view(np.uint16), np.concatenate(
-        [v.astype(BF16) for v in inputs(9, 4)]).view(np.uint16)), "allgather bf16 bit for bit")
+    agree(
+        g.dtype == BF16
+        and np.array_equal(g.view(np.uint16), np.concatenate([v.astype(BF16) for v in inputs(9, 4)]).view(np.uint16)),
+        "allgather bf16 bit for bit",
+    )
     b = comm.broadcast(x.copy(), root=0)
     agree(np.array_equal(b.view(np.uint16), inputs(9, 4)[0].astype(BF16).view(np.uint16)), "broadcast bf16")
 

@@ -1,18 +1,28 @@
 """Each parallel layer against the full layer (picotron's pattern): the rank's output is
 the reference output's ``chunk(p)[rank]`` (column), or the whole of it (row, after the
 all-reduce); embedding and head against a plain lookup / matmul."""
+
 import numpy as np
 import pytest
+from conftest import agree
 from mpi4py import MPI
 
 import mpitp
-from conftest import agree
-from mpitp.tp import partition
-from mpitp.tp import (ArraySource, ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
-                      QKVParallelLinear, ReplicatedLinear, RowParallelLinear, ShardingError, VocabParallelEmbedding)
+from mpitp.tp import (
+    ArraySource,
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    ShardingError,
+    VocabParallelEmbedding,
+    partition,
+)
 
 N = MPI.COMM_WORLD.size
-rng = np.random.default_rng(0)     # same stream on every rank: identical "full" weights
+rng = np.random.default_rng(0)  # same stream on every rank: identical "full" weights
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +67,22 @@ def test_merged_gate_up_layout(tp):
     m.weight_loader("weight", ArraySource("gate", G), 0)
     m.weight_loader("weight", ArraySource("up", U), 1)
     n = I // N
-    want = np.concatenate([G[tp.rank * n:(tp.rank + 1) * n], U[tp.rank * n:(tp.rank + 1) * n]])
+    want = np.concatenate([G[tp.rank * n : (tp.rank + 1) * n], U[tp.rank * n : (tp.rank + 1) * n]])
     agree(close(m.weight, want.astype(np.float32)), "local [gate_r ; up_r], up at local row I/p")
 
 
-@pytest.mark.parametrize("heads,kv", [(4 * N, 2 * N), (4 * N, 1), (4 * N, 4 * N),          # p divides
-                                      (N + 1, 1), (3 * N + 3, 3), (9, 3), (2 * N + 2, N + 1)])  # it does not
+@pytest.mark.parametrize(
+    "heads,kv",
+    [
+        (4 * N, 2 * N),
+        (4 * N, 1),
+        (4 * N, 4 * N),  # p divides
+        (N + 1, 1),
+        (3 * N + 3, 3),
+        (9, 3),
+        (2 * N + 2, N + 1),
+    ],
+)  # it does not
 def test_qkv_heads_by_kv_groups(tp, heads, kv):
     """Each rank's q heads and the KV heads they use (its share, or the one it shares when
     p exceeds the KV heads), against the reference weights cut by the same partition."""
@@ -77,14 +97,14 @@ def test_qkv_heads_by_kv_groups(tp, heads, kv):
     q, k, v = m.split(m(x))
     a = partition.attention(heads, kv, N)
     nq, q0, nkv, k0 = a.rank(tp.rank)
-    agree(close(q, (x @ Q[q0 * d:(q0 + nq) * d].T).astype(np.float32)), f"q heads {q0}..{q0 + nq - 1}")
-    agree(close(k, (x @ K[k0 * d:(k0 + nkv) * d].T).astype(np.float32)), f"k heads {k0}..")
-    agree(close(v, (x @ V[k0 * d:(k0 + nkv) * d].T).astype(np.float32)), "v heads")
+    agree(close(q, (x @ Q[q0 * d : (q0 + nq) * d].T).astype(np.float32)), f"q heads {q0}..{q0 + nq - 1}")
+    agree(close(k, (x @ K[k0 * d : (k0 + nkv) * d].T).astype(np.float32)), f"k heads {k0}..")
+    agree(close(v, (x @ V[k0 * d : (k0 + nkv) * d].T).astype(np.float32)), "v heads")
 
 
 def test_uneven_column_and_row(tp):
     out = 7 * N + 3
-    sizes = partition.mlp(out, 10, 2, partition.attention(N, 1, N))        # a balancing cut, not n/p
+    sizes = partition.mlp(out, 10, 2, partition.attention(N, 1, N))  # a balancing cut, not n/p
     W1, W2 = rng.standard_normal((out, 10)), rng.standard_normal((5, out))
     x = rng.standard_normal((3, 10)).astype(np.float32)
     col = ColumnParallelLinear(10, out, comm=tp, sizes=sizes)
@@ -92,7 +112,7 @@ def test_uneven_column_and_row(tp):
     lo = partition.starts(sizes)[tp.rank]
     y_ref = x @ W1.T
     y = col(x)
-    agree(close(y, y_ref[:, lo:lo + sizes[tp.rank]].astype(np.float32)), "column output = reference cut")
+    agree(close(y, y_ref[:, lo : lo + sizes[tp.rank]].astype(np.float32)), "column output = reference cut")
     row = RowParallelLinear(out, 5, comm=tp, sizes=sizes)
     row.weight_loader("weight", ArraySource("w2", W2))
     agree(close(row(y), (y_ref @ W2.T).astype(np.float32), 1e-4), "row output after the all-reduce")
@@ -103,13 +123,15 @@ def test_uneven_column_and_row(tp):
     m.weight_loader("weight", ArraySource("gate", W1), 0)
     m.weight_loader("weight", ArraySource("up", W1 * 2), 1)
     n = sizes[tp.rank]
-    agree(close(m.weight, np.concatenate([W1[lo:lo + n], 2 * W1[lo:lo + n]]).astype(np.float32)), "[gate_r ; up_r]")
+    agree(close(m.weight, np.concatenate([W1[lo : lo + n], 2 * W1[lo : lo + n]]).astype(np.float32)), "[gate_r ; up_r]")
 
 
 def test_more_ranks_than_heads_is_refused(tp):
     if N < 2:
         pytest.skip("one rank always has a head")
-    with pytest.raises(ShardingError, match=f"tensor-parallel size {N} exceeds the number of attention heads = {N - 1}"):
+    with pytest.raises(
+        ShardingError, match=f"tensor-parallel size {N} exceeds the number of attention heads = {N - 1}"
+    ):
         QKVParallelLinear(8, 2, N - 1, 1, comm=tp)
 
 
@@ -120,8 +142,10 @@ def test_vocab_parallel_embedding_and_head(tp, vocab):
     emb.weight_loader("weight", ArraySource("emb", E))
     ids = np.array([[0, vocab - 1, 3 % vocab], [vocab // 2, 1 % vocab, 0]])
     agree(close(emb(ids), E[ids]), f"embedding lookup vocab={vocab}")
-    agree(emb.padded % 64 == 0 and emb.padded >= vocab and max(emb.sizes) - min(emb.sizes) <= 64,
-          "padded to whole blocks of 64, cut differing by at most one block")
+    agree(
+        emb.padded % 64 == 0 and emb.padded >= vocab and max(emb.sizes) - min(emb.sizes) <= 64,
+        "padded to whole blocks of 64, cut differing by at most one block",
+    )
     head = ParallelLMHead(vocab, 6, comm=tp)
     head.tie(emb)
     h = rng.standard_normal((2, 3, 6)).astype(np.float32)

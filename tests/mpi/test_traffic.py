@@ -1,10 +1,11 @@
 """Byte counters: exact figures for the hand-written ring, per peer class and phase."""
+
 import numpy as np
 import pytest
+from conftest import agree
 from mpi4py import MPI
 
 import mpitp
-from conftest import agree
 
 N = MPI.COMM_WORLD.size
 
@@ -72,7 +73,10 @@ def test_simulated_nodes_classify_peers():
         c.allreduce(np.ones(12 * N, np.float32), algorithm="ring")
         right = (r + 1) % N
         cls = "intra" if right // 2 == r // 2 else "inter"
-        agree(c.traffic.by_peer[cls] == c.traffic.total > 0, f"rank {r}->{right} should be {cls}: {dict(c.traffic.by_peer)}")
+        agree(
+            c.traffic.by_peer[cls] == c.traffic.total > 0,
+            f"rank {r}->{right} should be {cls}: {dict(c.traffic.by_peer)}",
+        )
         agree(c.topology.nodes == tuple(tuple(range(i, min(i + 2, N))) for i in range(0, N, 2)), "node layout")
     finally:
         c.free()
@@ -108,8 +112,12 @@ def test_fast_path_counts_like_the_slow_path():
             for _ in range(2):
                 hot.allreduce(out, out=out)
         hot.allreduce(x, out=out)
-        agree(t.calls["allreduce"] == 6 and t.by_phase.get("decode", 0) == 2 * payload
-              and t.by_phase[None] == 4 * payload, f"persistent, phases: {t.snapshot()}")
+        agree(
+            t.calls["allreduce"] == 6
+            and t.by_phase.get("decode", 0) == 2 * payload
+            and t.by_phase[None] == 4 * payload,
+            f"persistent, phases: {t.snapshot()}",
+        )
         agree(t.messages == (6 if payload else 0), f"messages {t.messages}")
         hot.allreduce(x, out=out)
         t.reset()

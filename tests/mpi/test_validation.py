@@ -1,11 +1,12 @@
 """With validation on, mismatched arguments raise the same CollectiveMismatchError on
 every rank (and the communicator stays usable). Meaningful from 2 ranks up."""
+
 import numpy as np
 import pytest
+from conftest import agree
 from mpi4py import MPI
 
 import mpitp
-from conftest import agree
 
 N = MPI.COMM_WORLD.size
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -58,12 +59,14 @@ def test_root_op_algorithm_mismatch(vcomm):
 
 
 def test_invalid_argument_on_one_rank(vcomm):
-    raises_everywhere(lambda: vcomm.reduce(np.ones(3), root=N if vcomm.rank == 0 else 0),
-                      "invalid arguments", "rank 0", "not a rank")
+    raises_everywhere(
+        lambda: vcomm.reduce(np.ones(3), root=N if vcomm.rank == 0 else 0), "invalid arguments", "rank 0", "not a rank"
+    )
     bad = np.array(["x"]) if vcomm.rank == 1 else np.ones(1)
     raises_everywhere(lambda: vcomm.allreduce(bad), "rank 1", "cannot be carried")
-    raises_everywhere(lambda: vcomm.allreduce(np.ones(2), op="mean" if vcomm.rank == 1 else "sum"),
-                      "unknown reduction op")
+    raises_everywhere(
+        lambda: vcomm.allreduce(np.ones(2), op="mean" if vcomm.rank == 1 else "sum"), "unknown reduction op"
+    )
 
 
 def test_different_collectives(vcomm):

@@ -6,6 +6,7 @@ request, so the watchdog and nonblocking handles see it. Buffers are contiguous
 NumPy arrays, or device arrays when MPI is CUDA-aware; messages are ``[buf, datatype]``
 (``[buf, counts, displs, datatype]`` for the v-variants).
 """
+
 from __future__ import annotations
 
 from mpi4py import MPI
@@ -52,7 +53,7 @@ def gatherv(comm: MPI.Comm, send, recv, counts, dt, root: int, direct: bool) -> 
 
 
 def allgatherv(comm: MPI.Comm, send, recv, counts, dt, direct: bool) -> Steps:
-    if all(c == counts[0] for c in counts):     # equal pieces: MPI's Allgather has the better algorithms
+    if all(c == counts[0] for c in counts):  # equal pieces: MPI's Allgather has the better algorithms
         if direct:
             comm.Allgather([send, dt], [recv, counts[0], dt])
         else:

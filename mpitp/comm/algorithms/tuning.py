@@ -9,6 +9,7 @@ selection files), read from ``MPITP_TUNING`` or ``~/.config/mpitp/tuning.json``:
 
 Rank 0 reads it and broadcasts it, so every rank makes the same choice.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,6 +36,7 @@ def mpi_flavor() -> str:
 
 def default_path() -> Path:
     from ... import settings
+
     env = settings.current().tuning
     if env:
         return Path(env)
@@ -64,7 +66,7 @@ def crossover(table: dict, collective: str, size: int) -> int | None:
 
 def fit_crossover(rows) -> int:
     """Smallest measured size from which the ring is faster than MPI at every larger size."""
-    by = {}
+    by: dict[int, dict[str, float]] = {}
     for r in rows:
         by.setdefault(r.size_bytes, {})[r.algorithm] = r.time_us
     sizes = sorted(s for s, t in by.items() if "mpi" in t and "ring" in t)
@@ -86,5 +88,5 @@ def write_crossover(path, collective: str, size: int, rows) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, p)   # atomic: a concurrent reader sees the old file or the new one
+    os.replace(tmp, p)  # atomic: a concurrent reader sees the old file or the new one
     return p

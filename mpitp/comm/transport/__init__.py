@@ -9,6 +9,7 @@ between the ranks of one node.
 Every rank of a call decides alike (same flags, sizes, kind of buffer, open channels),
 so the ring's two neighbours never disagree on the transport.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -24,12 +25,13 @@ __all__ = ["Channel", "Links", "RingSettings", "cma", "shm"]
 
 class RingSettings(Protocol):
     """The knobs a communicator exposes for its ring (see :class:`mpitp.Communicator`)."""
-    shm: bool                 # MPITP_SHM
-    shm_max_bytes: int        # MPITP_SHM_MAX: the largest buffer the shared window takes
-    cma: bool                 # MPITP_CMA
+
+    shm: bool  # MPITP_SHM
+    shm_max_bytes: int  # MPITP_SHM_MAX: the largest buffer the shared window takes
+    cma: bool  # MPITP_CMA
     cma_segment_bytes: int
-    segment_bytes: int        # MPITP_RING_SEGMENT
-    ring_depth: int           # MPITP_RING_DEPTH: receive segments in flight
+    segment_bytes: int  # MPITP_RING_SEGMENT
+    ring_depth: int  # MPITP_RING_DEPTH: receive segments in flight
 
 
 class Links:
@@ -41,8 +43,9 @@ class Links:
         # scope -> (slot bytes, depth, channel or None where it cannot open)
         self._open: dict[str, tuple[int, int, Channel | None]] = {}
 
-    def pick(self, comm: MPI.Comm, a, nbytes: int, nonblocking: bool, label: str, scope: str,
-             knobs: RingSettings) -> "MPI.Comm | Channel":
+    def pick(
+        self, comm: MPI.Comm, a, nbytes: int, nonblocking: bool, label: str, scope: str, knobs: RingSettings
+    ) -> MPI.Comm | Channel:
         """The transport for one ring over ``comm``: ``nbytes`` is the call's whole buffer,
         the same on every rank. Collective over the whole communicator (``meta``'s ranks),
         even when ``comm`` is one rank's node alone: opening waits for every rank."""
@@ -57,11 +60,10 @@ class Links:
         else:
             if not knobs.cma:
                 return comm
-            ch = self._channel(scope + "/cma", comm, knobs.cma_segment_bytes, knobs.ring_depth,
-                               cma.open_channel, label)
+            ch = self._channel(scope + "/cma", comm, knobs.cma_segment_bytes, knobs.ring_depth, cma.open_channel, label)
         if ch is None:
             return comm
-        ch.label = label         # what the watchdog names if this call never completes
+        ch.label = label  # what the watchdog names if this call never completes
         return ch
 
     def _channel(self, key: str, comm: MPI.Comm, slot: int, depth: int, opener, label: str) -> Channel | None:

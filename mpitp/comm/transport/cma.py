@@ -24,6 +24,7 @@ Yama's ``ptrace_scope = 1`` the target's consent (``PR_SET_PTRACER``), which
 every rank; if any fails (a seccomp filter, Yama scope 2-3, another user), no rank uses
 this transport and the ring falls back to the others. ``MPITP_CMA=0`` turns it off.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -37,7 +38,7 @@ from . import shm
 
 _PR_SET_PTRACER = 0x59616D61
 _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1)
-_SLOT = 64                   # bytes per descriptor slot: one cache line each
+_SLOT = 64  # bytes per descriptor slot: one cache line each
 
 
 class _IoVec(ctypes.Structure):
@@ -51,8 +52,14 @@ class Reader:
         libc = ctypes.CDLL(None, use_errno=True)
         self._readv = libc.process_vm_readv
         self._readv.restype = ctypes.c_ssize_t
-        self._readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
-                                ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+        self._readv.argtypes = [
+            ctypes.c_int,
+            ctypes.POINTER(_IoVec),
+            ctypes.c_ulong,
+            ctypes.POINTER(_IoVec),
+            ctypes.c_ulong,
+            ctypes.c_ulong,
+        ]
         self._local, self._remote = _IoVec(), _IoVec()
         self._lp, self._rp = ctypes.byref(self._local), ctypes.byref(self._remote)
 
@@ -105,7 +112,7 @@ def works(comm: MPI.Comm) -> tuple[bool, list[int]]:
         ok = int(got[0]) == 0x6D70697470 + left
     except (OSError, AttributeError):
         ok = False
-    ok = comm.allreduce(ok, op=MPI.LAND)     # the probe stays alive until all have read
+    ok = comm.allreduce(ok, op=MPI.LAND)  # the probe stays alive until all have read
     return ok, [p for p, _ in pids]
 
 
@@ -117,9 +124,9 @@ class DirectChannel(shm.Channel):
         self.left_pid = pids[(self.rank - 1) % self.size]
         self.reader = Reader()
         self.segment_bytes = segment_bytes
-        self.scratch = np.empty(self.segment_bytes, np.uint8)     # an in-place reduce's incoming segment
-        self._out = [self._slots[i * _SLOT:i * _SLOT + 16].view(np.int64) for i in range(depth)]
-        self._in = [self._l_slots[i * _SLOT:i * _SLOT + 16].view(np.int64) for i in range(depth)]
+        self.scratch = np.empty(self.segment_bytes, np.uint8)  # an in-place reduce's incoming segment
+        self._out = [self._slots[i * _SLOT : i * _SLOT + 16].view(np.int64) for i in range(depth)]
+        self._in = [self._l_slots[i * _SLOT : i * _SLOT + 16].view(np.int64) for i in range(depth)]
 
     def segment(self, itemsize: int, seg: int) -> int:
         """Its own segment size (:func:`segment_bytes`), larger than the ring's."""
@@ -141,13 +148,13 @@ class DirectChannel(shm.Channel):
             at = target.ctypes.data
             if own is None:
                 self.reader.read(self.left_pid, at, int(addr), int(nbytes))
-            elif own.ctypes.data != at:    # into the target, then add this rank's part there
+            elif own.ctypes.data != at:  # into the target, then add this rank's part there
                 self.reader.read(self.left_pid, at, int(addr), int(nbytes))
                 reduce(own, target, target)
-            else:                          # in place: the target holds this rank's part
+            else:  # in place: the target holds this rank's part
                 self.reader.read(self.left_pid, self.scratch.ctypes.data, int(addr), int(nbytes))
                 reduce(own, self.scratch[:nbytes].view(target.dtype), target)
-        except OSError as e:     # the others are blocked on this rank: end the job, loudly
+        except OSError as e:  # the others are blocked on this rank: end the job, loudly
             self.watchdog.fail(self.label, str(e))
 
     def _given_back(self, k: int) -> bool:

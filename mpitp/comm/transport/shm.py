@@ -21,6 +21,7 @@ A rank always takes an arrived segment before it blocks, so the ring cannot dead
 however few slots there are. The schedule (which chunk, which step) is the ring's own,
 so results are bit-identical to the MPI transport.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,8 @@ from mpi4py import MPI
 
 from ... import settings
 
-HEADER = 4096            # bytes: flags (own cache lines for each writer), slots page-aligned
-_CONSUMED = 2048         # byte offset of ``consumed``: away from the ``full`` flags' lines
+HEADER = 4096  # bytes: flags (own cache lines for each writer), slots page-aligned
+_CONSUMED = 2048  # byte offset of ``consumed``: away from the ``full`` flags' lines
 
 
 class Channel:
@@ -43,10 +44,11 @@ class Channel:
             raise ValueError(f"shared-memory ring depth must be in [1, {_CONSUMED // 8}], got {depth}")
         self.comm, self.size, self.rank = comm, comm.size, comm.rank
         self.slot_bytes, self.depth, self.watchdog = segment_bytes, depth, watchdog
-        self.win = MPI.Win.Allocate_shared(HEADER + depth * segment_bytes, 1, comm=comm)
+        # every communicator mpitp makes is an intracommunicator (mpi4py types Split_type as Comm)
+        self.win = MPI.Win.Allocate_shared(HEADER + depth * segment_bytes, 1, comm=comm)  # type: ignore[arg-type]
         self._full, self._consumed, self._slots = self._view(self.rank)
-        self.win.Lock_all(MPI.MODE_NOCHECK)      # Win_sync needs a passive epoch; one per use,
-        self._full[:] = 0                        # so none is left open at MPI_Finalize
+        self.win.Lock_all(MPI.MODE_NOCHECK)  # Win_sync needs a passive epoch; one per use,
+        self._full[:] = 0  # so none is left open at MPI_Finalize
         self._consumed[:] = 0
         self.win.Sync()
         self.win.Unlock_all()
@@ -56,16 +58,16 @@ class Channel:
         # rank it waits for may be queued behind it on the same core
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.yield_every = 1 if comm.size > cores else 64
-        self.label = "ring over shared memory"      # the call in progress, for the watchdog
-        self.received = 0       # segments taken from the left neighbour so far
-        self.sent = 0           # segments given to the right neighbour so far
+        self.label = "ring over shared memory"  # the call in progress, for the watchdog
+        self.received = 0  # segments taken from the left neighbour so far
+        self.sent = 0  # segments given to the right neighbour so far
         comm.Barrier()
 
     def _view(self, rank: int):
         buf, _ = self.win.Shared_query(rank)
-        raw = np.frombuffer(buf, np.uint8)
-        full = raw[:self.depth * 8].view(np.int64)
-        consumed = raw[_CONSUMED:_CONSUMED + 8].view(np.int64)
+        raw = np.frombuffer(buf, np.uint8)  # type: ignore[call-overload]  # mpi4py.buffer: a buffer, unstubbed
+        full = raw[: self.depth * 8].view(np.int64)
+        consumed = raw[_CONSUMED : _CONSUMED + 8].view(np.int64)
         return full, consumed, raw[HEADER:]
 
     def free(self) -> None:
@@ -97,14 +99,14 @@ class Channel:
     # what a segment is in the slots: its bytes here (a subclass may hand over less)
     def _prepare(self, dtype) -> None:
         size = self.slot_bytes
-        self._out = [self._slots[i * size:(i + 1) * size].view(dtype) for i in range(self.depth)]
-        self._in = [self._l_slots[i * size:(i + 1) * size].view(dtype) for i in range(self.depth)]
+        self._out = [self._slots[i * size : (i + 1) * size].view(dtype) for i in range(self.depth)]
+        self._in = [self._l_slots[i * size : (i + 1) * size].view(dtype) for i in range(self.depth)]
 
     def _give(self, i: int, part) -> None:
-        np.copyto(self._out[i][:part.size], part)
+        np.copyto(self._out[i][: part.size], part)
 
     def _take(self, i: int, target, own, reduce) -> None:
-        slot = self._in[i][:target.size]
+        slot = self._in[i][: target.size]
         if own is None:
             np.copyto(target, slot)
         else:
@@ -129,7 +131,7 @@ class Channel:
             while gave < n_out and (gave < first or gave - first < got):
                 k = base_out + gave
                 if r_consumed[0] <= k - depth:
-                    break                                   # the right neighbour has not taken slot k's last use
+                    break  # the right neighbour has not taken slot k's last use
                 give(k % depth, outgoing[gave])
                 sync()
                 full[k % depth] = k + 1
