@@ -11,7 +11,7 @@ multiply, Higham 3.6). max/min and all integer results must be exact.
 
 import numpy as np
 import pytest
-from conftest import agree, bound, close, cma_permitted, numpy_reference, rank_inputs, same_on_all_ranks
+from helpers import agree, bound, close, cma_permitted, mpi_reference, numpy_reference, rank_inputs, same_on_all_ranks
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
@@ -54,15 +54,6 @@ def valid(dtype, op):
     if dtype.startswith("complex"):
         return op in ("sum", "prod")
     return True
-
-
-def mpi_reference(x, op):
-    y = np.empty_like(x)
-    from mpitp.comm.ops import ReduceOp, mpi_datatype, mpi_op
-
-    dt = mpi_datatype(x.dtype)
-    MPI.COMM_WORLD.Allreduce([x, dt], [y, dt], op=mpi_op(ReduceOp(op), x.dtype))
-    return y
 
 
 def check_allreduce(comm, n, dtype, op, algorithm, seed):

@@ -3,7 +3,7 @@ NumPy (every rank computes the reference from every rank's inputs) and MPI's own
 
 import numpy as np
 import pytest
-from conftest import agree, rank_inputs
+from helpers import agree, rank_inputs
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI

@@ -10,7 +10,7 @@ not check CuPy's own arithmetic or a real GPU; those need a CUDA machine.
 
 import numpy as np
 import pytest
-from conftest import agree
+from helpers import agree
 from mpi4py import MPI
 
 import mpitp

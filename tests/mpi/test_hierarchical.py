@@ -3,7 +3,7 @@ results against MPI's own call, and traffic counters against mpitp.plan's exact 
 
 import numpy as np
 import pytest
-from conftest import agree, bound, close, cma_permitted, rank_inputs, same_on_all_ranks
+from helpers import agree, bound, close, cma_permitted, mpi_reference, rank_inputs, same_on_all_ranks
 from mpi4py import MPI
 
 import mpitp
@@ -22,15 +22,6 @@ def ncomm(request):
     c.free()
 
 
-def mpi_allreduce(x, op):
-    from mpitp.comm.ops import ReduceOp, mpi_datatype, mpi_op
-
-    y = np.empty_like(x)
-    dt = mpi_datatype(x.dtype)
-    MPI.COMM_WORLD.Allreduce([x, dt], [y, dt], op=mpi_op(ReduceOp(op), x.dtype))
-    return y
-
-
 @pytest.mark.parametrize("alg", ALGS)
 @pytest.mark.parametrize(
     "dtype,op",
@@ -41,7 +32,7 @@ def test_matches_mpi(ncomm, alg, dtype, op, n):
     inputs = rank_inputs((n,), dtype, op, N, seed=n + len(dtype))
     x = inputs[ncomm.rank]
     y = ncomm.allreduce(x, op=op, algorithm=alg)
-    ref = mpi_allreduce(x, op)
+    ref = mpi_reference(x, op)
     agree(close(y, ref, bound(inputs, op, dtype)), f"{alg} {dtype} {op} n={n} nodes={ncomm.topology.nodes}")
     agree(same_on_all_ranks(y), f"{alg}: ranks disagree bitwise")
 

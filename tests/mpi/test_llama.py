@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import agree, same_on_all_ranks
+from helpers import agree, same_on_all_ranks
 from mpi4py import MPI
 
 import mpitp

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from conftest import agree
+from helpers import agree
 from mpi4py import MPI
 
 N = MPI.COMM_WORLD.size

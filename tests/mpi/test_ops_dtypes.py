@@ -6,7 +6,7 @@ bitwise ops exactly; bf16 moves through every collective unchanged."""
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import agree, same_on_all_ranks
+from helpers import agree, same_on_all_ranks
 from mpi4py import MPI
 
 from mpitp.errors import UnsupportedOperation

@@ -4,10 +4,9 @@ all-reduce); embedding and head against a plain lookup / matmul."""
 
 import numpy as np
 import pytest
-from conftest import agree
+from helpers import agree
 from mpi4py import MPI
 
-import mpitp
 from mpitp.tp import (
     ArraySource,
     ColumnParallelLinear,
@@ -25,49 +24,42 @@ N = MPI.COMM_WORLD.size
 rng = np.random.default_rng(0)  # same stream on every rank: identical "full" weights
 
 
-@pytest.fixture(scope="module")
-def tp():
-    c = mpitp.Communicator()
-    yield c
-    c.free()
-
-
 def close(a, b, tol=1e-5):
     return a.shape == b.shape and bool(np.allclose(a, b, atol=tol, rtol=tol))
 
 
-def test_column_and_row(tp):
+def test_column_and_row(comm):
     W1, b1 = rng.standard_normal((12 * N, 10)), rng.standard_normal(12 * N)
     W2, b2 = rng.standard_normal((7, 12 * N)), rng.standard_normal(7)
     x = rng.standard_normal((3, 5, 10)).astype(np.float32)
-    col = ColumnParallelLinear(10, 12 * N, bias=True, comm=tp)
+    col = ColumnParallelLinear(10, 12 * N, bias=True, comm=comm)
     col.weight_loader("weight", ArraySource("w1", W1))
     col.weight_loader("bias", ArraySource("b1", b1))
     y_ref = x @ W1.T + b1
     y = col(x)
-    agree(close(y, np.split(y_ref, N, axis=-1)[tp.rank].astype(np.float32)), "column output = chunk(p)[rank]")
-    row = RowParallelLinear(12 * N, 7, bias=True, comm=tp)
+    agree(close(y, np.split(y_ref, N, axis=-1)[comm.rank].astype(np.float32)), "column output = chunk(p)[rank]")
+    row = RowParallelLinear(12 * N, 7, bias=True, comm=comm)
     row.weight_loader("weight", ArraySource("w2", W2))
     row.weight_loader("bias", ArraySource("b2", b2))
     agree(close(row(y), (y_ref @ W2.T + b2).astype(np.float32), 1e-4), "row output = full output, bias once")
-    gathered = ColumnParallelLinear(10, 12 * N, bias=True, comm=tp, gather_output=True)
+    gathered = ColumnParallelLinear(10, 12 * N, bias=True, comm=comm, gather_output=True)
     gathered.weight_loader("weight", ArraySource("w1", W1))
     gathered.weight_loader("bias", ArraySource("b1", b1))
     agree(close(gathered(x), y_ref.astype(np.float32)), "gather_output")
-    rep = ReplicatedLinear(10, 4, bias=False, comm=tp)
+    rep = ReplicatedLinear(10, 4, bias=False, comm=comm)
     W3 = rng.standard_normal((4, 10))
     rep.weight_loader("weight", ArraySource("w3", W3))
     agree(close(rep(x), (x @ W3.T).astype(np.float32)), "replicated")
 
 
-def test_merged_gate_up_layout(tp):
+def test_merged_gate_up_layout(comm):
     I = 8 * N
     G, U = rng.standard_normal((I, 6)), rng.standard_normal((I, 6))
-    m = MergedColumnParallelLinear(6, [I, I], comm=tp)
+    m = MergedColumnParallelLinear(6, [I, I], comm=comm)
     m.weight_loader("weight", ArraySource("gate", G), 0)
     m.weight_loader("weight", ArraySource("up", U), 1)
     n = I // N
-    want = np.concatenate([G[tp.rank * n : (tp.rank + 1) * n], U[tp.rank * n : (tp.rank + 1) * n]])
+    want = np.concatenate([G[comm.rank * n : (comm.rank + 1) * n], U[comm.rank * n : (comm.rank + 1) * n]])
     agree(close(m.weight, want.astype(np.float32)), "local [gate_r ; up_r], up at local row I/p")
 
 
@@ -83,62 +75,62 @@ def test_merged_gate_up_layout(tp):
         (2 * N + 2, N + 1),
     ],
 )  # it does not
-def test_qkv_heads_by_kv_groups(tp, heads, kv):
+def test_qkv_heads_by_kv_groups(comm, heads, kv):
     """Each rank's q heads and the KV heads they use (its share, or the one it shares when
     p exceeds the KV heads), against the reference weights cut by the same partition."""
     if N > heads:
         pytest.skip("more ranks than heads")
     d = 2
     Q, K, V = (rng.standard_normal((h * d, 8)) for h in (heads, kv, kv))
-    m = QKVParallelLinear(8, d, heads, kv, comm=tp)
+    m = QKVParallelLinear(8, d, heads, kv, comm=comm)
     for sid, w in zip("qkv", (Q, K, V)):
         m.weight_loader("weight", ArraySource(sid, w), sid)
     x = rng.standard_normal((2, 8)).astype(np.float32)
     q, k, v = m.split(m(x))
     a = partition.attention(heads, kv, N)
-    nq, q0, nkv, k0 = a.rank(tp.rank)
+    nq, q0, nkv, k0 = a.rank(comm.rank)
     agree(close(q, (x @ Q[q0 * d : (q0 + nq) * d].T).astype(np.float32)), f"q heads {q0}..{q0 + nq - 1}")
     agree(close(k, (x @ K[k0 * d : (k0 + nkv) * d].T).astype(np.float32)), f"k heads {k0}..")
     agree(close(v, (x @ V[k0 * d : (k0 + nkv) * d].T).astype(np.float32)), "v heads")
 
 
-def test_uneven_column_and_row(tp):
+def test_uneven_column_and_row(comm):
     out = 7 * N + 3
     sizes = partition.mlp(out, 10, 2, partition.attention(N, 1, N))  # a balancing cut, not n/p
     W1, W2 = rng.standard_normal((out, 10)), rng.standard_normal((5, out))
     x = rng.standard_normal((3, 10)).astype(np.float32)
-    col = ColumnParallelLinear(10, out, comm=tp, sizes=sizes)
+    col = ColumnParallelLinear(10, out, comm=comm, sizes=sizes)
     col.weight_loader("weight", ArraySource("w1", W1))
-    lo = partition.starts(sizes)[tp.rank]
+    lo = partition.starts(sizes)[comm.rank]
     y_ref = x @ W1.T
     y = col(x)
-    agree(close(y, y_ref[:, lo : lo + sizes[tp.rank]].astype(np.float32)), "column output = reference cut")
-    row = RowParallelLinear(out, 5, comm=tp, sizes=sizes)
+    agree(close(y, y_ref[:, lo : lo + sizes[comm.rank]].astype(np.float32)), "column output = reference cut")
+    row = RowParallelLinear(out, 5, comm=comm, sizes=sizes)
     row.weight_loader("weight", ArraySource("w2", W2))
     agree(close(row(y), (y_ref @ W2.T).astype(np.float32), 1e-4), "row output after the all-reduce")
-    gathered = ColumnParallelLinear(10, out, comm=tp, sizes=sizes, gather_output=True)
+    gathered = ColumnParallelLinear(10, out, comm=comm, sizes=sizes, gather_output=True)
     gathered.weight_loader("weight", ArraySource("w1", W1))
     agree(close(gathered(x), y_ref.astype(np.float32)), "uneven gather_output")
-    m = MergedColumnParallelLinear(10, [out, out], comm=tp, sizes=sizes)
+    m = MergedColumnParallelLinear(10, [out, out], comm=comm, sizes=sizes)
     m.weight_loader("weight", ArraySource("gate", W1), 0)
     m.weight_loader("weight", ArraySource("up", W1 * 2), 1)
-    n = sizes[tp.rank]
+    n = sizes[comm.rank]
     agree(close(m.weight, np.concatenate([W1[lo : lo + n], 2 * W1[lo : lo + n]]).astype(np.float32)), "[gate_r ; up_r]")
 
 
-def test_more_ranks_than_heads_is_refused(tp):
+def test_more_ranks_than_heads_is_refused(comm):
     if N < 2:
         pytest.skip("one rank always has a head")
     with pytest.raises(
         ShardingError, match=f"tensor-parallel size {N} exceeds the number of attention heads = {N - 1}"
     ):
-        QKVParallelLinear(8, 2, N - 1, 1, comm=tp)
+        QKVParallelLinear(8, 2, N - 1, 1, comm=comm)
 
 
 @pytest.mark.parametrize("vocab", [50, 64 * N, 64 * N + 1])
-def test_vocab_parallel_embedding_and_head(tp, vocab):
+def test_vocab_parallel_embedding_and_head(comm, vocab):
     E = rng.standard_normal((vocab, 6)).astype(np.float32)
-    emb = VocabParallelEmbedding(vocab, 6, comm=tp)
+    emb = VocabParallelEmbedding(vocab, 6, comm=comm)
     emb.weight_loader("weight", ArraySource("emb", E))
     ids = np.array([[0, vocab - 1, 3 % vocab], [vocab // 2, 1 % vocab, 0]])
     agree(close(emb(ids), E[ids]), f"embedding lookup vocab={vocab}")
@@ -146,14 +138,14 @@ def test_vocab_parallel_embedding_and_head(tp, vocab):
         emb.padded % 64 == 0 and emb.padded >= vocab and max(emb.sizes) - min(emb.sizes) <= 64,
         "padded to whole blocks of 64, cut differing by at most one block",
     )
-    head = ParallelLMHead(vocab, 6, comm=tp)
+    head = ParallelLMHead(vocab, 6, comm=comm)
     head.tie(emb)
     h = rng.standard_normal((2, 3, 6)).astype(np.float32)
     agree(close(head(h), h @ E.T, 1e-4), "head logits trimmed to the real vocabulary")
     agree(head.weight is emb.weight, "tied head shares the embedding shard")
 
 
-def test_shape_mismatch_names_the_tensor(tp):
-    col = ColumnParallelLinear(10, 4 * N, comm=tp)
+def test_shape_mismatch_names_the_tensor(comm):
+    col = ColumnParallelLinear(10, 4 * N, comm=comm)
     with pytest.raises(ShardingError, match=r"w_bad: checkpoint shape \(5, 10\)"):
         col.weight_loader("weight", ArraySource("w_bad", np.zeros((5, 10))))

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from conftest import agree
+from helpers import agree
 from mpi4py import MPI
 
 import mpitp
@@ -14,19 +14,12 @@ def split_sizes(n):
     return [len(c) for c in np.array_split(np.arange(n), N)]
 
 
-@pytest.fixture
-def fresh():
-    c = mpitp.Communicator()
-    yield c
-    c.free()
-
-
 @pytest.mark.parametrize("n", [0, 1, max(N - 1, 1), 1000, 1001, 65537])
 @pytest.mark.parametrize("dtype", ["float32", "int8", "float64"])
-def test_ring_allreduce_bytes(fresh, n, dtype):
-    c, r = fresh.traffic, fresh.rank
+def test_ring_allreduce_bytes(fresh_comm, n, dtype):
+    c, r = fresh_comm.traffic, fresh_comm.rank
     x = np.ones(n, dtype)
-    fresh.allreduce(x, algorithm="ring")
+    fresh_comm.allreduce(x, algorithm="ring")
     sizes = split_sizes(n)
     # reduce-scatter sends every chunk but its own, all-gather every chunk but the right neighbour's
     want = 0 if N == 1 else (2 * n - sizes[r] - sizes[(r + 1) % N]) * np.dtype(dtype).itemsize
@@ -35,26 +28,28 @@ def test_ring_allreduce_bytes(fresh, n, dtype):
     agree(c.calls["allreduce"] == 1, "call count")
 
 
-def test_ring_reduce_scatter_and_allgather_bytes(fresh):
-    r, n = fresh.rank, 4 * N + 3
+def test_ring_reduce_scatter_and_allgather_bytes(fresh_comm):
+    r, n = fresh_comm.rank, 4 * N + 3
     sizes = split_sizes(n)
-    fresh.reduce_scatter(np.ones(n, np.float32), algorithm="ring")
+    fresh_comm.reduce_scatter(np.ones(n, np.float32), algorithm="ring")
     want_rs = 0 if N == 1 else (n - sizes[r]) * 4
-    agree(fresh.traffic.by_collective["reduce_scatter"] == want_rs, "reduce_scatter bytes")
-    fresh.allgather(np.ones(sizes[r], np.float32), algorithm="ring")
+    agree(fresh_comm.traffic.by_collective["reduce_scatter"] == want_rs, "reduce_scatter bytes")
+    fresh_comm.allgather(np.ones(sizes[r], np.float32), algorithm="ring")
     want_ag = 0 if N == 1 else (n - sizes[(r + 1) % N]) * 4
-    agree(fresh.traffic.by_collective["allgather"] == want_ag, "allgather bytes")
+    agree(fresh_comm.traffic.by_collective["allgather"] == want_ag, "allgather bytes")
 
 
-def test_phases_and_mpi_payload(fresh):
+def test_phases_and_mpi_payload(fresh_comm):
     x = np.ones(1000, np.float64)
-    with fresh.phase("forward"):
-        fresh.allreduce(x, algorithm="ring")
-        with fresh.phase("backward"):
-            fresh.allreduce(x, algorithm="mpi")
-    fresh.allreduce(x, algorithm="mpi")
-    t = fresh.traffic
-    ring_bytes = 0 if N == 1 else (2000 - sum(split_sizes(1000)[i % N] for i in (fresh.rank, fresh.rank + 1))) * 8
+    with fresh_comm.phase("forward"):
+        fresh_comm.allreduce(x, algorithm="ring")
+        with fresh_comm.phase("backward"):
+            fresh_comm.allreduce(x, algorithm="mpi")
+    fresh_comm.allreduce(x, algorithm="mpi")
+    t = fresh_comm.traffic
+    ring_bytes = (
+        0 if N == 1 else (2000 - sum(split_sizes(1000)[i % N] for i in (fresh_comm.rank, fresh_comm.rank + 1))) * 8
+    )
     mpi_bytes = 0 if N == 1 else 8000
     agree(t.by_phase["forward"] == ring_bytes, f"forward {t.by_phase}")
     agree(t.by_phase["backward"] == mpi_bytes and t.by_phase[None] == mpi_bytes, f"phases {t.by_phase}")

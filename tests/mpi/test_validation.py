@@ -3,7 +3,7 @@ every rank (and the communicator stays usable). Meaningful from 2 ranks up."""
 
 import numpy as np
 import pytest
-from conftest import agree
+from helpers import agree
 from mpi4py import MPI
 
 import mpitp
