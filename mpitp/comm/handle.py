@@ -116,3 +116,8 @@ class Handle:
     @property
     def done(self) -> bool:
         return self._done
+
+    @property
+    def pending(self) -> list:
+        """The requests the next step waits for."""
+        return self._pending

@@ -125,7 +125,10 @@ class Reductions(CommunicatorBase):
             tag=seq & 0x7FFF,
             on_send=self._on_send("allreduce"),
         )
-        with self._workspace.borrow(self._slots(a.size, a.dtype), a.dtype, a) as tmp:
+        slots = self._slots(a.size, a.dtype)
+        if alg != "ring":
+            slots = hierarchical.scratch_slots(slots)
+        with self._workspace.borrow(slots, a.dtype, a) as tmp:
             if alg == "ring":
                 link = self._ring_transport(a, a.nbytes, nonblocking, f"allreduce #{seq}")
                 yield from ring.all_reduce(link, a.reshape(-1), dst.reshape(-1), reduce, tmp, **kw)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..comm.algorithms.hierarchical import pieces
 from ..comm.algorithms.ring import chunk_counts
 from .profiles import Profile
 
@@ -40,8 +41,10 @@ def _ring_elems(n: int, parts: int, idx: int, *, sent_by: str) -> int:
     return 2 * n - c[idx] - c[(idx + 1) % parts]  # all-reduce
 
 
-def per_rank_elements(algorithm: str, node_sizes: list[int], n: int) -> list[tuple[int, int]]:
-    """(intra, inter) elements sent by every rank, ranks numbered node by node."""
+def per_rank_elements(algorithm: str, node_sizes: list[int], n: int, itemsize: int = 1) -> list[tuple[int, int]]:
+    """(intra, inter) elements sent by every rank, ranks numbered node by node, for ``n``
+    elements of ``itemsize`` bytes (the sharded two-level variant cuts large buffers into
+    pipelined pieces by bytes: :func:`mpitp.comm.algorithms.hierarchical.pieces`)."""
     N, M = sum(node_sizes), len(node_sizes)
     node_of = [m for m, L in enumerate(node_sizes) for _ in range(L)]
     local = [lr for L in node_sizes for lr in range(L)]
@@ -56,10 +59,15 @@ def per_rank_elements(algorithm: str, node_sizes: list[int], n: int) -> list[tup
     for r in range(N):
         m, lr, L = node_of[r], local[r], node_sizes[node_of[r]]
         c = chunk_counts(n, L)
+        if algorithm == "hierarchical":  # every piece: reduce-scatter, shard across, all-gather
+            intra = inter = 0
+            for size in pieces(n, itemsize):
+                intra += _ring_elems(size, L, lr, sent_by="rs") + _ring_elems(size, L, lr, sent_by="ag")
+                inter += _ring_elems(chunk_counts(size, L)[lr], M, m, sent_by="ar")
+            out.append((intra, inter))
+            continue
         intra = _ring_elems(n, L, lr, sent_by="rs") + _ring_elems(n, L, lr, sent_by="ag")
-        if algorithm == "hierarchical":
-            inter = _ring_elems(c[lr], M, m, sent_by="ar")
-        elif algorithm == "hierarchical_leader":
+        if algorithm == "hierarchical_leader":
             if lr == 0:
                 intra += n - c[0]  # shards back to the local ranks
                 inter = _ring_elems(n, M, m, sent_by="ar")
@@ -79,7 +87,7 @@ def per_node_bytes(algorithm: str, node_sizes: list[int], nbytes: int, itemsize:
         return [(0, L * nbytes) for L in node_sizes]
     if algorithm == "hierarchical_sharp":
         return [(L * nbytes, nbytes) for L in node_sizes]  # seed: B*L inside, B up
-    ranks = per_rank_elements(algorithm, node_sizes, n)
+    ranks = per_rank_elements(algorithm, node_sizes, n, itemsize)
     out, r = [], 0
     for L in node_sizes:
         mine = ranks[r : r + L]

@@ -27,7 +27,7 @@ def ncomm(request):
     "dtype,op",
     [("int64", "sum"), ("int32", "max"), ("float32", "sum"), ("float64", "prod"), ("uint8", "sum"), ("float16", "min")],
 )
-@pytest.mark.parametrize("n", [0, 1, max(N - 1, 1), N + 1, 1000, 65537])
+@pytest.mark.parametrize("n", [0, 1, max(N - 1, 1), N + 1, 1000, 65537, 700_001])  # 700k: pipelined pieces
 def test_matches_mpi(ncomm, alg, dtype, op, n):
     inputs = rank_inputs((n,), dtype, op, N, seed=n + len(dtype))
     x = inputs[ncomm.rank]
@@ -45,13 +45,14 @@ def test_inplace_and_shapes(ncomm, alg):
 
 
 @pytest.mark.parametrize("alg", ["ring"] + ALGS)
-@pytest.mark.parametrize("n", [1, 999, 40000])
+@pytest.mark.parametrize("n", [1, 999, 40000, 1_000_003])
 def test_bytes_equal_the_plan(ncomm, alg, n):
-    """Every rank's intra- and inter-node bytes equal mpitp.plan's exact prediction."""
+    """Every rank's intra- and inter-node bytes equal mpitp.plan's exact prediction (4 MB:
+    the sharded variant's pipelined pieces, counted with the same cut)."""
     ncomm.traffic.reset()
     ncomm.allreduce(np.ones(n, np.float32), algorithm=alg)
     sizes = [len(r) for r in ncomm.topology.nodes]
-    intra, inter = per_rank_elements(alg, sizes, n)[ncomm.rank]
+    intra, inter = per_rank_elements(alg, sizes, n, 4)[ncomm.rank]
     t = ncomm.traffic.by_peer
     agree(
         (t.get("intra", 0), t.get("inter", 0)) == (intra * 4, inter * 4),

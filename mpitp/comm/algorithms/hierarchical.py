@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from ..handle import Steps
+from ..handle import Handle, Steps
 from . import ring
 
 
@@ -58,6 +58,24 @@ def _mapped(on_send, ranks: list[int]):
     return lambda nbytes, peer: on_send(nbytes, ranks[peer])
 
 
+PIECE_BYTES = 1 << 20  # the sharded variant pipelines pieces of at least this size ...
+MAX_PIECES = 16  # ... and at most this many (piece p's inter-node messages carry tag bits p)
+IN_FLIGHT = 2  # pieces crossing the network while the next one is reduced inside the node
+
+
+def pieces(n: int, itemsize: int) -> list[int]:
+    """Element counts of the pieces a sharded two-level all-reduce of ``n`` elements runs
+    as a pipeline (one piece below ``2 * PIECE_BYTES``). :mod:`mpitp.plan.allreduce`
+    counts bytes with the same cut."""
+    return ring.chunk_counts(n, max(1, min(MAX_PIECES, n * itemsize // PIECE_BYTES)))
+
+
+def scratch_slots(slots: int) -> int:
+    """Elements of receive scratch a two-level all-reduce needs, given the flat ring's
+    ``slots``: one set inside the node, one per piece crossing the network."""
+    return slots * (IN_FLIGHT + 2)
+
+
 def all_reduce(
     nc: NodeComms,
     src,
@@ -75,29 +93,87 @@ def all_reduce(
 ) -> Steps:
     """Two-level all-reduce of flat ``src`` into flat ``dst`` (may be the same buffer).
     ``intra``: what the node's rings run over (its shared-memory channel), default
-    ``nc.intra``; the leader variant's shard moves stay on ``nc.intra``."""
+    ``nc.intra``; the leader variant's shard moves stay on ``nc.intra``. ``tmp`` holds
+    :func:`scratch_slots` elements."""
     link = nc.intra if intra is None else intra
-    kw = dict(dtype=dtype, itemsize=itemsize, seg=seg, tag=tag)
+    kw = dict(dtype=dtype, itemsize=itemsize, seg=seg)
+    if sharded:
+        return (yield from _sharded(nc, link, src, dst, reduce, tmp, tag=tag, on_send=on_send, **kw))
+    slots = tmp.size // (IN_FLIGHT + 2)
+    tmp = tmp[:slots]
     L, lr = nc.intra.size, nc.intra.rank  # ranks on this node, local rank
     counts = ring.chunk_counts(dst.size, L)
     offs = ring.offsets(counts)
     intra_send = _mapped(on_send, nc.intra_ranks)
     # 1. reduce-scatter inside the node: local rank lr owns shard lr of the node's sum
-    yield from ring.reduce_scatter(link, src, dst, counts, reduce, tmp, on_send=intra_send, **kw)
-    if sharded:
-        # 2. shard lr across nodes, among the ranks with local rank lr
-        shard = dst[offs[lr] : offs[lr] + counts[lr]]
-        yield from ring.all_reduce(nc.inter, shard, shard, reduce, tmp, on_send=_mapped(on_send, nc.inter_ranks), **kw)
-    else:
-        # 2a. shards to the leader; 2b. leaders all-reduce everything; 2c. shards back
-        yield from _to_leader(nc.intra, dst, counts, offs, dtype, itemsize, tag, intra_send)
-        if lr == 0:
-            yield from ring.all_reduce(
-                nc.leaders, dst, dst, reduce, tmp, on_send=_mapped(on_send, nc.leader_ranks), **kw
-            )
-        yield from _from_leader(nc.intra, dst, counts, offs, dtype, itemsize, tag, intra_send)
+    yield from ring.reduce_scatter(link, src, dst, counts, reduce, tmp, on_send=intra_send, tag=tag, **kw)
+    # 2a. shards to the leader; 2b. leaders all-reduce everything; 2c. shards back
+    yield from _to_leader(nc.intra, dst, counts, offs, dtype, itemsize, tag, intra_send)
+    if lr == 0:
+        yield from ring.all_reduce(
+            nc.leaders, dst, dst, reduce, tmp, on_send=_mapped(on_send, nc.leader_ranks), tag=tag, **kw
+        )
+    yield from _from_leader(nc.intra, dst, counts, offs, dtype, itemsize, tag, intra_send)
     # 3. all-gather inside the node
-    yield from ring.all_gather(link, dst, counts, on_send=intra_send, **kw)
+    yield from ring.all_gather(link, dst, counts, on_send=intra_send, tag=tag, **kw)
+    return dst
+
+
+def _sharded(nc: NodeComms, link, src, dst, reduce, tmp, *, tag: int, on_send, **kw) -> Steps:
+    """The sharded variant as a pipeline over pieces of the buffer::
+
+        step k:  intra reduce-scatter of piece k   (inside the node, while ...)
+                 start piece k's shard across nodes (... pieces k-1, k-2 are on the wire)
+                 finish piece k-IN_FLIGHT across nodes, intra all-gather of it
+
+    Intra-node work on one piece overlaps the network transfer of the pieces before it,
+    so the inter-node link stays busy. Intra operations run in the same order on every
+    rank of a node (a channel is one stream); inter-node rings of different pieces run
+    at once, each with its own tag and scratch. While a rank waits inside the node, its
+    shared-memory channel polls the pieces in flight, so they keep moving."""
+    L, lr = nc.intra.size, nc.intra.rank
+    intra_send = _mapped(on_send, nc.intra_ranks)
+    inter_send = _mapped(on_send, nc.inter_ranks)
+    slots = tmp.size // (IN_FLIGHT + 2)
+    cut = pieces(dst.size, kw["itemsize"])
+    starts = ring.offsets(cut)
+    inflight: dict[int, Handle] = {}
+
+    def poll() -> None:
+        for h in inflight.values():
+            h.test()
+
+    def piece(p: int):
+        lo = starts[p]
+        return src[lo : lo + cut[p]], dst[lo : lo + cut[p]], ring.chunk_counts(cut[p], L)
+
+    if not isinstance(link, MPI.Comm):
+        link.progress = poll  # the channel calls it while it waits
+    try:
+        for k in range(len(cut) + IN_FLIGHT):
+            if k < len(cut):
+                s, d, counts = piece(k)
+                yield from ring.reduce_scatter(
+                    link, s, d, counts, reduce, tmp[:slots], on_send=intra_send, tag=tag, **kw
+                )
+                lo = ring.offsets(counts)[lr]
+                shard = d[lo : lo + counts[lr]]
+                scratch = tmp[slots * (1 + k % (IN_FLIGHT + 1)) :][:slots]
+                steps = ring.all_reduce(
+                    nc.inter, shard, shard, reduce, scratch, on_send=inter_send, tag=(tag << 4 | k) & 0x7FFF, **kw
+                )
+                inflight[k] = Handle(steps, None, f"piece {k} across nodes")  # type: ignore[arg-type]
+            poll()
+            j = k - IN_FLIGHT
+            if j >= 0:
+                h = inflight.pop(j)
+                while not h.test():
+                    yield h.pending
+                _, d, counts = piece(j)
+                yield from ring.all_gather(link, d, counts, on_send=intra_send, tag=tag, **kw)
+    finally:
+        if not isinstance(link, MPI.Comm):
+            link.progress = None
     return dst
 
 

@@ -59,6 +59,7 @@ class Channel:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.yield_every = 1 if comm.size > cores else 64
         self.label = "ring over shared memory"  # the call in progress, for the watchdog
+        self.progress = None  # called while waiting: other transfers in flight keep moving
         self.received = 0  # segments taken from the left neighbour so far
         self.sent = 0  # segments given to the right neighbour so far
         comm.Barrier()
@@ -120,7 +121,7 @@ class Channel:
     def _move(self, incoming, outgoing, first, reduce) -> None:
         depth, sync = self.depth, self.win.Sync
         give, take, given_back = self._give, self._take, self._given_back
-        timeout, every = self.watchdog.timeout, self.yield_every
+        timeout, every, progress = self.watchdog.timeout, self.yield_every, self.progress
         full, consumed, l_full, r_consumed = self._full, self._consumed, self._l_full, self._r_consumed
         base_in, base_out = self.received, self.sent
         n_in, n_out = len(incoming), len(outgoing)
@@ -151,6 +152,8 @@ class Channel:
                 idle = 0
                 continue
             idle += 1
+            if progress is not None and idle % 8 == 0:
+                progress()
             if idle % every == 0:
                 os.sched_yield()
             if timeout is not None and idle % 64 == 0:
