@@ -41,6 +41,7 @@ class Settings:
     cache: str | None = None  # MPITP_CACHE
     log_level: str | None = None  # MPITP_LOG_LEVEL
     log_dir: str | None = None  # MPITP_LOG_DIR
+    timeline: str | None = None  # MPITP_TIMELINE
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Settings:
@@ -125,6 +126,7 @@ _PARSE = {
     "cache": _text,
     "log_level": _level,
     "log_dir": _text,
+    "timeline": _text,
 }
 
 VARIABLES = {"MPITP_" + f.name.upper(): f.name for f in fields(Settings)}

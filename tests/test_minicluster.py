@@ -168,3 +168,26 @@ def test_tp_generation_across_nodes(cluster):
     four = on_cluster(4, 2, *args, timeout=600)
     assert four.returncode == 0, four.stderr
     assert four.stdout == one.stdout and "Paris" in one.stdout, (one.stdout, four.stdout)
+
+
+def test_timeline_across_nodes(cluster, tmp_path):
+    """A pipelined two-level all-reduce, traced: one collective event per call on every
+    rank, its pieces inside the node and across nodes, all in one merged file."""
+    code = "import numpy as np, mpitp; c = mpitp.Communicator(); c.allreduce(np.ones(1 << 20, np.float32))"
+    env = dict(ENV, MPITP_TIMELINE=str(tmp_path / "t"))
+    res = on_cluster(4, 2, sys.executable, "-c", code, env=env)
+    assert res.returncode == 0, res.stderr
+    merged = tmp_path / "all.json"
+    out = subprocess.run(["mpitp", "timeline", "merge", str(tmp_path / "t"), "-o", str(merged)], env=ENV)
+    assert out.returncode == 0
+    events = json.loads(merged.read_text())["traceEvents"]
+    calls = [e for e in events if e.get("cat") == "collective"]
+    assert len(calls) == 4 and {e["args"]["algorithm"] for e in calls} == {"hierarchical"}  # auto: two-level
+    assert all(e["args"]["peer"] == "inter+intra" for e in calls)
+    for rank in range(4):  # 4 MiB: 4 pieces, each reduce-scattered, sent across and gathered
+        names = {e["name"] for e in events if e["pid"] == rank and e.get("cat") == "two-level"}
+        assert names == {
+            f"piece {p} {what}"
+            for p in range(4)
+            for what in ("reduce-scatter in node", "across nodes", "all-gather in node")
+        }

@@ -7,7 +7,7 @@ import sys
 
 from .. import failfast
 from ..errors import MpitpError
-from . import bench, demo, export, generate, info, plan, train
+from . import bench, demo, export, generate, info, plan, timeline, train
 
 COMMANDS = {
     "info": info,
@@ -17,6 +17,7 @@ COMMANDS = {
     "export": export,
     "bench": bench,
     "plan": plan,
+    "timeline": timeline,
 }
 
 

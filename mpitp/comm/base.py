@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from .. import backend, settings
 from ..errors import MpitpError
-from . import transport, validate
+from . import timeline, transport, validate
 from .algorithms import hierarchical, tuning
 from .handle import Handle, Steps, Watchdog, drive
 from .ops import check_dtype
@@ -59,6 +59,7 @@ class CommunicatorBase:
         self.cma = cma.enabled()
         self.cma_segment_bytes = cma.segment_bytes()
         self._links = transport.Links(self.watchdog, self._meta)  # channels opened so far
+        self._timeline = timeline.start(self._meta, env.timeline)  # MPITP_TIMELINE; None when off
         self.tuning = self.mpi.bcast(tuning.load() if self.rank == 0 else None, root=0)
 
     @property
@@ -107,7 +108,9 @@ class CommunicatorBase:
     def _call_blocking(self, nonblocking: bool) -> bool:
         return not nonblocking and self.watchdog.timeout is None
 
-    def _run(self, steps: Steps, label: str, nonblocking: bool):
+    def _run(self, steps: Steps, label: str, nonblocking: bool, algorithm: str = "mpi", nbytes: int = 0):
+        if self._timeline is not None:
+            steps = timeline.traced(steps, self._timeline, label.split(" #")[0], self, algorithm, nbytes)
         if nonblocking:
             return Handle(steps, self.watchdog, label)
         return drive(steps, self.watchdog, label)
@@ -209,6 +212,21 @@ class CommunicatorBase:
         ``"intra"``: this node's) runs over (:mod:`mpitp.comm.transport`). Collective."""
         comm = self._algo if scope == "flat" else self.node_comms.intra
         return self._links.pick(comm, a, nbytes, nonblocking, label, scope, self)
+
+    def _step_marks(self, n: int):
+        """For the timeline: a ring's ``on_step`` that records each of its 2(n-1) steps."""
+        tl = self._timeline
+        if tl is None:
+            return None
+        last = [tl.now()]
+
+        def on_step(s: int) -> None:
+            now = tl.now()
+            part = "reduce-scatter" if s < n - 1 else "all-gather"
+            tl.span(f"ring step {s} ({part})", "ring", last[0], now, tid=1, step=s)
+            last[0] = now
+
+        return on_step
 
     def _slots(self, chunk: int, dtype) -> int:
         """Elements of receive scratch for the ring: ``ring_depth`` segments, at most ``chunk``

@@ -88,7 +88,7 @@ class Gathers(CommunicatorBase):
             steps = mpi_collectives.allgatherv(self.mpi, src, dst, elems, dt, self._call_blocking(nonblocking))
         if staged:
             steps = self._back_to_device(steps, x, out)
-        res = self._run(steps, f"{label} ({alg})", nonblocking)
+        res = self._run(steps, f"{label} ({alg})", nonblocking, alg, dst.nbytes)
         return res if nonblocking or staged else self._finish(res, out)
 
     def _ring_allgather(self, src, dst, elems, dt, seq, nonblocking: bool) -> Steps:

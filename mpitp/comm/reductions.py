@@ -93,10 +93,10 @@ class Reductions(CommunicatorBase):
         if self._via_host(a):
             h = self._to_host(a)
             steps = self._back_to_device(self._allreduce(h, h, o, alg, seq, nonblocking), x, x if inplace else out)
-            return self._run(steps, label, nonblocking)
+            return self._run(steps, label, nonblocking, alg, a.nbytes)
         target = a if inplace and a is x else self._out_buffer(None if inplace else out, a, a.shape)
         steps = self._allreduce(a, target, o, alg, seq, nonblocking)
-        res = self._run(steps, label, nonblocking)
+        res = self._run(steps, label, nonblocking, alg, a.nbytes)
         if nonblocking:
             return res
         return self._finish(res, x if inplace else out)
@@ -131,19 +131,30 @@ class Reductions(CommunicatorBase):
         with self._workspace.borrow(slots, a.dtype, a) as tmp:
             if alg == "ring":
                 link = self._ring_transport(a, a.nbytes, nonblocking, f"allreduce #{seq}")
-                yield from ring.all_reduce(link, a.reshape(-1), dst.reshape(-1), reduce, tmp, **kw)
+                yield from ring.all_reduce(
+                    link, a.reshape(-1), dst.reshape(-1), reduce, tmp, on_step=self._step_marks(self.size), **kw
+                )
             else:  # two-level; uneven nodes have no common shard layout: leader variant
                 sharded = alg == "hierarchical" and self.topology.uniform
                 intra = self._ring_transport(a, a.nbytes, nonblocking, f"allreduce #{seq}", scope="intra")
                 yield from hierarchical.all_reduce(
-                    self.node_comms, a.reshape(-1), dst.reshape(-1), reduce, tmp, sharded=sharded, intra=intra, **kw
+                    self.node_comms,
+                    a.reshape(-1),
+                    dst.reshape(-1),
+                    reduce,
+                    tmp,
+                    sharded=sharded,
+                    intra=intra,
+                    trace=self._timeline,
+                    **kw,
                 )
         return dst
 
     def _remember_fast(self, x, op, algorithm, o: ReduceOp, a, alg: str) -> None:
         """Cache MPI handles for (dtype, op, algorithm) when small host calls go to MPI."""
         if (
-            alg != "mpi"
+            self._timeline is not None
+            or alg != "mpi"
             or self.validate
             or self.watchdog.timeout is not None
             or o is ReduceOp.AVG
@@ -273,7 +284,7 @@ class Reductions(CommunicatorBase):
             steps = _averaged(steps, self.size)
         if staged:
             steps = self._back_to_device(steps, x, None)
-        return self._run(steps, f"{label} ({alg})", nonblocking)
+        return self._run(steps, f"{label} ({alg})", nonblocking, alg, a.nbytes)
 
     def _ring_reduce_scatter(self, src, dst, elems, op, dt, seq, nonblocking: bool) -> Steps:
         fn = ufunc(op, backend.xp_of(src))

@@ -90,15 +90,17 @@ def all_reduce(
     tag: int,
     on_send,
     intra=None,
+    trace=None,
 ) -> Steps:
     """Two-level all-reduce of flat ``src`` into flat ``dst`` (may be the same buffer).
     ``intra``: what the node's rings run over (its shared-memory channel), default
     ``nc.intra``; the leader variant's shard moves stay on ``nc.intra``. ``tmp`` holds
-    :func:`scratch_slots` elements."""
+    :func:`scratch_slots` elements; ``trace`` (a :class:`~mpitp.comm.timeline.Timeline`)
+    records the sharded variant's pieces."""
     link = nc.intra if intra is None else intra
     kw = dict(dtype=dtype, itemsize=itemsize, seg=seg)
     if sharded:
-        return (yield from _sharded(nc, link, src, dst, reduce, tmp, tag=tag, on_send=on_send, **kw))
+        return (yield from _sharded(nc, link, src, dst, reduce, tmp, tag=tag, on_send=on_send, trace=trace, **kw))
     slots = tmp.size // (IN_FLIGHT + 2)
     tmp = tmp[:slots]
     L, lr = nc.intra.size, nc.intra.rank  # ranks on this node, local rank
@@ -119,7 +121,7 @@ def all_reduce(
     return dst
 
 
-def _sharded(nc: NodeComms, link, src, dst, reduce, tmp, *, tag: int, on_send, **kw) -> Steps:
+def _sharded(nc: NodeComms, link, src, dst, reduce, tmp, *, tag: int, on_send, trace=None, **kw) -> Steps:
     """The sharded variant as a pipeline over pieces of the buffer::
 
         step k:  intra reduce-scatter of piece k   (inside the node, while ...)
@@ -138,6 +140,11 @@ def _sharded(nc: NodeComms, link, src, dst, reduce, tmp, *, tag: int, on_send, *
     cut = pieces(dst.size, kw["itemsize"])
     starts = ring.offsets(cut)
     inflight: dict[int, Handle] = {}
+    started: dict[int, float] = {}
+
+    def mark(name: str, start: float, tid: int = 2) -> None:  # timeline rows 2 (node) and 3 (network)
+        if trace is not None:
+            trace.span(name, "two-level", start, trace.now(), tid=tid)
 
     def poll() -> None:
         for h in inflight.values():
@@ -153,9 +160,12 @@ def _sharded(nc: NodeComms, link, src, dst, reduce, tmp, *, tag: int, on_send, *
         for k in range(len(cut) + IN_FLIGHT):
             if k < len(cut):
                 s, d, counts = piece(k)
+                t = trace.now() if trace is not None else 0.0
                 yield from ring.reduce_scatter(
                     link, s, d, counts, reduce, tmp[:slots], on_send=intra_send, tag=tag, **kw
                 )
+                mark(f"piece {k} reduce-scatter in node", t)
+                started[k] = trace.now() if trace is not None else 0.0
                 lo = ring.offsets(counts)[lr]
                 shard = d[lo : lo + counts[lr]]
                 scratch = tmp[slots * (1 + k % (IN_FLIGHT + 1)) :][:slots]
@@ -169,8 +179,11 @@ def _sharded(nc: NodeComms, link, src, dst, reduce, tmp, *, tag: int, on_send, *
                 h = inflight.pop(j)
                 while not h.test():
                     yield h.pending
+                mark(f"piece {j} across nodes", started.pop(j), tid=3)
                 _, d, counts = piece(j)
+                t = trace.now() if trace is not None else 0.0
                 yield from ring.all_gather(link, d, counts, on_send=intra_send, tag=tag, **kw)
+                mark(f"piece {j} all-gather in node", t)
     finally:
         if not isinstance(link, MPI.Comm):
             link.progress = None

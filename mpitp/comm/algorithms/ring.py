@@ -35,6 +35,7 @@ from ..handle import Steps
 
 Reduce = Callable[[Any, Any, Any], Any]  # reduce(a, b, out)
 OnSend = Callable[[int, int], None]  # on_send(nbytes, peer)
+OnStep = Callable[[int], None]  # on_step(step): the step's last segment has arrived (timeline)
 
 
 def chunk_counts(n: int, parts: int) -> list[int]:
@@ -106,6 +107,7 @@ def _pipeline(
     seg: int,
     tag: int,
     on_send: OnSend,
+    on_step: OnStep | None = None,
 ) -> Steps:
     """Steps ``steps`` of the 2(N-1)-step ring, pipelined segment by segment.
 
@@ -171,6 +173,8 @@ def _pipeline(
             reduce(src[o + lo : o + hi], tmp[k : k + hi - lo], dst[o + lo : o + hi])  # type: ignore[misc]
         if s + 1 < steps.stop:
             send(s + 1, lo, hi, dst)  # schunk(s + 1) == c
+        if on_step is not None and (j + 1 == len(incoming) or incoming[j + 1][0] != s):
+            on_step(s)
     yield all_sends
 
 
@@ -259,8 +263,10 @@ def all_reduce(
     seg: int,
     tag: int,
     on_send: OnSend,
+    on_step: OnStep | None = None,
 ) -> Steps:
-    """Ring all-reduce of flat ``src`` into flat ``dst`` (``dst is src`` for in place)."""
+    """Ring all-reduce of flat ``src`` into flat ``dst`` (``dst is src`` for in place).
+    ``on_step(s)`` (MPI transport) follows its 2(N-1) steps, for the timeline."""
     N = comm.size
     counts = chunk_counts(dst.size, N)
     if N == 1:
@@ -282,6 +288,7 @@ def all_reduce(
             seg=seg,
             tag=tag,
             on_send=on_send,
+            on_step=on_step,
         )
     else:
         _channel_pipeline(comm, src, dst, counts, reduce, steps, seg=seg, itemsize=itemsize, on_send=on_send)
