@@ -191,3 +191,24 @@ def test_timeline_across_nodes(cluster, tmp_path):
             for p in range(4)
             for what in ("reduce-scatter in node", "across nodes", "all-gather in node")
         }
+
+
+def test_tune_across_nodes_then_auto_follows_it(cluster, tmp_path):
+    """--tune on two nodes measures where the two-level all-reduce overtakes MPI's own
+    call and records it for 2 nodes; auto then leaves MPI's call exactly there."""
+    path = tmp_path / "tuning.json"
+    res = on_cluster(4, 2, "mpitp", "bench", "allreduce", "--tune", "--tune-file", str(path), "--min-bytes", "64K",
+                     "--max-bytes", "16M", "--factor", "4", "--trials", "2")  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    cross = json.loads(path.read_text())["allreduce@2nodes"]["4"]
+    assert 64 << 10 <= cross <= 16 << 20  # the link is slow: the pipelined two-level one wins by 16 MiB
+    code = (
+        "import numpy as np, mpitp; c = mpitp.Communicator()\n"
+        f"for n in ({cross} // 2, {cross}):\n"
+        "    c.traffic.reset(); c.allreduce(np.ones(n // 4, np.float32))\n"
+        "    print(c.rank, n, sorted(c.traffic.by_peer), flush=True)"
+    )
+    res = on_cluster(4, 2, sys.executable, "-c", code, env=dict(ENV, MPITP_TUNING=str(path)))
+    assert res.returncode == 0, res.stderr
+    below, at = f"{cross // 2} ['mpi']", f"{cross} ['inter', 'intra']"
+    assert res.stdout.count(below) == 4 and res.stdout.count(at) == 4, res.stdout

@@ -52,3 +52,20 @@ def test_one_rank_and_bad_requests():
     assert select.choose("allreduce", "auto", 1 << 30, 1, ReduceOp.parse("sum"), None) == "mpi"
     with pytest.raises(UnsupportedOperation, match="no algorithm 'ring'"):
         select.choose("broadcast", "ring", 8, 2, None, None)
+
+
+def test_tuned_crossover_across_nodes(flavor):
+    """A tuning file's ``allreduce@2nodes`` entry (written by --tune on two nodes) decides
+    across two nodes, where auto picks the two-level algorithm; one node keeps its own."""
+    from mpitp.comm.topology import Topology
+
+    table = {"allreduce": {"4": 8 * MiB}, "allreduce@2nodes": {"4": MiB}}
+    two_nodes, one_node = Topology(0, (0, 0, 1, 1)), Topology(0, (0, 0, 0, 0))
+    assert select.crossover("allreduce", 4, table, nodes=2) == MiB
+    assert select.crossover("allreduce", 4, table, nodes=1) == 8 * MiB
+    assert select.crossover("allreduce", 4, {"allreduce": {"4": 8 * MiB}}, nodes=2) == 8 * MiB  # no entry: one node's
+    s = ReduceOp.parse("sum")
+    assert select.choose("allreduce", "auto", MiB - 1, 4, s, two_nodes, table) == "mpi"
+    assert select.choose("allreduce", "auto", MiB, 4, s, two_nodes, table) == "hierarchical"
+    assert select.choose("allreduce", "auto", MiB, 4, s, one_node, table) == "mpi"
+    assert select.choose("allreduce", "auto", 8 * MiB, 4, s, one_node, table) == "ring"

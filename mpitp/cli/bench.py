@@ -188,7 +188,9 @@ def run(args) -> int:
     say = (lambda *a, **k: print(*a, **k, flush=True)) if r0 else (lambda *a, **k: None)
     lo, hi = args.min_bytes, args.max_bytes
     try:
-        algs = ["mpi", "ring"] if args.tune else bc.algorithms_for(args.collective, args.algorithms)
+        across = comm.topology.num_nodes > 1 and args.collective == "allreduce"  # tune the two-level one
+        algs = (["mpi", "hierarchical" if across else "ring"] if args.tune else
+                bc.algorithms_for(args.collective, args.algorithms))  # fmt: skip
     except ValueError as e:
         say(f"mpitp bench: {e}", file=sys.stderr)
         comm.free()
@@ -284,7 +286,8 @@ def run(args) -> int:
     if args.tune:
         from ..comm.algorithms import tuning
 
-        path = tuning.write_crossover(args.tune_file, args.collective, comm.size, rows) if r0 else None
+        nodes = comm.topology.num_nodes if args.collective == "allreduce" else 1
+        path = tuning.write_crossover(args.tune_file, args.collective, comm.size, rows, nodes) if r0 else None
         say(f"# tuning written to {path}")
     bad = comm.mpi.allreduce(sum(r.wrong or 0 for r in rows))
     comm.free()

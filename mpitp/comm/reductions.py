@@ -166,7 +166,9 @@ class Reductions(CommunicatorBase):
         self._fast[(a.dtype, op, algorithm)] = FastAllreduce(
             datatype=mpi_datatype(a.dtype),
             mpi_op=mpi_op(o, a.dtype),
-            max_bytes=NEVER if algorithm == "mpi" else select.crossover("allreduce", self.size, self.tuning),
+            max_bytes=NEVER
+            if algorithm == "mpi"
+            else select.crossover("allreduce", self.size, self.tuning, self.topology.num_nodes),
             plain=inferred(a.dtype),
             calls=t.calls_cell("allreduce"),
             sent=t.cell("allreduce", "mpi") if self.size > 1 else [0, 0],  # alone, nothing goes to others

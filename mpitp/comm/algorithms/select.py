@@ -42,9 +42,13 @@ DEFAULT_CROSSOVER = {
 }
 
 
-def crossover(collective: str, size: int, table: dict | None) -> int:
-    """Bytes from which ``auto`` picks the ring: the tuning file's figure, else the default."""
-    cross = tuning.crossover(table or {}, collective, size)
+def crossover(collective: str, size: int, table: dict | None, nodes: int = 1) -> int:
+    """Bytes from which ``auto`` leaves MPI's own call (for the ring on one node, the
+    two-level all-reduce on several): the tuning file's figure for this world size (and
+    node count), else the default."""
+    cross = tuning.crossover(table or {}, tuning.key(collective, nodes), size)
+    if cross is None and nodes > 1:
+        cross = tuning.crossover(table or {}, collective, size)
     if cross is not None:
         return cross
     defaults = DEFAULT_CROSSOVER.get(collective, {}).get(tuning.mpi_flavor())
@@ -62,7 +66,8 @@ def choose(
     if algorithm == "auto":
         if size == 1 or len(known) == 1:
             return "mpi"
-        if nbytes < crossover(collective, size, table):
+        nodes = topology.num_nodes if topology is not None else 1
+        if nbytes < crossover(collective, size, table, nodes):
             return "mpi"
         if collective == "allreduce" and topology is not None and topology.num_nodes > 1:
             return "hierarchical"  # sharded; uneven nodes fall back to the leader variant

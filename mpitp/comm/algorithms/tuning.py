@@ -54,6 +54,12 @@ def load(path: str | Path | None = None) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def key(collective: str, nodes: int = 1) -> str:
+    """The tuning file's entry: ``allreduce`` on one node, ``allreduce@2nodes`` across two
+    (where the contender is the two-level all-reduce, not the flat ring)."""
+    return collective if nodes <= 1 else f"{collective}@{nodes}nodes"
+
+
 def crossover(table: dict, collective: str, size: int) -> int | None:
     """Crossover bytes for this world size: exact entry, else the nearest smaller size measured."""
     entries = table.get(collective) or {}
@@ -64,27 +70,30 @@ def crossover(table: dict, collective: str, size: int) -> int | None:
     return int(best[-1])
 
 
-def fit_crossover(rows) -> int:
-    """Smallest measured size from which the ring is faster than MPI at every larger size."""
+def fit_crossover(rows, contender: str = "ring") -> int:
+    """Smallest measured size from which ``contender`` is faster than MPI at every larger size."""
     by: dict[int, dict[str, float]] = {}
     for r in rows:
         by.setdefault(r.size_bytes, {})[r.algorithm] = r.time_us
-    sizes = sorted(s for s, t in by.items() if "mpi" in t and "ring" in t)
+    sizes = sorted(s for s, t in by.items() if "mpi" in t and contender in t)
     cross = 1 << 62
     for s in reversed(sizes):
-        if by[s]["ring"] < by[s]["mpi"]:
+        if by[s][contender] < by[s]["mpi"]:
             cross = s
         else:
             break
     return cross
 
 
-def write_crossover(path, collective: str, size: int, rows) -> Path:
+def write_crossover(path, collective: str, size: int, rows, nodes: int = 1) -> Path:
+    """Record where the ring (one node) or the two-level all-reduce (``nodes`` > 1)
+    overtakes MPI's own call in ``rows``, for this world size."""
     p = Path(path) if path else default_path()
     data = load(p)
     data["version"] = 1
     data["mpi_library"] = library_version()
-    data.setdefault(collective, {})[str(size)] = fit_crossover(rows)
+    contender = "hierarchical" if nodes > 1 else "ring"
+    data.setdefault(key(collective, nodes), {})[str(size)] = fit_crossover(rows, contender)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
