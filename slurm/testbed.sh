@@ -6,6 +6,11 @@
 #   slurm/testbed.sh down    stop the daemons it started
 #   slurm/testbed.sh env     print the SLURM_CONF line to eval in another shell
 #
+#   slurm/testbed.sh up-nodes N     a second cluster of N nodes: the minicluster's network
+#   slurm/testbed.sh down-nodes     namespaces (bin/mpitp-minicluster), one slurmd in each
+#   slurm/testbed.sh env-nodes      (NodeName = its hostname), its own slurmctld outside
+#                                   them on the bridge; state under $MPITP_SLURM_DIR-nodes
+#
 # State, logs and slurm.conf live under $MPITP_SLURM_DIR (default /tmp/mpitp-slurm).
 # Lessons baked in: PMIx must be installed before slurmd starts (otherwise srun --mpi=pmix
 # hangs), and the pmix plugin looks for pmix2/lib/libpmix.so, which Debian does not ship.
@@ -102,9 +107,112 @@ down() {
   pkill -x slurmstepd 2>/dev/null || true
 }
 
+# ---- several nodes: one slurmd per minicluster node -------------------------------
+DN=${MPITP_SLURM_DIR:-/tmp/mpitp-slurm}-nodes
+MINI="$(cd "$(dirname "$0")/.." && pwd)/bin/mpitp-minicluster"
+MSTATE=${MPITP_MINICLUSTER_DIR:-/tmp/mpitp-minicluster}/state.json
+
+mini_field() {  # a field of the minicluster's state: address, or addresses.mtp-n1
+  python3 -c "import json, sys; v = json.load(open(sys.argv[1]))
+for k in sys.argv[2].split('.'): v = v[k]
+print(v)" "$MSTATE" "$1"
+}
+
+write_nodes_conf() {
+  local n=$1 hw
+  mkdir -p "$DN/state" "$DN/spool" "$DN/log"
+  hw=$(slurmd -C | head -1 | sed -e "s/^NodeName=[^ ]*//" -e 's/ UpTime=.*//' -e 's/RealMemory=[0-9]*/RealMemory=1000/')
+  {
+    echo "ClusterName=mpitpnodes"
+    echo "SlurmctldHost=$HOST($(mini_field address))"
+    echo "SlurmctldPort=6917"
+    echo "SlurmdPort=6918"
+    echo "SlurmUser=root"
+    echo "SlurmdUser=root"
+    echo "AuthType=auth/munge"
+    echo "CredType=cred/munge"
+    echo "StateSaveLocation=$DN/state"
+    echo "SlurmdSpoolDir=$DN/spool/%n"
+    echo "SlurmctldPidFile=$DN/slurmctld.pid"
+    echo "SlurmdPidFile=$DN/slurmd.%n.pid"
+    echo "SlurmctldLogFile=$DN/log/slurmctld.log"
+    echo "SlurmdLogFile=$DN/log/slurmd.%n.log"
+    echo "ProctrackType=proctrack/linuxproc"
+    echo "TaskPlugin=task/none"
+    echo "JobAcctGatherType=jobacct_gather/none"
+    echo "SelectType=select/cons_tres"
+    echo "SelectTypeParameters=CR_Core"
+    echo "MpiDefault=none"
+    echo "ReturnToService=2"
+    echo "SchedulerType=sched/backfill"
+    echo "SlurmctldTimeout=30"
+    echo "SlurmdTimeout=30"
+    echo "InactiveLimit=0"
+    echo "KillWait=5"
+    for i in $(seq 1 "$n"); do
+      echo "NodeName=mtp-n$i NodeAddr=$(mini_field "addresses.mtp-n$i") $hw State=UNKNOWN"
+    done
+    echo "PartitionName=nodes Nodes=ALL Default=YES MaxTime=60 State=UP"
+  } > "$DN/slurm.conf"
+  echo "PMIxCliTmpDirBase=$DN/pmix-base" > "$DN/mpi.conf"   # bound to a per-node directory
+}
+
+nodes_ready() {  # how many nodes answer (idle, mixed or allocated)
+  sinfo -h -N -o '%N %T' 2>/dev/null | grep -cE ' (idle|mixed|allocated)$' || true
+}
+
+up_nodes() {
+  local n=${1:-2}
+  export SLURM_CONF=$DN/slurm.conf
+  if [ -f "$SLURM_CONF" ] && [ "$(nodes_ready)" = "$n" ]; then
+    echo "slurm nodes testbed already up: SLURM_CONF=$SLURM_CONF"
+    return 0
+  fi
+  down_nodes
+  install
+  pmix_link
+  python3 "$MINI" up --nodes "$n" >/dev/null
+  write_nodes_conf "$n"
+  mkdir -p /run/munge /var/lib/munge /var/log/munge
+  chown munge:munge /run/munge /var/lib/munge /var/log/munge
+  [ -s /etc/munge/munge.key ] || { mungekey --create --force 2>/dev/null || dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 2>/dev/null; }
+  chown munge:munge /etc/munge/munge.key && chmod 400 /etc/munge/munge.key
+  pgrep -x munged >/dev/null || runuser -u munge -- /usr/sbin/munged
+  slurmctld -f "$SLURM_CONF"
+  for i in $(seq 1 "$n"); do
+    mkdir -p "$DN/spool/mtp-n$i"
+    # nsenter, not ip netns exec: that one remounts /sys, hiding the cgroup tree slurmd needs;
+    # a mount namespace of its own gives each node a private PMIx directory (all share /tmp)
+    mkdir -p "$DN/pmix/mtp-n$i" "$DN/pmix-base"
+    nsenter --net=/run/netns/mtp-n$i unshare --uts --mount -- sh -c \
+      "mount --bind '$DN/pmix/mtp-n$i' '$DN/pmix-base' && hostname mtp-n$i && exec slurmd -f '$SLURM_CONF' -N mtp-n$i"
+  done
+  for _ in $(seq 1 60); do
+    if [ "$(nodes_ready)" = "$n" ]; then
+      echo "slurm nodes testbed up: SLURM_CONF=$SLURM_CONF ($(sinfo -h -o '%D node(s) %N, state %T'))"
+      return 0
+    fi
+    sleep 0.5
+  done
+  echo "slurm nodes testbed did not come up; logs in $DN/log" >&2
+  tail -n 20 "$DN"/log/*.log >&2 || true
+  return 1
+}
+
+down_nodes() {
+  for f in "$DN"/slurmd.*.pid "$DN/slurmctld.pid"; do
+    if [ -s "$f" ]; then kill "$(cat "$f")" 2>/dev/null || true; fi
+  done
+  sleep 1
+  rm -rf "$DN/state" "$DN/spool" "$DN/pmix" "$DN"/*.pid
+}
+
 case "${1:-}" in
   up) up ;;
   down) down ;;
   env) echo "export SLURM_CONF=$D/slurm.conf" ;;
-  *) sed -n '2,11p' "$0"; exit 2 ;;
+  up-nodes) up_nodes "${2:-2}" ;;
+  down-nodes) down_nodes ;;
+  env-nodes) echo "export SLURM_CONF=$DN/slurm.conf" ;;
+  *) sed -n '2,16p' "$0"; exit 2 ;;
 esac

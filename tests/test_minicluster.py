@@ -197,8 +197,24 @@ def test_tune_across_nodes_then_auto_follows_it(cluster, tmp_path):
     """--tune on two nodes measures where the two-level all-reduce overtakes MPI's own
     call and records it for 2 nodes; auto then leaves MPI's call exactly there."""
     path = tmp_path / "tuning.json"
-    res = on_cluster(4, 2, "mpitp", "bench", "allreduce", "--tune", "--tune-file", str(path), "--min-bytes", "64K",
-                     "--max-bytes", "16M", "--factor", "4", "--trials", "2")  # fmt: skip
+    res = on_cluster(
+        4,
+        2,
+        "mpitp",
+        "bench",
+        "allreduce",
+        "--tune",
+        "--tune-file",
+        str(path),
+        "--min-bytes",
+        "64K",
+        "--max-bytes",
+        "16M",
+        "--factor",
+        "4",
+        "--trials",
+        "2",
+    )
     assert res.returncode == 0, res.stderr
     cross = json.loads(path.read_text())["allreduce@2nodes"]["4"]
     assert 64 << 10 <= cross <= 16 << 20  # the link is slow: the pipelined two-level one wins by 16 MiB

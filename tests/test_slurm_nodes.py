@@ -1,0 +1,111 @@
+"""The sbatch scripts across two real nodes: slurm/testbed.sh up-nodes starts one slurmd
+in each minicluster node (network namespaces, a 1 Gbit/s link each) and a slurmctld of
+their own; jobs then run through srun --mpi=pmi2 (MPICH) and --mpi=pmix (Open MPI), as
+bin/mpitp-run chooses. Needs root, network namespaces and SLURM (.ci/run installs it);
+skips with the reason otherwise."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NODES_DIR = Path(os.environ.get("MPITP_SLURM_DIR", "/tmp/mpitp-slurm") + "-nodes")
+CONF = NODES_DIR / "slurm.conf"
+OMPI_VENV = Path(os.environ.get("MPITP_OMPI_VENV", ROOT / ".venv-ompi"))
+
+
+def _why_not() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, slurmd per node)"
+    if not shutil.which("slurmd") or not shutil.which("sbatch"):
+        return "SLURM is not installed (slurm/testbed.sh up installs it)"
+    probe = subprocess.run(["ip", "netns", "add", "mtp-pytest-probe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"network namespaces are not allowed here: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", "mtp-pytest-probe"], capture_output=True)
+    return None
+
+
+WHY_NOT = _why_not()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    res = subprocess.run(
+        ["bash", str(ROOT / "slurm" / "testbed.sh"), "up-nodes", "2"], capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    yield
+    subprocess.run(["bash", str(ROOT / "slurm" / "testbed.sh"), "down-nodes"], capture_output=True, timeout=60)
+    subprocess.run([sys.executable, str(ROOT / "bin" / "mpitp-minicluster"), "down"], capture_output=True, timeout=60)
+
+
+def sbatch(tmp_path: Path, *opts: str, venv: Path | None = None, **env) -> str:
+    e = dict(
+        os.environ,
+        SLURM_CONF=str(CONF),
+        MPITP_HOME=str(ROOT),
+        MPITP_VENV=str(venv or sys.prefix),
+        UCX_TLS="tcp,self",
+        OPENBLAS_NUM_THREADS="1",
+        **env,
+    )
+    for k in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "MPITP_RANKS_PER_NODE"):
+        e.pop(k, None)
+    out = tmp_path / "job.out"
+    res = subprocess.run(
+        ["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=2", f"--output={out}", f"--chdir={tmp_path}", *opts],
+        capture_output=True,
+        text=True,
+        env=e,
+        timeout=600,
+    )
+    text = out.read_text() if out.exists() else ""
+    keep = Path(os.environ.get("MPITP_SLURM_DIR", "/tmp/mpitp-slurm")) / "out"
+    keep.mkdir(parents=True, exist_ok=True)
+    (keep / f"two-nodes-{tmp_path.name}.out").write_text(text)
+    assert res.returncode == 0, res.stderr + text
+    return text
+
+
+def test_hostfile_from_a_two_node_allocation(nodes, tmp_path):
+    text = sbatch(tmp_path, f"--wrap={ROOT / 'bin' / 'mpitp-hostfile'} --format openmpi", PYTHON=sys.executable)
+    assert text == "mtp-n1 slots=2\nmtp-n2 slots=2\n"
+
+
+def test_bench_job_across_two_nodes(nodes, tmp_path):
+    """MPICH through srun --mpi=pmi2: 4 ranks on 2 nodes, every result checked (--check
+    fails the job on a wrong element), the ring's channels within nodes only."""
+    text = sbatch(tmp_path, str(ROOT / "slurm" / "bench.sbatch"), MPITP_MIN_BYTES="1M", MPITP_MAX_BYTES="4M")
+    assert "world of 4 rank(s) on 2 node(s): OK" in text
+    assert "MPI point-to-point between nodes" in text and "hierarchical" in text and "4 MiB" in text
+
+
+def test_generate_job_across_two_nodes(nodes, tmp_path):
+    text = sbatch(
+        tmp_path,
+        str(ROOT / "slurm" / "generate.sbatch"),
+        MPITP_MODEL=str(ROOT / "tests" / "fixtures" / "mha"),
+        MPITP_PROMPT="the quick brown",
+        MPITP_MAX_NEW_TOKENS="8",
+    )
+    assert "world of 4 rank(s) on 2 node(s): OK" in text and "TP=4: prefill" in text
+    assert text.count("the quick brown") == 1
+
+
+@pytest.mark.skipif(not (OMPI_VENV / "bin" / "python").exists(), reason="no Open MPI venv (.venv-ompi)")
+def test_demo_job_with_open_mpi_over_pmix_across_two_nodes(nodes, tmp_path):
+    text = sbatch(
+        tmp_path,
+        str(ROOT / "slurm" / "demo.sbatch"),
+        venv=OMPI_VENV,
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+    )
+    assert "world of 4 rank(s) on 2 node(s): OK" in text and "Open MPI" in text
+    assert "2 node(s) (shared-memory), 4 rank(s)" in text  # mpitp info: the real layout
