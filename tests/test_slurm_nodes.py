@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import netns_check
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -18,19 +19,11 @@ CONF = NODES_DIR / "slurm.conf"
 OMPI_VENV = Path(os.environ.get("MPITP_OMPI_VENV", ROOT / ".venv-ompi"))
 
 
-def _why_not() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, slurmd per node)"
-    if not shutil.which("slurmd") or not shutil.which("sbatch"):
-        return "SLURM is not installed (slurm/testbed.sh up installs it)"
-    probe = subprocess.run(["ip", "netns", "add", "mtp-pytest-probe"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"network namespaces are not allowed here: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", "mtp-pytest-probe"], capture_output=True)
-    return None
-
-
-WHY_NOT = _why_not()
+WHY_NOT = netns_check.why_not() or (
+    None
+    if shutil.which("slurmd") and shutil.which("sbatch")
+    else "SLURM is not installed (slurm/testbed.sh up installs it)"
+)
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
 
 

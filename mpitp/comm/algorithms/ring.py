@@ -178,6 +178,45 @@ def _pipeline(
     yield all_sends
 
 
+def _over(
+    link,
+    src,
+    dst,
+    counts: list[int],
+    reduce: Reduce | None,
+    tmp,
+    steps: range,
+    *,
+    dtype: MPI.Datatype,
+    itemsize: int,
+    seg: int,
+    tag: int,
+    on_send: OnSend,
+    on_step: OnStep | None = None,
+) -> Steps:
+    """Steps ``steps`` of the ring over ``link``: MPI point-to-point (an ``MPI.Comm``), or
+    a shared-memory / CMA channel of one node (:mod:`mpitp.comm.transport`), which moves
+    the same segments in the same order without MPI requests."""
+    if isinstance(link, MPI.Comm):
+        yield from _pipeline(
+            link,
+            src,
+            dst,
+            counts,
+            reduce,
+            tmp,
+            steps,
+            dtype=dtype,
+            itemsize=itemsize,
+            seg=seg,
+            tag=tag,
+            on_send=on_send,
+            on_step=on_step,
+        )
+    else:
+        _channel_pipeline(link, src, dst, counts, reduce, steps, seg=seg, itemsize=itemsize, on_send=on_send)
+
+
 def reduce_scatter(
     comm: MPI.Comm,
     src,
@@ -202,24 +241,20 @@ def reduce_scatter(
         if dst is not src:
             dst[:] = src
         return dst
-    steps = range(0, comm.size - 1)
-    if isinstance(comm, MPI.Comm):
-        yield from _pipeline(
-            comm,
-            src,
-            dst,
-            counts,
-            reduce,
-            tmp,
-            steps,
-            dtype=dtype,
-            itemsize=itemsize,
-            seg=seg,
-            tag=tag,
-            on_send=on_send,
-        )
-    else:
-        _channel_pipeline(comm, src, dst, counts, reduce, steps, seg=seg, itemsize=itemsize, on_send=on_send)
+    yield from _over(
+        comm,
+        src,
+        dst,
+        counts,
+        reduce,
+        tmp,
+        range(0, comm.size - 1),
+        dtype=dtype,
+        itemsize=itemsize,
+        seg=seg,
+        tag=tag,
+        on_send=on_send,
+    )
     return dst
 
 
@@ -239,15 +274,21 @@ def all_gather(
     Chunks travel in segments: one huge message is several times slower than the same
     bytes in cache-sized pieces on shared-memory transports."""
     N = comm.size
-    steps = range(N - 1, 2 * N - 2)
-    if N == 1:
-        pass
-    elif isinstance(comm, MPI.Comm):
-        yield from _pipeline(
-            comm, buf, buf, counts, None, None, steps, dtype=dtype, itemsize=itemsize, seg=seg, tag=tag, on_send=on_send
+    if N > 1:
+        yield from _over(
+            comm,
+            buf,
+            buf,
+            counts,
+            None,
+            None,
+            range(N - 1, 2 * N - 2),
+            dtype=dtype,
+            itemsize=itemsize,
+            seg=seg,
+            tag=tag,
+            on_send=on_send,
         )
-    else:
-        _channel_pipeline(comm, buf, buf, counts, None, steps, seg=seg, itemsize=itemsize, on_send=on_send)
     return buf
 
 
@@ -273,23 +314,19 @@ def all_reduce(
         if dst is not src:
             dst[:] = src
         return dst
-    steps = range(0, 2 * N - 2)
-    if isinstance(comm, MPI.Comm):
-        yield from _pipeline(
-            comm,
-            src,
-            dst,
-            counts,
-            reduce,
-            tmp,
-            steps,
-            dtype=dtype,
-            itemsize=itemsize,
-            seg=seg,
-            tag=tag,
-            on_send=on_send,
-            on_step=on_step,
-        )
-    else:
-        _channel_pipeline(comm, src, dst, counts, reduce, steps, seg=seg, itemsize=itemsize, on_send=on_send)
+    yield from _over(
+        comm,
+        src,
+        dst,
+        counts,
+        reduce,
+        tmp,
+        range(0, 2 * N - 2),
+        dtype=dtype,
+        itemsize=itemsize,
+        seg=seg,
+        tag=tag,
+        on_send=on_send,
+        on_step=on_step,
+    )
     return dst
