@@ -32,6 +32,7 @@ class CommunicatorBase:
         validate: bool | None = None,
         timeout: float | None = None,
         ranks_per_node: int | None = None,
+        topology: Topology | None = None,
     ):
         base = comm.mpi if isinstance(comm, CommunicatorBase) else (comm or MPI.COMM_WORLD)
         self.mpi: MPI.Comm = base.Dup()  # user-visible traffic (collectives, p2p)
@@ -42,7 +43,7 @@ class CommunicatorBase:
         env = settings.current()
         self.validate = env.validate if validate is None else bool(validate)
         self.watchdog = Watchdog.from_env(timeout, MPI.COMM_WORLD.rank)
-        self.topology = Topology.detect(self.mpi, ranks_per_node)
+        self.topology = topology if topology is not None else Topology.detect(self.mpi, ranks_per_node)
         self.traffic = Traffic()
         self.segment_bytes = env.ring_segment
         self.ring_depth = env.ring_depth  # receive segments in flight
@@ -93,10 +94,47 @@ class CommunicatorBase:
         self.free()
 
     def split(self, color: int, key: int = 0):
-        """A new Communicator over the ranks that pass the same ``color``."""
-        sub = self.mpi.Split(color, key)
+        """A new Communicator over the ranks that pass the same ``color`` (``None``: this
+        rank joins none and gets ``None``), ordered by ``key``, then by rank here. It keeps
+        this communicator's node map (real or simulated nodes), so its traffic counters
+        still tell intra- from inter-node bytes. Collective over this communicator."""
+        sub = self.mpi.Split(MPI.UNDEFINED if color is None else color, key)
+        return self._adopt(sub)
+
+    def group(self, ranks):
+        """A new Communicator over ``ranks`` (ranks of this one, in that order); ranks not
+        listed get ``None``. Collective over this communicator: every rank calls it with
+        the same list (torch.distributed.new_group's contract)."""
+        ranks = [int(r) for r in ranks]
+        if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.size for r in ranks):
+            raise ValueError(f"group ranks {ranks}: distinct ranks of this communicator (size {self.size})")
+        g = self.mpi.Get_group()
         try:
-            return type(self)(sub, validate=self.validate, timeout=self.watchdog.timeout)
+            sub_group = g.Incl(ranks)
+            sub = self.mpi.Create(sub_group)
+            sub_group.Free()
+        finally:
+            g.Free()
+        return self._adopt(sub)
+
+    def mesh(self, shape, names):
+        """The ranks as a grid, one sub-communicator per dimension, the last innermost
+        (kept inside a node where the node has room): ``comm.mesh((2, 2), ("dp", "tp"))``.
+        See :mod:`mpitp.comm.mesh`. Collective."""
+        from .mesh import build
+
+        return build(self, tuple(shape), tuple(names))
+
+    def _adopt(self, sub: MPI.Comm):
+        """Wrap a new MPI sub-communicator (or COMM_NULL) with this one's settings and node map."""
+        if sub == MPI.COMM_NULL:
+            return None
+        try:
+            parent_ranks = sub.allgather(self.rank)
+            nodes = [self.topology.node_of[r] for r in parent_ranks]
+            index = {n: i for i, n in enumerate(sorted(set(nodes)))}
+            topo = Topology(sub.rank, tuple(index[n] for n in nodes), self.topology.simulated)
+            return type(self)(sub, validate=self.validate, timeout=self.watchdog.timeout, topology=topo)
         finally:
             sub.Free()
 
