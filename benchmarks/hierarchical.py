@@ -63,8 +63,11 @@ def main() -> int:
     for nbytes in (int(s) for s in args.sizes.split(",")):
         x = np.ones(nbytes // 4, np.float32)
         out = np.empty_like(x)
-        algs = ("ring", "hierarchical", "hierarchical_leader") if topo.simulated else (
-            "mpi", "ring", "hierarchical", "hierarchical_leader")  # fmt: skip
+        algs = (
+            ("ring", "hierarchical", "hierarchical_leader")
+            if topo.simulated
+            else ("mpi", "ring", "hierarchical", "hierarchical_leader")
+        )
         times = {}
         for alg in algs:
             comm.traffic.reset()

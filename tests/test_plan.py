@@ -131,3 +131,43 @@ def test_benchmark_measured_bytes_equal_predicted(n, k):
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "measured == predicted for every row" in res.stdout
+
+
+def test_train_on_a_mesh_tp_inside_nodes_moves_fewest_inter_node_bytes():
+    """mpitp plan train: small at 4 ranks on 2 nodes. The 2-D layout (tp 2 inside each
+    node x fsdp 2 across) sends the fewest bytes between nodes; the figures follow the
+    formulas (fsdp: 3 ring passes over each rank's TP shard; TP: 4 all-reduces of
+    [batch/dp, seq, hidden] per layer + 2, and 3 of one float64 per token)."""
+    from mpitp.plan.tp import ModelShape
+    from mpitp.plan.train import shard_params
+    from mpitp.train.init import PRESETS
+
+    out = plan("train", "--model", "small", "--tp", "2", "--dp", "2", "--nodes", "2")
+    rows = {(r["tp"], r["dp"]): r for r in out["layouts"]}
+    assert set(rows) == {(1, 4), (2, 2), (4, 1)}
+    inter = {k: r["inter_bytes_per_node"] for k, r in rows.items()}
+    assert min(inter, key=inter.get) == (2, 2)
+    c = PRESETS["small"]
+    m = ModelShape(
+        "small",
+        c["hidden_size"],
+        c["num_hidden_layers"],
+        c["num_attention_heads"],
+        c["num_key_value_heads"],
+        c["intermediate_size"],
+        c["vocab_size"],
+    )
+    psi = m.params()
+    assert rows[(1, 4)]["dp_bytes_per_rank"] == 3 * 3 / 4 * psi * 4 and rows[(1, 4)]["tp_bytes_per_rank"] == 0
+    assert rows[(1, 4)]["memory_per_rank_bytes"] == 16 * psi / 4
+    psi2 = shard_params(m, 2)
+    assert psi / 2 <= psi2 < psi / 2 * 1.01  # the vocabulary's 64-row blocks: a little over half
+    tokens = 8 // 2 * 128
+    want_tp = ((4 * 4 + 2) * tokens * 256 * 4 + 3 * tokens * 8) * 2 * 1 / 2
+    assert rows[(2, 2)]["tp_bytes_per_rank"] == want_tp and rows[(2, 2)]["tp_link"] == "intra"
+    assert rows[(4, 1)]["tp_link"] == "inter" and rows[(4, 1)]["dp_bytes_per_rank"] == 0
+    args = ["train", "--model", "small", "--tp", "2", "--dp", "2", "--nodes", "2"]
+    text = subprocess.run(MPITP + args, capture_output=True, text=True).stdout
+    assert "* tp2 x fsdp2" in text and "<- fewest inter-node bytes" in text.split("* tp2")[1].splitlines()[0]
+    bad = subprocess.run(MPITP + ["train", "--tp", "3", "--dp", "1", "--nodes", "2"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "do not fill --nodes 2 evenly" in bad.stderr

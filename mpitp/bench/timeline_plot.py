@@ -9,8 +9,15 @@ COLORS = {"collective": "#4c72b0", "ring": "#dd8452", "two-level": "#55a868"}
 
 
 ROWS = 5  # per rank: collectives, ring steps, pieces in the node, pieces across nodes, a gap
-SHORT = ((" reduce-scatter in node", " RS"), (" all-gather in node", " AG"), (" across nodes", " net"),
-         ("piece ", "p"), ("ring step ", "s"), (" (reduce-scatter)", ""), (" (all-gather)", ""))  # fmt: skip
+SHORT = (
+    (" reduce-scatter in node", " RS"),
+    (" all-gather in node", " AG"),
+    (" across nodes", " net"),
+    ("piece ", "p"),
+    ("ring step ", "s"),
+    (" (reduce-scatter)", ""),
+    (" (all-gather)", ""),
+)
 
 
 def plot(trace: Path, out: Path, collective: int | None = None) -> None:
@@ -49,7 +56,13 @@ def plot(trace: Path, out: Path, collective: int | None = None) -> None:
         ax.set_xlim(*window)
     ax.set_xlabel("ms")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
-    ax.legend(handles, ["collective", "ring step", "two-level piece (node row, network row)"], loc="upper left",
-              bbox_to_anchor=(0, 1.12), ncol=3, fontsize=7)  # fmt: skip
+    ax.legend(
+        handles,
+        ["collective", "ring step", "two-level piece (node row, network row)"],
+        loc="upper left",
+        bbox_to_anchor=(0, 1.12),
+        ncol=3,
+        fontsize=7,
+    )
     fig.tight_layout()
     fig.savefig(out, dpi=120)

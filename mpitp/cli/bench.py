@@ -189,8 +189,11 @@ def run(args) -> int:
     lo, hi = args.min_bytes, args.max_bytes
     try:
         across = comm.topology.num_nodes > 1 and args.collective == "allreduce"  # tune the two-level one
-        algs = (["mpi", "hierarchical" if across else "ring"] if args.tune else
-                bc.algorithms_for(args.collective, args.algorithms))  # fmt: skip
+        algs = (
+            ["mpi", "hierarchical" if across else "ring"]
+            if args.tune
+            else bc.algorithms_for(args.collective, args.algorithms)
+        )
     except ValueError as e:
         say(f"mpitp bench: {e}", file=sys.stderr)
         comm.free()

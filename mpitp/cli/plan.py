@@ -68,6 +68,22 @@ def add_parser(sub) -> None:
     f.add_argument("--ranks", type=int, default=64)
     f.add_argument("--k", type=int, default=12, help="optimizer bytes per parameter (12: mixed-precision Adam)")
     f.add_argument("--json", action="store_true")
+    tr = ps.add_parser(
+        "train",
+        help="training on a (dp, tp) mesh: memory per rank, bytes per step per link class",
+        description="Every way to cut tp x dp ranks (tp groups inside nodes, dp across them), "
+        "with the requested one marked: memory per rank, TP and DP bytes per rank per step and "
+        "their link class, inter-node bytes per node, communication time (alpha-beta, no overlap).",
+    )
+    tr.add_argument("--model", default="small", help="tiny, small (mpitp train presets), a plan preset or config.json")
+    tr.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (inside a node)")
+    tr.add_argument("--dp", type=int, default=2, help="data-parallel ranks (across nodes)")
+    tr.add_argument("--nodes", type=int, default=2)
+    tr.add_argument("--mode", choices=("ddp", "zero1", "zero2", "fsdp"), default="fsdp")
+    tr.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
+    tr.add_argument("--seq", type=int, default=128)
+    tr.add_argument("--dtype", default="fp32", choices=sorted(ptp.DTYPE_BYTES))
+    common(tr)
     fit = ps.add_parser("fit", help="fit the 'local' profile by ping-pong (run under mpiexec -n 2)")
     fit.add_argument("--json", action="store_true")
 
@@ -77,7 +93,7 @@ def _profile(args) -> profiles.Profile:
 
 
 def run(args) -> int:
-    out = {"allreduce": _allreduce, "tp": _tp, "fsdp": _fsdp, "fit": _fit}[args.plan](args)
+    out = {"allreduce": _allreduce, "tp": _tp, "fsdp": _fsdp, "train": _train, "fit": _fit}[args.plan](args)
     return 0 if out is None else out
 
 
@@ -166,6 +182,62 @@ def _fsdp(args):
             f"{r['stage']:<7} {r['memory_bytes'] / 1e9:>11.2f} GB {r['volume_psi']:>10} Psi "
             f"{_mb(r['sent_per_rank_bytes']):>16}"
         )
+
+
+def _train(args):
+    from ..plan import train as ptrain
+
+    if args.model in ("tiny", "small"):
+        from ..train.init import PRESETS
+
+        c = PRESETS[args.model]
+        m = ptp.ModelShape(
+            args.model,
+            c["hidden_size"],
+            c["num_hidden_layers"],
+            c["num_attention_heads"],
+            c["num_key_value_heads"],
+            c["intermediate_size"],
+            c["vocab_size"],
+        )
+    else:
+        m = ptp.load_model(args.model)
+    n = args.tp * args.dp
+    if args.tp < 1 or args.dp < 1 or n % args.nodes:
+        raise ptp_error(f"--tp {args.tp} x --dp {args.dp} = {n} ranks do not fill --nodes {args.nodes} evenly")
+    prof = _profile(args)
+    rows = ptrain.plan(m, n, args.nodes, args.mode, args.batch, args.seq, ptp.DTYPE_BYTES[args.dtype.lower()], prof)
+    if args.json:
+        print(
+            json.dumps(
+                {"model": m.__dict__, "ranks": n, "nodes": args.nodes, "profile": prof.to_dict(), "layouts": rows},
+                indent=2,
+            )
+        )
+        return
+    print(
+        f"{m.name}: {m.params() / 1e6:.1f}M parameters, {n} ranks on {args.nodes} node(s), {args.mode}, "
+        f"batch {args.batch} x seq {args.seq}, {args.dtype}, profile {prof.name}"
+    )
+    print(
+        f"  {'layout':<14} {'memory/rank':>12} {'TP bytes/rank':>15} {'DP bytes/rank':>15} "
+        f"{'inter-node/node':>16} {'comm time':>11}"
+    )
+    best = min(r["inter_bytes_per_node"] for r in rows)
+    for r in rows:
+        mark = "*" if (r["tp"], r["dp"]) == (args.tp, args.dp) else " "
+        fewest = "  <- fewest inter-node bytes" if r["inter_bytes_per_node"] == best else ""
+        print(
+            f"{mark} tp{r['tp']} x {args.mode}{r['dp']:<4} {_mb(r['memory_per_rank_bytes']):>12} "
+            f"{_mb(r['tp_bytes_per_rank']):>9} {r['tp_link']:>5} {_mb(r['dp_bytes_per_rank']):>9} {r['dp_link']:>5} "
+            f"{_mb(r['inter_bytes_per_node']):>16} {_time(r['comm_time_s']):>11}{fewest}"
+        )
+
+
+def ptp_error(msg: str):
+    from ..tp.partition import ShardingError
+
+    return ShardingError(msg)
 
 
 def _fit(args):

@@ -40,10 +40,18 @@ class Timeline:
         return time.perf_counter()
 
     def span(self, name: str, cat: str, start: float, end: float, tid: int = 0, **args: Any) -> None:
-        self.events.append({
-            "name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": tid,
-            "ts": round((start - self.t0) * 1e6, 3), "dur": round((end - start) * 1e6, 3), "args": args,
-        })  # fmt: skip
+        self.events.append(
+            {
+                "name": name,
+                "cat": cat,
+                "ph": "X",
+                "pid": self.rank,
+                "tid": tid,
+                "ts": round((start - self.t0) * 1e6, 3),
+                "dur": round((end - start) * 1e6, 3),
+                "args": args,
+            }
+        )
 
     def write(self) -> None:
         tmp = self.path.with_suffix(".tmp")
@@ -81,8 +89,17 @@ def traced(steps, tl: Timeline, name: str, comm, algorithm: str, nbytes: int):
     result = yield from steps
     after = comm.traffic.by_peer
     peers = sorted(p for p in after if after[p] != before.get(p, 0))
-    tl.span(name, "collective", start, tl.now(), algorithm=algorithm, bytes=nbytes,
-            peer="+".join(peers) or "none", phase=comm.traffic.current_phase, seq=comm._seq)  # fmt: skip
+    tl.span(
+        name,
+        "collective",
+        start,
+        tl.now(),
+        algorithm=algorithm,
+        bytes=nbytes,
+        peer="+".join(peers) or "none",
+        phase=comm.traffic.current_phase,
+        seq=comm._seq,
+    )
     return result
 
 
