@@ -18,7 +18,6 @@ machine with internet access:
     huggingface-cli download TinyLlama/TinyLlama-1.1B-Chat-v1.0 --local-dir tinyllama
     mpiexec -n 2 mpitp generate --model tinyllama --prompt "The capital of France is"
 (mpitp itself never downloads anything.)"""
-CHAT = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 
 
 def add_parser(sub) -> None:
@@ -47,9 +46,11 @@ def add_parser(sub) -> None:
         "--chat",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="wrap each prompt in the ChatML template (<|im_start|>user ...); default: on for the "
+        help="format each prompt as a user turn with the model's own chat template "
+        "(tokenizer_config.json's chat_template; ChatML when it has none); default: on for the "
         "default model, off otherwise",
     )
+    p.add_argument("--system", help="a system turn before the prompt (with --chat; default: the template's own)")
 
 
 def run(args) -> int:
@@ -96,23 +97,28 @@ def run(args) -> int:
             f"{model.config.vocab_size}: a prompt that uses the extra ones will be refused"
         )
     prompts = args.prompt or ["Hello"]
-    ids = [tok.encode(CHAT.format(prompt=p) if chat else p).ids for p in prompts]
+    if chat:
+        from ..models import chat as chat_template
+
+        template, special = chat_template.load(args.model)
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        texts = [chat_template.render(template, system + [{"role": "user", "content": p}], **special) for p in prompts]
+        ids = [tok.encode(t, add_special_tokens=False).ids for t in texts]
+    else:
+        ids = [tok.encode(p).ids for p in prompts]
     try:
         check_prompts(model, ids, args.max_new_tokens)
     except Exception:
         comm.free()
         raise
-    shown = [""] * len(ids)
+    from ..models.detok import TextStream
+
+    text_stream = TextStream(tok)
 
     def stream(step, new, done):
-        if not r0 or len(ids) != 1:
-            return
-        text = tok.decode(out_so_far[0] + [int(new[0])])
-        out_so_far[0].append(int(new[0]))
-        print(text[len(shown[0]) :], end="", flush=True)
-        shown[0] = text
+        if r0 and len(ids) == 1:  # each token's text as it completes (no re-decoding)
+            print(text_stream.push(new[0]), end="", flush=True)
 
-    out_so_far: list[list[int]] = [[] for _ in ids]
     if r0 and len(ids) == 1:
         print(prompts[0], end="\n" if chat else "", flush=True)
     out = model.generate(

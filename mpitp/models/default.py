@@ -59,6 +59,10 @@ def ensure(comm=None) -> Path | None:
 
         get_logger("models").info(f"importing the default model from {src.name} into {out} (once)")
         convert(src, out)
+    elif rank == 0 and not (out / "tokenizer_config.json").exists():  # imported by an older mpitp
+        from .gguf_import import add_tokenizer_config
+
+        add_tokenizer_config(src, out)
     if comm is not None and comm.size > 1:
         comm.barrier()
     return out

@@ -121,6 +121,7 @@ def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
         save_file(tensors, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         _tokenizer(reader, tokens).save(str(tmp / "tokenizer.json"))
+        write_tokenizer_config(reader, tokens, tmp)
         tmp.chmod(0o755)
         if out.exists():
             shutil.rmtree(out)
@@ -129,6 +130,31 @@ def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def write_tokenizer_config(reader, tokens: list[str], out: Path) -> None:
+    """tokenizer_config.json as transformers writes it: the GGUF's chat template and the
+    special tokens it names (what :mod:`mpitp.models.chat` and AutoTokenizer read)."""
+    cfg: dict = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    for key, field in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                       ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):  # fmt: skip
+        i = _field(reader, f"tokenizer.ggml.{field}")
+        if i is not None and 0 <= int(i) < len(tokens):
+            cfg[key] = tokens[int(i)]
+    template = _field(reader, "tokenizer.chat_template")
+    if template:
+        cfg["chat_template"] = template
+    tmp = out / "tokenizer_config.json.tmp"
+    tmp.write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
+    os.replace(tmp, out / "tokenizer_config.json")
+
+
+def add_tokenizer_config(gguf_path: str | Path, out_dir: str | Path) -> None:
+    """Write only tokenizer_config.json into an imported directory (older imports lack it)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    write_tokenizer_config(reader, _field(reader, "tokenizer.ggml.tokens", _REQUIRED), Path(out_dir))
 
 
 def _tokenizer(reader, tokens: list[str]):
