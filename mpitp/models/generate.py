@@ -20,7 +20,14 @@ class GenerationError(MpitpError, ValueError):
     """A prompt or sampling option the model cannot serve."""
 
 
-def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+def check_sampling(
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    repetition_penalty: float = 1.0,
+    min_p: float = 0.0,
+) -> None:
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
         raise GenerationError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
     if not (temperature >= 0 and np.isfinite(temperature)):
@@ -29,6 +36,10 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: f
         raise GenerationError(f"top_k must be a whole number >= 0 (0 = all tokens), got {top_k!r}")
     if not 0 < top_p <= 1:
         raise GenerationError(f"top_p must lie in (0, 1] (1 = off), got {top_p!r}")
+    if not (repetition_penalty > 0 and np.isfinite(repetition_penalty)):
+        raise GenerationError(f"repetition_penalty must be > 0 (1 = off), got {repetition_penalty!r}")
+    if not 0 <= min_p <= 1:
+        raise GenerationError(f"min_p must lie in [0, 1] (0 = off), got {min_p!r}")
 
 
 def check_prompts(model, prompts: list[list[int]], max_new_tokens: int) -> None:
@@ -47,10 +58,30 @@ def check_prompts(model, prompts: list[list[int]], max_new_tokens: int) -> None:
         model.check_ids(p)
 
 
+def penalize_repeats(logits: np.ndarray, seqs: list[list[int]], penalty: float) -> np.ndarray:
+    """transformers' repetition penalty: the logit of every token already in a row's
+    sequence (prompt included) is divided by ``penalty`` when positive, multiplied when not."""
+    if penalty == 1.0:
+        return logits
+    logits = np.array(logits, np.float64)
+    for b, seq in enumerate(seqs):
+        seen = np.unique(np.asarray(seq, np.int64))
+        row = logits[b, seen]
+        logits[b, seen] = np.where(row > 0, row / penalty, row * penalty)
+    return logits
+
+
 def sample(
-    logits: np.ndarray, rng: np.random.Generator, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0
+    logits: np.ndarray,
+    rng: np.random.Generator,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
 ) -> np.ndarray:
-    """Next token per row of ``logits`` [B, V]: greedy when temperature is 0."""
+    """Next token per row of ``logits`` [B, V]: greedy when temperature is 0; else from the
+    softmax at ``temperature``, restricted to the top k, the top-p nucleus and the tokens
+    with at least ``min_p`` times the most likely one's probability."""
     if temperature <= 0:
         return np.asarray(logits).argmax(axis=-1)
     logits = np.asarray(logits, np.float64)
@@ -68,6 +99,9 @@ def sample(
         np.put_along_axis(keep, order, keep_sorted, axis=-1)
         p = np.where(keep, p, 0.0)
         p /= p.sum(axis=-1, keepdims=True)
+    if min_p > 0.0:
+        p = np.where(p >= min_p * p.max(axis=-1, keepdims=True), p, 0.0)
+        p /= p.sum(axis=-1, keepdims=True)
     return np.array([rng.choice(p.shape[-1], p=row) for row in p])
 
 
@@ -81,13 +115,18 @@ def generate(
     seed: int = 0,
     stop_tokens=None,
     on_token=None,
+    repetition_penalty: float = 1.0,
+    min_p: float = 0.0,
+    stop_check=None,
 ) -> list[list[int]]:
-    """Prompt + new tokens for every sequence (a list of lists; stops at a stop token)."""
+    """Prompt + new tokens for every sequence (a list of lists). A sequence ends at a stop
+    token, or when ``stop_check(b, token)`` says so (stop strings: every rank decides
+    alike, from the same tokens)."""
     xp, comm = model.xp, model.comm
     prompts = [list(map(int, p)) for p in (input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids)]
     if prompts and isinstance(prompts[0], int):
         prompts = [prompts]
-    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty, min_p)
     check_prompts(model, prompts, max_new_tokens)
     stops = set(model.config.eos_token_id if stop_tokens is None else stop_tokens)
     B, T = len(prompts), max(len(p) for p in prompts)
@@ -110,13 +149,14 @@ def generate(
     t1 = time.perf_counter()
     for step in range(max_new_tokens):
         host = logits.get() if hasattr(logits, "get") else np.asarray(logits)
-        tok = sample(host, rng, temperature, top_k, top_p).astype(np.int64)
+        host = penalize_repeats(host, out, repetition_penalty)
+        tok = sample(host, rng, temperature, top_k, top_p, min_p).astype(np.int64)
         if comm is not None and comm.size > 1 and temperature > 0:
             tok = comm.broadcast(tok, root=0)
         for b in range(B):
             if not done[b]:
                 out[b].append(int(tok[b]))
-                done[b] = int(tok[b]) in stops
+                done[b] = int(tok[b]) in stops or (stop_check is not None and bool(stop_check(b, int(tok[b]))))
         new += 1
         if on_token is not None:
             on_token(step, tok, done.copy())

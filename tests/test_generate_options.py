@@ -1,0 +1,95 @@
+"""Generation options users bring from transformers and llama.cpp: stop strings matched
+across token boundaries, generation_config.json defaults, repetition penalty and min-p,
+--prompt-file batches equal to single runs."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from mpitp import launch
+from mpitp.models.generate import penalize_repeats, sample
+from mpitp.models.prompts import generation_defaults
+from mpitp.models.stops import StopText
+
+FIX = Path(__file__).resolve().parent / "fixtures" / "mha"
+GEN = [sys.executable, "-m", "mpitp.cli.main", "generate"]
+TOK = Tokenizer.from_file(str(FIX / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("stop", ["brown fox", "n f", "🦊", "x"])
+def test_stop_string_across_tokens_is_never_shown(stop):
+    text = "the quick brown fox 🦊 jumps over"
+    ids = TOK.encode(text, add_special_tokens=False).ids
+    s = StopText(TOK, [stop])
+    shown = ""
+    for i in ids:
+        shown += s.push(i)
+        if s.stopped:
+            break
+    full = TOK.decode(ids)
+    assert s.stopped and shown == full[: full.find(stop)] == s.text
+    assert len(TOK.encode(stop, add_special_tokens=False).ids) >= 1
+
+
+def test_no_stop_string_flushes_everything():
+    ids = TOK.encode("hello world", add_special_tokens=False).ids
+    s = StopText(TOK, ["zzz"])
+    out = "".join(s.push(i) for i in ids) + s.flush()
+    assert out == TOK.decode(ids) and not s.stopped
+
+
+def test_repetition_penalty_and_min_p():
+    logits = np.array([[2.0, -1.0, 0.5, 3.0]])
+    got = penalize_repeats(logits, [[0, 1, 1]], 2.0)
+    assert np.allclose(got, [[1.0, -2.0, 0.5, 3.0]])  # positive divided, negative multiplied
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    ref = transformers.RepetitionPenaltyLogitsProcessor(2.0)(torch.tensor([[0, 1, 1]]), torch.tensor(logits))
+    assert np.allclose(got, ref.numpy())
+    rng = np.random.default_rng(0)
+    z = np.log(np.array([[0.5, 0.3, 0.15, 0.05]]))  # min_p 0.4: only tokens with p >= 0.2 remain
+    picks = {int(sample(z, rng, temperature=1.0, min_p=0.4)[0]) for _ in range(300)}
+    assert picks == {0, 1}
+
+
+def test_generation_config_defaults(tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(FIX, d)
+    (d / "generation_config.json").write_text(
+        json.dumps(
+            {"do_sample": True, "temperature": 0.7, "top_k": 5, "eos_token_id": [3, 4], "repetition_penalty": 1.1}
+        )
+    )
+    assert generation_defaults(d) == {"temperature": 0.7, "top_k": 5, "repetition_penalty": 1.1, "eos_token_id": [3, 4]}
+    base = ["--model", str(d), "--prompt", "the quick", "--max-new-tokens", "8", "--seed", "3"]
+    implicit = launch.run(2, GEN + base, timeout=120)
+    explicit = launch.run(
+        2, GEN + base + ["--temperature", "0.7", "--top-k", "5", "--repetition-penalty", "1.1"], timeout=120
+    )
+    greedy = launch.run(2, GEN + base + ["--temperature", "0"], timeout=120)
+    assert implicit.returncode == explicit.returncode == greedy.returncode == 0, implicit.stderr
+    assert implicit.stdout == explicit.stdout != greedy.stdout
+
+
+def test_prompt_file_batches_equal_single_runs(tmp_path):
+    prompts = ["the quick brown fox", "tensor parallel", "hello", "a b c d e f"]
+    f = tmp_path / "prompts.txt"
+    f.write_text("\n".join(prompts[:3]) + "\n\n" + json.dumps([{"role": "user", "content": prompts[3]}]) + "\n")
+    common = ["--model", str(FIX), "--max-new-tokens", "10"]
+    batch = launch.run(2, GEN + common + ["--prompt-file", str(f), "--max-batch", "3"], timeout=120)
+    assert batch.returncode == 0, batch.stderr
+    lines = batch.stdout.strip("\n").split("\n")
+    for p, line in zip(prompts[:3], lines):
+        single = launch.run(2, GEN + common + ["--prompt", p], timeout=120)
+        assert single.returncode == 0 and single.stdout.strip("\n") == line, (single.stdout, line)
+    assert lines[3].startswith(prompts[3])  # a conversation: its last turn, then the completion
+    bad = tmp_path / "bad.txt"
+    bad.write_text('{"messages": 3}\n')
+    res = launch.run(1, GEN + common + ["--prompt-file", str(bad)], timeout=60)
+    assert res.returncode == 2 and "line 1: expected a list" in res.stderr
