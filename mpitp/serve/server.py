@@ -1,0 +1,360 @@
+"""The OpenAI-compatible HTTP side, on rank 0, and the loop every rank runs.
+
+    POST /v1/chat/completions   messages -> the model's chat template -> completion
+    POST /v1/completions        prompt -> completion
+         stream: true           server-sent events ("data: {...}" ... "data: [DONE]")
+    GET  /v1/models, /health
+
+HTTP threads (a ThreadingHTTPServer) validate a request (400 with OpenAI's error body),
+tokenize it and queue it (503 when the bounded queue is full); the main thread of every
+rank runs :func:`run`, where rank 0 takes queued requests into free batch rows at the
+next step. Text reaches the client as tokens complete (stop strings never shown);
+a client that goes away, or a request past ``--request-timeout``, is cancelled. SIGTERM
+(or SIGINT) finishes the requests in flight with what they have and ends every rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from ..models import chat
+from ..models.stops import StopText
+from .engine import Engine, Job
+
+_ids = itertools.count(1)
+
+
+class BadRequest(Exception):
+    pass
+
+
+@dataclass
+class Request:
+    job: Job
+    kind: str  # "chat" or "text"
+    stream: bool
+    stops: StopText
+    deadline: float
+    events: queue.Queue = field(default_factory=queue.Queue)
+    cancelled: bool = False
+    made: int = 0
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
+class Service:
+    """What the HTTP threads share with rank 0's loop."""
+
+    tok: object
+    model_dir: str
+    name: str
+    context: int
+    max_queue: int
+    timeout: float
+    api_key: str | None = None
+    inbox: queue.Queue = field(init=False)
+    stopping: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self):
+        self.inbox = queue.Queue(maxsize=self.max_queue)
+        self.template, self.special = chat.load(self.model_dir)
+
+    def make(self, body: dict, kind: str) -> Request:
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        if kind == "chat":
+            messages = body.get("messages")
+            if (
+                not isinstance(messages, list)
+                or not messages
+                or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages
+                )
+            ):
+                raise BadRequest("'messages' must be a non-empty list of {role, content} objects with string content")
+            text = chat.render(self.template, messages, add_generation_prompt=True, **self.special)
+            ids = self.tok.encode(text, add_special_tokens=False).ids  # type: ignore[attr-defined]
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str) or not prompt:
+                raise BadRequest("'prompt' must be a non-empty string")
+            ids = self.tok.encode(prompt).ids  # type: ignore[attr-defined]
+        max_tokens = _number(body, "max_tokens", 16 if kind == "text" else 256, int, 1, self.context)
+        if len(ids) + max_tokens > self.context:
+            raise BadRequest(f"{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the context of {self.context}")
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise BadRequest("'stop' must be a string or a list of strings")
+        seed = body.get("seed")
+        if seed is not None and not isinstance(seed, int):
+            raise BadRequest("'seed' must be an integer")
+        job = Job(
+            id=next(_ids),
+            ids=ids,
+            max_tokens=max_tokens,
+            temperature=_number(body, "temperature", 0.0, float, 0.0, 2.0),
+            top_p=_number(body, "top_p", 1.0, float, 1e-9, 1.0),
+            top_k=_number(body, "top_k", 0, int, 0, 1 << 30),
+            seed=seed,
+            stop_ids=tuple(self.eos),
+        )
+        return Request(job, kind, bool(body.get("stream")), StopText(self.tok, stop), time.monotonic() + self.timeout)
+
+    eos: tuple = ()
+
+
+def _number(body: dict, key: str, default, kind, lo, hi):
+    v = body.get(key, default)
+    if v is None:
+        v = default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+        raise BadRequest(f"'{key}' must be a number")
+    if not lo <= v <= hi:
+        raise BadRequest(f"'{key}' must lie in [{lo}, {hi}], got {v}")
+    return kind(v)
+
+
+# ---------------------------------------------------------------------------- the loop
+def run(engine: Engine, service: Service | None) -> None:
+    """Every rank: serve until SIGTERM/SIGINT (rank 0 decides; the others follow)."""
+    rank0 = service is not None
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    running: dict[int, Request] = {}  # rank 0: row -> request
+    while True:
+        control = None
+        if rank0:
+            assert service is not None
+            jobs: list[Job] = []
+            admitted: list[Request] = []
+            while len(jobs) < engine.free:
+                try:
+                    wait = 0.05 if not engine.busy and not jobs and not stop.is_set() else 0.0
+                    req = service.inbox.get(timeout=wait) if wait else service.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if req.cancelled:
+                    continue
+                jobs.append(req.job)
+                admitted.append(req)
+            now = time.monotonic()
+            cancels = [row for row, r in running.items() if r.cancelled or now > r.deadline]
+            control = (jobs, cancels, stop.is_set())
+            pending = admitted
+        jobs, cancels, shutdown = engine.exchange(control)
+        for row in sorted(cancels, reverse=True):
+            if rank0:
+                r = running.pop(row)
+                _finish(r, "length" if time.monotonic() > r.deadline else "cancelled")
+            _moved(running, engine.release(row), row)
+        fresh = {}
+        for job in jobs:
+            row = engine.running
+            fresh[row] = engine.admit(job)
+            if rank0:
+                running[row] = pending[len(fresh) - 1]
+        picks = None
+        if engine.busy:
+            logits = engine.step() if any(s and s.last >= 0 for s in engine.slots) else None
+            if rank0:
+                picks = {}
+                for row, r in running.items():
+                    lg = fresh[row] if row in fresh else logits[row]  # type: ignore[index]  # fed rows have logits
+                    token = engine.pick(row, lg)
+                    done = _emit(r, token)
+                    picks[row] = (token, done)
+            picks = engine.exchange(picks)
+            for row, (token, _) in picks.items():
+                s = engine.slots[row]
+                s.last, s.made = token, s.made + 1
+            for row in sorted((row for row, (_, done) in picks.items() if done), reverse=True):
+                running.pop(row, None)
+                _moved(running, engine.release(row), row)
+        if shutdown:
+            if service is not None:
+                service.stopping.set()
+            for row in list(running):
+                _finish(running.pop(row), "stop")
+            return
+
+
+def _moved(running: dict, src: int | None, dst: int) -> None:
+    """Rank 0's row map after ``engine.release`` moved row ``src`` into ``dst``."""
+    if src is not None and src in running:
+        running[dst] = running.pop(src)
+
+
+def _emit(r: Request, token: int) -> str | None:
+    """Rank 0: one new token of ``r``: stream its text; the finish reason once it ends."""
+    r.made += 1
+    if token in r.job.stop_ids:
+        _finish(r, "stop")
+        return "stop"
+    piece = r.stops.push(token)
+    if piece:
+        r.events.put(("delta", piece))
+    if r.stops.stopped:
+        _finish(r, "stop")
+        return "stop"
+    if r.made >= r.job.max_tokens:
+        _finish(r, "length")
+        return "length"
+    return None
+
+
+def _finish(r: Request, reason: str) -> None:
+    if not r.stops.stopped:
+        rest = r.stops.flush()
+        if rest:
+            r.events.put(("delta", rest))
+    r.events.put(("done", reason))
+
+
+# ---------------------------------------------------------------------------- HTTP
+def make_handler(service: Service):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *args):  # quiet: mpitp logs what matters
+            pass
+
+        def _json(self, code: int, obj) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _error(self, code: int, message: str, kind: str = "invalid_request_error") -> None:
+            self._json(code, {"error": {"message": message, "type": kind, "code": code}})
+
+        def _authorized(self) -> bool:
+            if service.api_key and self.headers.get("Authorization") != f"Bearer {service.api_key}":
+                self._error(401, "missing or wrong API key", "authentication_error")
+                return False
+            return True
+
+        def do_GET(self):
+            if self.path == "/health":
+                return self._json(200, {"status": "ok"})
+            if not self._authorized():
+                return
+            if self.path == "/v1/models":
+                return self._json(
+                    200, {"object": "list", "data": [{"id": service.name, "object": "model", "owned_by": "mpitp"}]}
+                )
+            self._error(404, f"no route {self.path}")
+
+        def do_POST(self):
+            kind = {"/v1/chat/completions": "chat", "/v1/completions": "text"}.get(self.path)
+            if kind is None:
+                return self._error(404, f"no route {self.path}")
+            if not self._authorized():
+                return
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
+                req = service.make(body, kind)
+            except (ValueError, BadRequest, chat.ChatTemplateError) as e:
+                return self._error(400, str(e))
+            if service.stopping.is_set():
+                return self._error(503, "the server is shutting down", "server_error")
+            try:
+                service.inbox.put_nowait(req)
+            except queue.Full:
+                return self._error(503, "too many requests queued; try again", "server_error")
+            (self._stream if req.stream else self._whole)(req)
+
+        def _chunk(self, r: Request, text: str | None, reason: str | None) -> dict:
+            if r.kind == "chat":
+                delta = {"content": text} if text is not None else {}
+                choice = {"index": 0, "delta": delta, "finish_reason": reason}
+                obj = "chat.completion.chunk"
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": reason}
+                obj = "text_completion"
+            return {
+                "id": f"cmpl-{r.job.id}",
+                "object": obj,
+                "created": r.created,
+                "model": service.name,
+                "choices": [choice],
+            }
+
+        def _events(self, r: Request):
+            while True:
+                try:
+                    yield r.events.get(timeout=max(0.1, r.deadline - time.monotonic() + 5))
+                except queue.Empty:
+                    r.cancelled = True
+                    yield ("done", "length")
+                    return
+
+        def _stream(self, r: Request) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            try:
+                for what, value in self._events(r):
+                    chunk = self._chunk(r, value, None) if what == "delta" else self._chunk(r, None, value)
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    self.wfile.flush()
+                    if what == "done":
+                        break
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                r.cancelled = True  # the client went away: free its row at the next step
+            self.close_connection = True
+
+        def _whole(self, r: Request) -> None:
+            text, reason = [], "stop"
+            for what, value in self._events(r):
+                if what == "delta":
+                    text.append(value)
+                else:
+                    reason = value
+                    break
+            body = "".join(text)
+            choice = (
+                {"index": 0, "message": {"role": "assistant", "content": body}, "finish_reason": reason}
+                if r.kind == "chat"
+                else {"index": 0, "text": body, "finish_reason": reason}
+            )
+            usage = {
+                "prompt_tokens": len(r.job.ids),
+                "completion_tokens": r.made,
+                "total_tokens": len(r.job.ids) + r.made,
+            }
+            self._json(
+                200,
+                {
+                    "id": f"cmpl-{r.job.id}",
+                    "object": "chat.completion" if r.kind == "chat" else "text_completion",
+                    "created": r.created,
+                    "model": service.name,
+                    "choices": [choice],
+                    "usage": usage,
+                },
+            )
+
+    return Handler
+
+
+def start_http(service: Service, host: str, port: int) -> ThreadingHTTPServer:
+    server = ThreadingHTTPServer((host, port), make_handler(service))
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="mpitp-http", daemon=True).start()
+    return server

