@@ -20,6 +20,8 @@ BIN = Path(sys.executable).parent
 OMPI = ROOT / ".venv-ompi" / "bin"
 ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", MPITP_TIMEOUT="60", PATH=f"{BIN}:{os.environ['PATH']}")
 ENV.pop("MPITP_RANKS_PER_NODE", None)
+# a per-rank suite under pytest, as tests/test_mpi_suites.py runs one
+SUITE_ARGS = ["-m", "pytest", "--with-mpi", "-q", "-x", "-p", "no:cacheprovider", "--timeout=0"]
 
 
 def tool(*args, env=None, timeout=120) -> subprocess.CompletedProcess:
@@ -82,21 +84,7 @@ def test_suite_across_nodes(cluster, suite):
     """Results against MPI's own and NumPy, bit-identical across ranks; the ring's
     shared-memory and CMA channels never open across nodes (test_allreduce asserts it)."""
     env = dict(ENV, MPITP_INNER="1", PYTHONHASHSEED="0")
-    res = on_cluster(
-        4,
-        2,
-        sys.executable,
-        "-m",
-        "pytest",
-        "--with-mpi",
-        "-q",
-        "-x",
-        "-p",
-        "no:cacheprovider",
-        "--timeout=0",
-        f"tests/mpi/{suite}",
-        env=env,
-    )
+    res = on_cluster(4, 2, sys.executable, *SUITE_ARGS, f"tests/mpi/{suite}", env=env)
     assert res.returncode == 0 and " passed" in res.stdout, res.stdout[-6000:] + res.stderr[-2000:]
 
 
@@ -114,14 +102,7 @@ def test_open_mpi_across_nodes(cluster):
         4,
         2,
         str(OMPI / "python"),
-        "-m",
-        "pytest",
-        "--with-mpi",
-        "-q",
-        "-x",
-        "-p",
-        "no:cacheprovider",
-        "--timeout=0",
+        *SUITE_ARGS,
         "tests/mpi/test_collectives.py",
         "tests/mpi/test_hierarchical.py",
         env=env,
