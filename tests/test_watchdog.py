@@ -4,7 +4,6 @@ a few seconds, naming the collective, its sequence number and the waiting rank."
 import re
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -27,15 +26,14 @@ SCRIPT = textwrap.dedent("""
 def test_hang_becomes_abort(n, alg, first, tmp_path):
     script = tmp_path / "hang.py"
     script.write_text(SCRIPT.format(alg=alg, first=first))
-    t0 = time.monotonic()
     res = launch.run(
         n, [sys.executable, str(script)], timeout=90, env={**__import__("os").environ, "MPITP_TIMEOUT": "3"}
     )
-    elapsed = time.monotonic() - t0
     out = res.stdout + res.stderr
     assert res.returncode != 0, out
     assert "unreachable" not in out
     assert "mpitp watchdog" in out and "allreduce #2" in out, out[-3000:]
     waited = re.findall(r"rank (\d+) waited", out)
     assert waited and "1" not in waited, out[-3000:]  # a rank that did enter names itself
-    assert elapsed < 80, f"abort took {elapsed:.0f} s: the launcher's limit, not the watchdog, ended it"
+    # the watchdog ended the job, not the launcher's limit (mpiexec's timeout, or launch's kill)
+    assert res.returncode != 124 and "killed after" not in out and "TIMED OUT" not in out.upper(), out[-3000:]
