@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from ..plan import allreduce as par
 from ..plan import fsdp as pfsdp
@@ -184,39 +185,68 @@ def _fsdp(args):
         )
 
 
+def _train_config(name: str):
+    """A LlamaConfig from mpitp train's presets, a plan preset, or a config.json."""
+    from ..models.config import LlamaConfig
+    from ..train.init import PRESETS, preset_config
+
+    if name in PRESETS:
+        return preset_config(name)
+    if name in ptp.PRESETS:
+        m = ptp.PRESETS[name]
+        return LlamaConfig(
+            vocab_size=m.vocab,
+            hidden_size=m.hidden,
+            intermediate_size=m.intermediate,
+            num_hidden_layers=m.layers,
+            num_attention_heads=m.heads,
+            num_key_value_heads=m.kv_heads,
+            head_dim=m.head_dim,
+            tie_word_embeddings=m.tied,
+        )
+    path = Path(name)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.exists():
+        raise ptp_error(
+            f"unknown model {name!r}: not a preset ({', '.join([*PRESETS, *ptp.PRESETS])}) and no config.json there"
+        )
+    return LlamaConfig.from_path(path)
+
+
 def _train(args):
     from ..plan import train as ptrain
+    from ..train.layout import llama_units
 
-    if args.model in ("tiny", "small"):
-        from ..train.init import PRESETS
-
-        c = PRESETS[args.model]
-        m = ptp.ModelShape(
-            args.model,
-            c["hidden_size"],
-            c["num_hidden_layers"],
-            c["num_attention_heads"],
-            c["num_key_value_heads"],
-            c["intermediate_size"],
-            c["vocab_size"],
-        )
-    else:
-        m = ptp.load_model(args.model)
+    cfg = _train_config(args.model)
+    name = Path(args.model).name if args.model not in ptp.PRESETS else args.model
     n = args.tp * args.dp
     if args.tp < 1 or args.dp < 1 or n % args.nodes:
         raise ptp_error(f"--tp {args.tp} x --dp {args.dp} = {n} ranks do not fill --nodes {args.nodes} evenly")
     prof = _profile(args)
-    rows = ptrain.plan(m, n, args.nodes, args.mode, args.batch, args.seq, ptp.DTYPE_BYTES[args.dtype.lower()], prof)
+    if args.tp > cfg.num_key_value_heads:
+        raise ptp_error(
+            f"--tp {args.tp} exceeds the model's {cfg.num_key_value_heads} KV heads (training cuts by KV head)"
+        )
+    rows = ptrain.plan(cfg, n, args.nodes, args.mode, args.batch, args.seq, ptp.DTYPE_BYTES[args.dtype.lower()], prof)
+    psi = sum(u.numel for u in llama_units(cfg))
     if args.json:
         print(
             json.dumps(
-                {"model": m.__dict__, "ranks": n, "nodes": args.nodes, "profile": prof.to_dict(), "layouts": rows},
+                {
+                    "model": cfg.to_dict(),
+                    "params": psi,
+                    "ranks": n,
+                    "nodes": args.nodes,
+                    "profile": prof.to_dict(),
+                    "layouts": rows,
+                },
                 indent=2,
             )
         )
         return
     print(
-        f"{m.name}: {m.params() / 1e6:.1f}M parameters, {n} ranks on {args.nodes} node(s), {args.mode}, "
+        f"{name}: {psi / 1e6:.1f}M parameters, {n} ranks on {args.nodes} node(s), {args.mode}, "
         f"batch {args.batch} x seq {args.seq}, {args.dtype}, profile {prof.name}"
     )
     print(

@@ -16,6 +16,7 @@ EXAMPLE = """examples:
   mpiexec -n 2 mpitp train --config small --data-default --mode fsdp --steps 200 --out runs/small
   mpiexec -n 4 mpitp train --init default --data notes.txt --lr 1e-5 --steps 50 --out runs/ft
   mpiexec -n 3 mpitp train --resume runs/small --steps 400      # continue at another N
+  mpiexec -n 4 mpitp train --config small --data-default --tp 2 --mode fsdp --out runs/2d   # TP 2 x FSDP 2
   mpitp export runs/small hf-small                                # a Hugging Face directory"""
 
 
@@ -61,7 +62,17 @@ def add_parser(sub) -> None:
     d.add_argument("--eval-every", type=int, default=0, help="eval loss on the held-out tail every K steps")
     d.add_argument("--eval-fraction", type=float, default=0.05, help="held-out tail of the data (default 0.05)")
     o = p.add_argument_group("optimization")
-    o.add_argument("--mode", default="fsdp", choices=["ddp", "zero1", "zero2", "fsdp"], help="default fsdp")
+    o.add_argument(
+        "--mode", default="fsdp", choices=["ddp", "zero1", "zero2", "fsdp"], help="across the dp groups (default fsdp)"
+    )
+    o.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size T (default 1): the ranks form a (N/T) x T mesh, tp groups of consecutive "
+        "ranks inside a node; attention is cut by KV heads (T <= KV heads), the MLP by columns, the "
+        "vocabulary by rows; --mode shards each rank's slices over its dp group",
+    )
     o.add_argument("--steps", type=int, default=100)
     o.add_argument("--lr", type=float, default=3e-4)
     o.add_argument("--min-lr", type=float, help="cosine floor (default lr/10)")
@@ -100,6 +111,7 @@ def run(args) -> int:
         data=args.data,
         data_default=args.data_default,
         mode=args.mode,
+        tp=args.tp,
         steps=args.steps,
         batch=args.batch,
         seq=args.seq,
@@ -127,7 +139,11 @@ def run(args) -> int:
     )
     comm = Communicator()
     try:
-        return _loop(Trainer(opts, comm), comm)
+        t = Trainer(opts, comm)
+        try:
+            return _loop(t, comm)
+        finally:
+            t.close()
     finally:
         comm.free()
 
@@ -143,7 +159,9 @@ def _loop(t, comm) -> int:
     if r0:
         mem = t.memory()
         log.info(
-            f"train {o.mode} on {comm.size} rank(s): {mem['psi'] / 1e6:.2f}M parameters, "
+            f"train {o.mode} on {comm.size} rank(s)"
+            + (f" (mesh dp {t.n} x tp {o.tp})" if o.tp > 1 else "")
+            + f": {mem['psi'] / 1e6:.2f}M parameters, "
             f"{t.windows.count} windows of {o.seq}+1 tokens, global batch {o.batch}, steps {t.step}->{o.steps}; "
             f"held per rank {mem['total'] / 2**20:.1f} MiB (params {mem['params'] / 2**20:.1f}, "
             f"grads {mem['grads'] / 2**20:.1f}, AdamW {mem['optimizer'] / 2**20:.1f})"

@@ -1,103 +1,159 @@
 """Training on a (dp, tp) mesh: memory per rank and bytes per step on each link class,
 for every way to cut N ranks into tensor-parallel groups inside nodes and data-parallel
 (ddp / ZeRO / FSDP) groups across them — the seeds' argument for TP inside the node, in
-numbers::
+numbers, counted with ``mpitp train``'s own cut (:mod:`mpitp.train.tp_layout`), so a
+run's traffic counters match them to the byte::
 
     N = nodes x ranks per node = dp x tp; tp groups = consecutive ranks (a mesh's
     innermost dimension), dp groups = the ranks with the same tp coordinate
 
-    TP, per step: 4 all-reduces of [batch/dp, seq, hidden] per layer (2 forward, 2 backward:
-        Megatron's f/g pair), 1 for the vocab-parallel embedding, 1 for the head's input
-        gradient, 3 of one number per token for the vocab-parallel cross-entropy
-    DP, per step, on each rank's TP shard of Psi_t parameters: ddp an all-reduce,
-        zero1/zero2 a reduce-scatter and an all-gather, fsdp two all-gathers and a
-        reduce-scatter; a ring collective of P elements sends (n-1)/n P per rank
+    TP, per micro-batch of t tokens: 4L + 2 ring all-reduces of [t, hidden] (2 per layer
+        forward, 2 backward: Megatron's f/g pair; the vocab-parallel embedding; the head's
+        input gradient; + 2L with --recompute) and 2 for the vocab-parallel loss (the max,
+        then Σexp and the target's logit: t and 2t elements); a ring all-reduce of P
+        elements cut in chunks c (numpy.array_split) sends 2P - c[t] - c[t+1] from rank t.
+        Once per step: the gradient norm's one float64 (MPI's call).
+    DP, per step, over each rank's padded slices (:func:`mpitp.plan.fsdp.train_step_bytes`):
+        ddp an all-reduce, zero1/zero2 a reduce-scatter and an all-gather, fsdp gathers in
+        forward and backward and a reduce-scatter; the loss (and the norm) through MPI.
 
-Memory per rank is mpitp's fp32 trainer's (parameters, gradients, AdamW moments):
-ddp 16 Psi_t, zero1 8 Psi_t + 8 Psi_t/dp, zero2 4 Psi_t + 12 Psi_t/dp, fsdp 16 Psi_t/dp
-(activations not counted). Psi_t is the largest TP rank's share (the inference cut of
-:func:`mpitp.plan.tp.shard_shapes`: attention by KV groups, vocabulary in 64-row blocks).
-Times are the alpha-beta model with no overlap: a ring is paced by its slowest link.
+Memory per rank is mpitp's fp32 trainer's (parameters, gradients, AdamW moments) over the
+most loaded tp rank's padded slices: ddp 16 Psi_t, zero1 8 Psi_t + 8 Psi_t/dp, zero2
+4 Psi_t + 12 Psi_t/dp, fsdp 16 Psi_t/dp (activations not counted). Times are the
+alpha-beta model with no overlap: a ring is paced by its slowest link.
 """
 
 from __future__ import annotations
 
+from ..comm.algorithms.ring import chunk_counts
+from ..models.config import LlamaConfig
+from ..train.layout import llama_units
+from ..train.tp_layout import TPCut
+from .fsdp import fp32_memory, train_step_bytes
 from .profiles import Profile
-from .tp import ModelShape, shard_shapes
 
 MODES = ("ddp", "zero1", "zero2", "fsdp")
-DP_PASSES = {"ddp": 2, "zero1": 2, "zero2": 2, "fsdp": 3}  # ring passes over Psi_t per step
 
 
-def shard_params(m: ModelShape, tp: int) -> int:
-    """Parameters the most loaded TP rank holds."""
-    if tp == 1:
-        return m.params()
-    return max(r["weights"] for r in shard_shapes(m, tp)["per_rank"])
+def _ring_allreduce(p: int, n: int, rank: int) -> int:
+    """Elements rank ``rank`` sends in a ring all-reduce of ``p`` elements over ``n``."""
+    if n == 1:
+        return 0
+    c = chunk_counts(p, n)
+    return 2 * p - c[rank] - c[(rank + 1) % n]
 
 
-def memory(psi_t: int, dp: int, mode: str) -> float:
+def rank_bytes(
+    cfg: LlamaConfig,
+    tp: int,
+    dp: int,
+    mode: str,
+    batch: int,
+    seq: int,
+    itemsize: int,
+    *,
+    tp_rank: int = 0,
+    dp_rank: int = 0,
+    accum: int = 1,
+    recompute: bool = False,
+) -> dict:
+    """Bytes rank (dp_rank, tp_rank) sends in one training step with ring collectives, per
+    group and kind: ``tp`` / ``dp`` (the rings), ``tp_mpi`` / ``dp_mpi`` (MPI's calls)."""
+    cut = TPCut(cfg, tp, tp_rank, llama_units(cfg))
+    L = cfg.num_hidden_layers
+    padded = [u.padded(dp) for u in cut.units]
+    kept = [i == len(padded) - 1 or (i == 0 and cfg.tie_word_embeddings) for i in range(len(padded))]
+    dp_all = train_step_bytes(padded, [0 < i <= L for i in range(len(padded))], kept, dp, mode, itemsize, accum)
+    dp_mpi = 0 if dp == 1 else (8 if mode == "ddp" else 16)
+    tp_ring = 0
+    if tp > 1:
+        rows = chunk_counts(batch, dp)[dp_rank]
+        per_layer = 4 + (2 if recompute else 0)
+        for r in chunk_counts(rows, accum):
+            t = r * seq
+            if t:
+                tp_ring += (per_layer * L + 2) * _ring_allreduce(t * cfg.hidden_size, tp, tp_rank)
+                tp_ring += _ring_allreduce(t, tp, tp_rank) + _ring_allreduce(2 * t, tp, tp_rank)
     return {
-        "ddp": 16 * psi_t,
-        "zero1": 8 * psi_t + 8 * psi_t / dp,
-        "zero2": 4 * psi_t + 12 * psi_t / dp,
-        "fsdp": 16 * psi_t / dp,
-    }[mode]
+        "tp": tp_ring * itemsize,
+        "tp_mpi": 8 if tp > 1 else 0,
+        "dp": dp_all - dp_mpi,
+        "dp_mpi": dp_mpi,
+        "params": sum(u.numel for u in cut.units),
+        "memory": fp32_memory(padded, dp, mode),
+    }
 
 
 def layout(
-    m: ModelShape, tp: int, dp: int, nodes: int, mode: str, batch: int, seq: int, itemsize: int, prof: Profile
+    cfg: LlamaConfig,
+    tp: int,
+    dp: int,
+    nodes: int,
+    mode: str,
+    batch: int,
+    seq: int,
+    itemsize: int,
+    prof: Profile,
+    accum: int = 1,
 ) -> dict:
-    """One (dp, tp) cut of ``nodes`` x (tp·dp/nodes) ranks: memory, bytes and time per step."""
+    """One (dp, tp) cut of ``nodes`` x (tp·dp/nodes) ranks: memory, bytes and time per step
+    (the most loaded rank's), and the bytes the busiest node sends over each link class."""
     n = tp * dp
     if n % nodes:
         raise ValueError(f"{n} ranks do not fill {nodes} nodes evenly")
     per_node = n // nodes
     tp_inside = per_node % tp == 0
-    psi_t = shard_params(m, tp)
-    tokens = -(-batch // dp) * seq  # per dp group
-    msg = tokens * m.hidden * itemsize
-    count = 4 * m.layers + 2
-    tp_rank = 0.0
+    every = {
+        (d, t): rank_bytes(cfg, tp, dp, mode, batch, seq, itemsize, tp_rank=t, dp_rank=d, accum=accum)
+        for d in range(dp)
+        for t in range(tp)
+    }
+    # each ring sends to its right neighbour: rank (d, t) is world rank d·tp + t, on node
+    # rank // per_node; its tp bytes go to (d, t+1), its dp bytes to (d+1, t)
+    inter_of, intra_of = [0] * nodes, [0] * nodes
+    for (d, t), b in every.items():
+        node = (d * tp + t) // per_node
+        for nbytes, right in ((b["tp"], d * tp + (t + 1) % tp), (b["dp"], ((d + 1) % dp) * tp + t)):
+            (intra_of if right // per_node == node else inter_of)[node] += nbytes
+    top = {k: max(r[k] for r in every.values()) for k in every[(0, 0)]}
+    tp_rank, dp_rank = top["tp"] + top["tp_mpi"], top["dp"] + top["dp_mpi"]
+    tokens = -(-batch // dp) * seq
     tp_time = 0.0
     if tp > 1:
-        tp_rank = (count * msg + 3 * tokens * 8) * 2 * (tp - 1) / tp
         link = prof.intra if tp_inside else prof.inter
-        tp_time = count * 2 * (tp - 1) * link.time(msg / tp) + 3 * 2 * (tp - 1) * link.time(tokens * 8 / tp)
-    dp_rank = 0.0
+        msg = tokens * cfg.hidden_size * itemsize
+        count = 4 * cfg.num_hidden_layers + 2
+        tp_time = count * 2 * (tp - 1) * link.time(msg / tp) + 2 * 2 * (tp - 1) * link.time(
+            1.5 * tokens * itemsize / tp
+        )
     dp_time = 0.0
     if dp > 1:
-        passes = DP_PASSES[mode]
-        dp_rank = passes * (dp - 1) / dp * psi_t * itemsize
         link = prof.inter if nodes > 1 else prof.intra
-        dp_time = passes * (dp - 1) * link.time(psi_t * itemsize / dp)
-    # per node: tp rings inside the node (or all inter when a tp group spans nodes); each dp
-    # ring crosses every node boundary once, so per node tp of its ranks send their dp bytes out
-    dp_out = min(tp, per_node) if nodes > 1 else 0
-    inter = (per_node * tp_rank if not tp_inside else 0.0) + dp_out * dp_rank
-    intra = (per_node * tp_rank if tp_inside else 0.0) + (per_node - dp_out) * dp_rank
+        passes = {"ddp": 2, "zero1": 2, "zero2": 1 + accum, "fsdp": 3 * accum}[mode]
+        dp_time = passes * (dp - 1) * link.time(top["params"] * itemsize / dp)
     return {
         "tp": tp,
         "dp": dp,
         "mode": mode,
-        "params_per_tp_rank": psi_t,
-        "memory_per_rank_bytes": memory(psi_t, dp, mode),
+        "params_per_tp_rank": top["params"],
+        "memory_per_rank_bytes": top["memory"],
         "tp_bytes_per_rank": tp_rank,
         "tp_link": ("intra" if tp_inside else "inter") if tp > 1 else "-",
         "dp_bytes_per_rank": dp_rank,
         "dp_link": ("inter" if nodes > 1 else "intra") if dp > 1 else "-",
-        "inter_bytes_per_node": inter,
-        "intra_bytes_per_node": intra,
+        "inter_bytes_per_node": max(inter_of),
+        "intra_bytes_per_node": max(intra_of),
         "comm_time_s": tp_time + dp_time,
     }
 
 
 def plan(
-    m: ModelShape, ranks: int, nodes: int, mode: str, batch: int, seq: int, itemsize: int, prof: Profile
+    cfg: LlamaConfig, ranks: int, nodes: int, mode: str, batch: int, seq: int, itemsize: int, prof: Profile
 ) -> list[dict]:
-    """Every tp dividing ``ranks`` (up to the attention heads), tp inside dp."""
+    """Every tp dividing ``ranks`` up to the KV heads (training cuts attention by whole KV
+    heads), tp inside dp."""
     rows = []
     for tp in range(1, ranks + 1):
-        if ranks % tp == 0 and tp <= m.heads:
-            rows.append(layout(m, tp, ranks // tp, nodes, mode, batch, seq, itemsize, prof))
+        if ranks % tp == 0 and tp <= cfg.num_key_value_heads:
+            rows.append(layout(cfg, tp, ranks // tp, nodes, mode, batch, seq, itemsize, prof))
     return rows

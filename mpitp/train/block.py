@@ -5,6 +5,11 @@
 ``forward`` returns ``y`` and what ``backward`` needs (``Saved``); with activation
 recomputation the trainer keeps only ``x`` and calls ``forward`` again in backward.
 ``p`` and ``g`` are the unit's parameter and gradient views (:meth:`UnitLayout.views`).
+
+With tensor parallelism (``Ctx.tp``) ``p`` is this rank's slice (:mod:`.tp_layout`) and
+``Ctx.cfg`` counts its heads and columns: qkv and gate_up are column-parallel, o and down
+row-parallel, so a layer all-reduces twice forward (after o, after down) and twice
+backward (the input gradients of qkv and gate_up), Megatron's f/g pairs.
 """
 
 from __future__ import annotations
@@ -19,22 +24,26 @@ from ..models.config import LlamaConfig
 from ..models.ops import attention, causal_mask, rms_norm, swiglu
 from ..models.rope import Rotary
 from .grads import attention_backward, linear_backward, rms_norm_backward, rope_backward, swiglu_backward
+from .tensor_parallel import column_backward, row_forward
 
 
 @dataclass
 class Ctx:
-    """What every layer of one micro-batch shares: RoPE tables and the causal mask."""
+    """What every layer of one micro-batch shares: RoPE tables, the causal mask, and the
+    tensor-parallel group (None: whole layers) with the algorithm of its all-reduces."""
 
     cfg: LlamaConfig
     rotary: Rotary
     cos: Any
     sin: Any
     mask: Any
+    tp: Any = None
+    algorithm: str = "auto"
 
     @classmethod
-    def build(cls, cfg: LlamaConfig, rotary: Rotary, B: int, T: int, xp=np) -> Ctx:
+    def build(cls, cfg: LlamaConfig, rotary: Rotary, B: int, T: int, xp=np, tp=None, algorithm: str = "auto") -> Ctx:
         cos, sin = rotary.tables(xp.broadcast_to(xp.arange(T), (B, T)))
-        return cls(cfg, rotary, cos, sin, causal_mask(T, xp))
+        return cls(cfg, rotary, cos, sin, causal_mask(T, xp), tp, algorithm)
 
 
 @dataclass
@@ -71,13 +80,13 @@ def forward(p: dict, x, c: Ctx, keep: bool = True):
     v = qkv[..., nq * d :].reshape(B, T, nkv, d).transpose(0, 2, 1, 3)
     att, probs = attention(q, k, v, d**-0.5, c.mask)
     a = att.transpose(0, 3, 1, 2, 4).reshape(B, T, nh * d)
-    h = x + _linear(a, p, "o", "bo")
+    h = x + row_forward(a, p["o"], p.get("bo"), c.tp, c.algorithm)
     h2 = rms_norm(h, p["ln2"], cfg.rms_norm_eps)
     gu = _linear(h2, p, "gate_up", "bgate_up")
     I = cfg.intermediate_size
     gate, up = gu[..., :I], gu[..., I:]
     m = swiglu(gate, up)
-    y = h + _linear(m, p, "down", "bdown")
+    y = h + row_forward(m, p["down"], p.get("bdown"), c.tp, c.algorithm)
     return y, (Saved(x, h1, q, k, v, probs, a, h, h2, gate, up, m) if keep else None)
 
 
@@ -89,7 +98,8 @@ def backward(p: dict, g: dict, s: Saved, dy, c: Ctx):
     d, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     dm = linear_backward(dy, s.m, p["down"], g["down"], g.get("bdown"))
     dgate, dup = swiglu_backward(dm, s.gate, s.up)
-    dh2 = linear_backward(xp.concatenate([dgate, dup], axis=-1), s.h2, p["gate_up"], g["gate_up"], g.get("bgate_up"))
+    dgu = xp.concatenate([dgate, dup], axis=-1)
+    dh2 = column_backward(dgu, s.h2, p["gate_up"], g["gate_up"], g.get("bgate_up"), c.tp, c.algorithm)
     dh = dy + rms_norm_backward(dh2, s.h, p["ln2"], cfg.rms_norm_eps, g["ln2"])
     da = linear_backward(dh, s.a, p["o"], g["o"], g.get("bo"))
     datt = da.reshape(B, T, nkv, nh // nkv, d).transpose(0, 2, 3, 1, 4)
@@ -97,5 +107,5 @@ def backward(p: dict, g: dict, s: Saved, dy, c: Ctx):
     dqk = xp.concatenate([dq.transpose(0, 3, 1, 2, 4).reshape(B, T, nh, d), dk.transpose(0, 2, 1, 3)], axis=2)
     dqk = rope_backward(c.rotary, dqk, c.cos, c.sin)
     dqkv = xp.concatenate([dqk.reshape(B, T, (nh + nkv) * d), dv.transpose(0, 2, 1, 3).reshape(B, T, nkv * d)], axis=-1)
-    dh1 = linear_backward(dqkv, s.h1, p["qkv"], g["qkv"], g.get("bqkv"))
+    dh1 = column_backward(dqkv, s.h1, p["qkv"], g["qkv"], g.get("bqkv"), c.tp, c.algorithm)
     return dh + rms_norm_backward(dh1, s.x, p["ln1"], cfg.rms_norm_eps, g["ln1"])

@@ -1,18 +1,21 @@
 """Sharded, atomic, reshardable training checkpoints, and export to Hugging Face.
 
-    OUT/step-000100/meta.json              step, config, mode, N, each unit's tensors and
-                                           each rank's range, optimizer and data state,
+    OUT/step-000100/meta.json              step, config, mode, mesh, each unit's tensors
+                                           and each rank's runs, optimizer and data state,
                                            sha256 of every file
-    OUT/step-000100/rank00003.safetensors  rank 3's range of every unit: u{i}.param,
+    OUT/step-000100/rank00003.safetensors  rank 3's elements of every unit: u{i}.param,
                                            u{i}.exp_avg, u{i}.exp_avg_sq
     OUT/step-000100/tokenizer.json
     OUT/latest                             name of the newest complete checkpoint
 
 Every rank writes its file into a temporary directory; rank 0 writes meta.json last, then
 renames the directory into place and only then updates ``latest`` (both renames atomic),
-so a crash mid-save leaves the previous checkpoint as it was. Ranges are in the unpadded
-flat buffer of each unit, so a run saved at N ranks resumes at any other N: each rank
-reads the pieces of the old ranges that overlap its new one (safetensors slices).
+so a crash mid-save leaves the previous checkpoint as it was. Positions are in the whole
+model's unpadded flat buffer of each unit, whatever the mesh: a rank's elements of unit i
+are the concatenation of its runs ``[start, end)`` (one run under FSDP alone; one per row
+of a column-cut tensor under tensor parallelism), every element saved by exactly one
+rank. So a run saved on one mesh resumes on any other: each rank reads the pieces of the
+old runs that overlap what it needs (safetensors slices).
 """
 
 from __future__ import annotations
@@ -67,13 +70,14 @@ def save(
     step: int,
     comm,
     layouts: list[UnitLayout],
-    ranges: list[tuple[int, int]],
+    ranges: list[list[list[int]]],
     tensors: dict[str, np.ndarray],
     meta: dict,
     tokenizer: Path | None = None,
 ) -> Path:
-    """Collective. ``ranges[i]`` is this rank's [lo, hi) of unit i (unpadded); ``tensors``
-    maps ``u{i}.{kind}`` to this rank's values over that range."""
+    """Collective. ``ranges[i]`` are this rank's [start, end) runs of unit i (whole model,
+    unpadded); ``tensors`` maps ``u{i}.{kind}`` to this rank's values over those runs, in
+    order. ``layouts`` are the whole model's units."""
     from safetensors.numpy import save_file
 
     rank, n = (comm.rank, comm.size) if comm is not None else (0, 1)
@@ -115,7 +119,7 @@ def save(
                     }
                     for u in layouts
                 ],
-                ranks=[{"file": f, "sha256": d, "ranges": [list(r) for r in rg]} for f, d, rg in every],
+                ranks=[{"file": f, "sha256": d, "ranges": rg} for f, d, rg in every],
             )
             if tokenizer is not None and Path(tokenizer).exists():
                 shutil.copyfile(tokenizer, tmp / "tokenizer.json")
@@ -181,12 +185,22 @@ class Reader:
         """Values of ``u{unit}.{kind}`` over [lo, hi) of the unpadded flat buffer."""
         out = np.zeros(max(hi - lo, 0), dtype)
         for entry in self.meta["ranks"]:
-            a, b = entry["ranges"][unit]
-            s, e = max(a, lo), min(b, hi)
-            if s >= e:
+            rg = entry["ranges"][unit]
+            if rg and isinstance(rg[0], int):  # one [lo, hi) per unit (mpitp before 2-D meshes)
+                rg = [rg]
+            pos, pieces = 0, []  # (where in the rank's tensor, where in out, length)
+            for a, b in rg:
+                s, e = max(a, lo), min(b, hi)
+                if s < e:
+                    pieces.append((pos + s - a, s - lo, e - s))
+                pos += b - a
+            if not pieces:
                 continue
+            first, last = pieces[0][0], max(p + n for p, _, n in pieces)
             with self._open(entry) as h:
-                out[s - lo : e - lo] = h.get_slice(f"u{unit}.{kind}")[s - a : e - a]
+                span = h.get_slice(f"u{unit}.{kind}")[first:last]
+            for p, o, n in pieces:
+                out[o : o + n] = span[p - first : p - first + n]
         return out
 
 

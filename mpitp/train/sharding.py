@@ -177,10 +177,20 @@ class Sharding:
         u = self.units[i]
         return u.grad if self.mode == "ddp" else u.gshard
 
-    def grad_sq_sum(self) -> float:
-        """Σ g² over the whole model: owned shards all-reduced (padding is zero), or, for
-        ddp, every rank's identical full gradients counted once."""
-        local = float(sum(float(np.dot(self.opt_grads(i), self.opt_grads(i))) for i in range(len(self.units))))
+    def grad_sq_sum(self, skip: list[list[tuple[int, int]]] | None = None) -> float:
+        """Σ g² over the model as this dp group holds it: owned shards all-reduced (padding
+        is zero), or, for ddp, every rank's identical full gradients counted once.
+        ``skip[i]``: runs of unit i (its padded buffer) this rank leaves out because
+        another rank counts them (tensors replicated over a tp group)."""
+        local = 0.0
+        for i in range(len(self.units)):
+            g = self.opt_grads(i)
+            local += float(np.dot(g, g))
+            a, b = self.opt_range(i)
+            for s, e in skip[i] if skip else ():
+                s, e = max(s, a), min(e, b)
+                if s < e:
+                    local -= float(np.dot(g[s - a : e - a], g[s - a : e - a]))
         if self.mode == "ddp" or self.n == 1:
             return local
         return float(self.comm.allreduce(np.array([local]), algorithm="mpi")[0])

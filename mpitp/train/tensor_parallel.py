@@ -32,19 +32,19 @@ def column_forward(x, w, b=None):
     return y if b is None else y + b
 
 
-def column_backward(dy, x, w, dw, db, tp):
+def column_backward(dy, x, w, dw, db, tp, algorithm: str = "auto"):
     """dL/dx (all-reduced over ``tp``: every rank's output columns depend on all of x);
     adds this rank's dW, db."""
     dx = linear_backward(dy, x, w, dw, db)
-    return tp.allreduce(dx, out=dx) if tp is not None and tp.size > 1 else dx
+    return tp.allreduce(dx, out=dx, algorithm=algorithm) if tp is not None and tp.size > 1 else dx
 
 
-def row_forward(x, w, b, tp):
+def row_forward(x, w, b, tp, algorithm: str = "auto"):
     """A row-parallel linear: this rank's input columns ``x``, the output all-reduced;
     the (replicated) bias added once, after the sum."""
     y = x @ w.T
     if tp is not None and tp.size > 1:
-        tp.allreduce(y, out=y)
+        tp.allreduce(y, out=y, algorithm=algorithm)
     return y if b is None else y + b
 
 
@@ -54,7 +54,7 @@ def row_backward(dy, x, w, dw, db):
     return linear_backward(dy, x, w, dw, db)
 
 
-def vocab_embedding_forward(ids, w, v0: int, tp):
+def vocab_embedding_forward(ids, w, v0: int, tp, algorithm: str = "auto"):
     """Rows ``ids`` of a table cut by vocabulary: rank r holds rows [v0, v0 + len(w)) and
     contributes those, the others zeros; the sum over ranks is the lookup."""
     xp = xp_of(w)
@@ -62,7 +62,7 @@ def vocab_embedding_forward(ids, w, v0: int, tp):
     mine = (local >= 0) & (local < w.shape[0])
     out = w[xp.where(mine, local, 0)] * mine[..., None]
     if tp is not None and tp.size > 1:
-        tp.allreduce(out, out=out)
+        tp.allreduce(out, out=out, algorithm=algorithm)
     return out
 
 
@@ -74,7 +74,7 @@ def vocab_embedding_backward(dy, ids, dw, v0: int) -> None:
     xp.add.at(dw, local[mine], dy.reshape(-1, dy.shape[-1])[mine])
 
 
-def vocab_cross_entropy(logits, targets, v0: int, tp):
+def vocab_cross_entropy(logits, targets, v0: int, tp, algorithm: str = "auto"):
     """Σ over positions of -log softmax(logits)[target] with the logits cut by vocabulary
     (this rank: columns [v0, v0 + V_r)), and this rank's slice of its gradient
     softmax - onehot. Never gathers the logits: per token, the max, the sum of
@@ -84,15 +84,15 @@ def vocab_cross_entropy(logits, targets, v0: int, tp):
     t = targets.reshape(-1) - v0
     mine = (t >= 0) & (t < z.shape[1])
     rows = xp.arange(len(t))
-    zmax = z.max(axis=-1)
-    picked = xp.where(mine, z[rows, xp.where(mine, t, 0)], 0.0)
+    zmax = z.max(axis=-1) if z.shape[1] else xp.full(len(t), -xp.inf, z.dtype)
+    picked = xp.where(mine, z[rows, xp.where(mine, t, 0)] if z.shape[1] else 0.0, 0.0)
     if tp is not None and tp.size > 1:
-        tp.allreduce(zmax, op="max", out=zmax)
+        tp.allreduce(zmax, op="max", out=zmax, algorithm=algorithm)
     e = xp.exp(z - zmax[:, None])
     total = e.sum(axis=-1)
     if tp is not None and tp.size > 1:
         both = xp.stack([total, picked])
-        tp.allreduce(both, out=both)
+        tp.allreduce(both, out=both, algorithm=algorithm)
         total, picked = both[0], both[1]
     loss = float((xp.log(total) + zmax - picked).sum(dtype=np.float64))
     e /= total[:, None]

@@ -4,6 +4,10 @@ Every rank runs the same loop (SPMD). Per step: each rank's piece of the global 
 ``grad_accum`` micro-batches through :class:`~mpitp.train.engine.Engine`; the summed loss
 and the gradient norm are all-reduced; clipping; AdamW on the owned slices; zero1/zero2
 gather the updated parameters. Rank 0 shows progress and writes the log.
+
+With ``--tp T`` the N ranks form a (dp, tp) mesh of N/T x T (tp innermost, inside a
+node): the ranks of a tp group share a piece of the batch and hold slices of every
+tensor (:mod:`.tp_layout`); ``--mode`` shards those slices over the dp group.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from .init import HFReader, fresh_range, preset_config
 from .layout import llama_units
 from .optim import AdamW, clip_coefficient, learning_rate
 from .sharding import Sharding
+from .tp_layout import TPCut, TPError, gather_whole, runs
 
 
 class TrainError(MpitpError, ValueError):
@@ -35,6 +40,7 @@ class Options:
     data: str | None = None
     data_default: bool = False
     mode: str = "fsdp"
+    tp: int = 1  # tensor-parallel size: the mesh is (N / tp, tp)
     steps: int = 100
     batch: int = 8  # global batch, in sequences
     seq: int = 128
@@ -80,9 +86,10 @@ def _on_root(comm, fn):
 class Trainer:
     def __init__(self, opts: Options, comm=None):
         self.o, self.comm = opts, comm
-        self.n: int = comm.size if comm is not None else 1
-        self.rank: int = comm.rank if comm is not None else 0
         o = opts
+        self.world: int = comm.size if comm is not None else 1
+        if o.tp < 1 or self.world % o.tp:
+            raise TrainError(f"--tp {o.tp} must divide the {self.world} rank(s)")
         if o.mode not in ("ddp", "zero1", "zero2", "fsdp"):
             raise TrainError(f"--mode {o.mode!r}: choose ddp, zero1, zero2 or fsdp")
         for name in ("steps", "batch", "seq", "grad_accum"):
@@ -102,14 +109,29 @@ class Trainer:
         self.windows = data.Windows(train, o.seq)
         self.eval_windows = data.Windows(held, o.seq, "held-out tail") if held is not None else None
         self.perm = None if o.shuffle is None else np.random.default_rng(o.shuffle).permutation(self.windows.count)
-        self.layouts = llama_units(self.cfg)
-        keep = (len(self.layouts) - 1,) + ((0,) if self.cfg.tie_word_embeddings else ())
-        self.S = Sharding(comm, self.layouts, o.mode, self.dtype, o.algorithm, keep=keep)
-        self.engine = Engine(self.cfg, self.S, recompute=o.recompute)
-        ranges = [self.S.opt_range(i) for i in range(len(self.layouts))]
+        self.mesh = None
+        self.dp, self.tp = comm, None  # the dp group shards; the tp group cuts tensors
+        if o.tp > 1:
+            self.mesh = comm.mesh((self.world // o.tp, o.tp), ("dp", "tp"))
+            self.dp, self.tp = self.mesh["dp"], self.mesh["tp"]
+        self.n: int = self.dp.size if self.dp is not None else 1  # data-parallel ranks
+        self.rank: int = self.dp.rank if self.dp is not None else 0
+        self.tp_rank = self.tp.rank if self.tp is not None else 0
+        self.layouts = llama_units(self.cfg)  # the whole model's units (checkpoints)
+        try:
+            self.cut = TPCut(self.cfg, o.tp, self.tp_rank, self.layouts)
+        except TPError as e:
+            raise TrainError(str(e)) from None
+        self.local = self.cut.units  # this rank's slices (all of it at tp 1)
+        keep = (len(self.local) - 1,) + ((0,) if self.cfg.tie_word_embeddings else ())
+        self.S = Sharding(self.dp, self.local, o.mode, self.dtype, o.algorithm, keep=keep)
+        self.engine = Engine(self.cfg, self.S, recompute=o.recompute, cut=self.cut, tp=self.tp)
+        # replicated over tp: counted in the gradient norm and saved by tp rank 0 only
+        self.skip = [[] if self.tp_rank == 0 else self.cut.replicated(i) for i in range(len(self.local))]
+        ranges = [self.S.opt_range(i) for i in range(len(self.local))]
         self.opt = AdamW(
             [b - a for a, b in ranges],
-            [u.decay_mask(a, b) for u, (a, b) in zip(self.layouts, ranges)],
+            [u.decay_mask(a, b) for u, (a, b) in zip(self.local, ranges)],
             self.dtype,
             betas=o.betas,
             eps=o.eps,
@@ -191,26 +213,33 @@ class Trainer:
         self.tokenizer = Path(tok) if tok else None
         return ids
 
+    def _source(self, i: int, kind: str, dtype, hf: HFReader | None):
+        """``read(lo, hi)`` of unit i's whole flat buffer (``kind``: param, exp_avg,
+        exp_avg_sq), from the checkpoint, the Hugging Face files or a fresh init."""
+        whole = self.layouts[i]
+        if self.ckpt is not None:
+            ckpt = self.ckpt
+            return lambda lo, hi: ckpt.read(i, kind, lo, hi, dtype)
+        if hf is not None:
+            return lambda lo, hi: hf.read(whole, lo, hi, dtype)
+        return lambda lo, hi: fresh_range(whole, i, lo, hi, self.o.seed, dtype)
+
     def _load_state(self) -> None:
-        """Fill this rank's parameters (and moments, when resuming)."""
+        """Fill this rank's parameters (and moments, when resuming): the elements of the
+        whole model's units that its slice and shard hold, read from wherever they lie."""
         fsdp = self.o.mode == "fsdp"
         hf = HFReader(self.init_dir) if self.init_dir is not None else None
-        for i, (lay, u) in enumerate(zip(self.layouts, self.S.units)):
+        for i, (lay, u) in enumerate(zip(self.local, self.S.units)):
             lo, hi = (u.lo, min(u.hi, lay.numel)) if fsdp else (0, lay.numel)
             dst = u.shard if fsdp else u.full
             if hi > lo:
-                if self.ckpt is not None:
-                    dst[: hi - lo] = self.ckpt.read(i, "param", lo, hi, self.dtype)
-                elif hf is not None:
-                    dst[: hi - lo] = hf.read(lay, lo, hi, self.dtype)
-                else:
-                    dst[: hi - lo] = fresh_range(lay, i, lo, hi, self.o.seed, self.dtype)
-            if self.ckpt is not None:
-                a, b = self.S.opt_range(i)
-                b = min(b, lay.numel)
-                if b > a:
-                    self.opt.m[i][: b - a] = self.ckpt.read(i, "exp_avg", a, b, self.opt.m[i].dtype)
-                    self.opt.v[i][: b - a] = self.ckpt.read(i, "exp_avg_sq", a, b, self.opt.v[i].dtype)
+                dst[: hi - lo] = gather_whole(self._source(i, "param", self.dtype, hf), self.cut.index(i, lo, hi))
+            a, b = self.S.opt_range(i)
+            b = min(b, lay.numel)
+            if self.ckpt is not None and b > a:
+                idx = self.cut.index(i, a, b)
+                for kind, arr in (("exp_avg", self.opt.m[i]), ("exp_avg_sq", self.opt.v[i])):
+                    arr[: b - a] = gather_whole(self._source(i, kind, arr.dtype, None), idx)
         if self.ckpt is not None:
             self.step = int(self.ckpt.meta["step"])
             self.opt.t = int(self.ckpt.meta["optimizer"]["t"])
@@ -221,9 +250,16 @@ class Trainer:
         return learning_rate(step, o.lr, o.steps, o.warmup, o.schedule, o.min_lr)
 
     def _allsum(self, x: float) -> float:
-        if self.comm is None or self.n == 1:
+        """Sum over the dp group (a tp group's ranks hold the same number)."""
+        if self.dp is None or self.n == 1:
             return x
-        return float(self.comm.allreduce(np.array([x], np.float64), algorithm="mpi")[0])
+        return float(self.dp.allreduce(np.array([x], np.float64), algorithm="mpi")[0])
+
+    def _grad_sq_sum(self) -> float:
+        total = self.S.grad_sq_sum(self.skip)
+        if self.tp is not None:
+            total = float(self.tp.allreduce(np.array([total]), algorithm="mpi")[0])
+        return total
 
     def train_step(self) -> dict:
         o, S = self.o, self.S
@@ -238,15 +274,15 @@ class Trainer:
             ids, targets = self.windows.batch(part)
             local += self.engine.micro_step(ids, targets, scale, last_micro=j == o.grad_accum - 1)
         loss = self._allsum(local) * scale
-        norm = math.sqrt(S.grad_sq_sum())
+        norm = math.sqrt(self._grad_sq_sum())
         coef = clip_coefficient(norm, o.grad_clip)
-        grads = [S.opt_grads(i) for i in range(len(self.layouts))]
+        grads = [S.opt_grads(i) for i in range(len(self.local))]
         if coef < 1.0:
             for g in grads:
                 g *= coef
         lr = self.lr_at(self.step)
         t1 = time.perf_counter()
-        self.opt.step([S.opt_params(i) for i in range(len(self.layouts))], grads, lr)
+        self.opt.step([S.opt_params(i) for i in range(len(self.local))], grads, lr)
         S.sync_params()
         self.step += 1
         t2 = time.perf_counter()
@@ -281,18 +317,22 @@ class Trainer:
         if not o.out:
             raise TrainError("saving a checkpoint needs an output directory (--out DIR)")
         ranges, tensors = [], {}
-        for i, (lay, u) in enumerate(zip(self.layouts, self.S.units)):
-            lo, hi = u.lo, min(u.hi, lay.numel)
-            hi = max(hi, lo)
-            ranges.append((lo, hi))
+        for i, (lay, u) in enumerate(zip(self.local, self.S.units)):
+            lo, hi = u.lo, max(min(u.hi, lay.numel), u.lo)
+            idx = self.cut.index(i, lo, hi)
+            keep = np.ones(hi - lo, bool)
+            for s, e in self.skip[i]:  # replicated over tp: tp rank 0 saves them
+                keep[max(s, lo) - lo : max(min(e, hi), lo) - lo] = False
+            ranges.append(runs(idx[keep]))
             params = u.shard if o.mode == "fsdp" else u.full[u.lo : u.hi]
             a = self.S.opt_range(i)[0]
-            tensors[f"u{i}.param"] = params[: hi - lo]
-            tensors[f"u{i}.exp_avg"] = self.opt.m[i][lo - a : hi - a]
-            tensors[f"u{i}.exp_avg_sq"] = self.opt.v[i][lo - a : hi - a]
+            tensors[f"u{i}.param"] = params[: hi - lo][keep]
+            tensors[f"u{i}.exp_avg"] = self.opt.m[i][lo - a : hi - a][keep]
+            tensors[f"u{i}.exp_avg_sq"] = self.opt.v[i][lo - a : hi - a][keep]
         meta = {
             "config": self.cfg.to_dict(),
             "mode": o.mode,
+            "mesh": {"dp": self.n, "tp": o.tp},
             "dtype": o.dtype,
             "optimizer": {"t": self.opt.t, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
             "data": {"step": self.step, "batch": o.batch, "seq": o.seq, "shuffle": o.shuffle},
@@ -301,6 +341,12 @@ class Trainer:
             "options": asdict(o),
         }
         return checkpoint.save(Path(o.out), self.step, self.comm, self.layouts, ranges, tensors, meta, self.tokenizer)
+
+    def close(self) -> None:
+        """Free the mesh's communicators (collective)."""
+        if self.mesh is not None:
+            self.mesh.free()
+            self.mesh = None
 
     def memory(self) -> dict:
         """Bytes this rank holds between steps, and the ZeRO formula for comparison."""

@@ -1,0 +1,161 @@
+"""Training on a (dp, tp) mesh across nodes: tp T x fsdp D against pure fsdp and pure TP,
+in one run, with the inter-node bytes each moves per step beside ``mpitp plan train``.
+
+    bin/mpitp-minicluster up --nodes 2 --link 1gbit                           # root
+    bin/mpitp-minicluster exec -n 4 -ppn 2 -- python benchmarks/train_mesh.py
+    mpiexec -n 4 python benchmarks/train_mesh.py --ranks-per-node 2            # simulated nodes
+
+Every (dp, tp) layout of the ranks (by default tp 1, 2 and 4 at 4 ranks) trains
+the ``small`` config (seq 128, global batch 8, float32) on the same windows; rounds
+interleave the layouts so the machine's slow spells hit all alike. Collectives are mpitp's
+ring (``--algorithm``), whose traffic counters see every byte and where it went: the
+script checks each rank's inter-node bytes per step against the plan (exit 1 if they
+differ) and, on real nodes, reads each node's network device (``/proc/net/dev``) for the
+bytes that left it, TCP/IP headers included. Figures: median step after the first of
+each round, median over rounds.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+import mpitp
+from mpitp.plan import profiles
+from mpitp.plan.train import layout as plan_layout
+from mpitp.train.init import preset_config
+from mpitp.train.trainer import Options, Trainer
+
+
+def tx_bytes(dev: str = "eth0") -> int | None:
+    """Bytes sent so far through ``dev`` in this process's network namespace."""
+    try:
+        for line in open("/proc/net/dev"):
+            name, _, rest = line.partition(":")
+            if name.strip() == dev:
+                return int(rest.split()[8])
+    except OSError:
+        pass
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks-per-node", type=int, help="simulate nodes of this many ranks (default: real nodes)")
+    ap.add_argument("--tp", default=None, help="tp sizes to compare, comma separated (default: all that fit)")
+    ap.add_argument("--config", default="small")
+    ap.add_argument("--mode", default="fsdp")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=4, help="steps per round and layout (the first is not timed)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--algorithm", default="ring")
+    ap.add_argument("--json", help="write the rows here (rank 0)")
+    args = ap.parse_args()
+    if args.ranks_per_node:
+        os.environ["MPITP_RANKS_PER_NODE"] = str(args.ranks_per_node)
+    comm = mpitp.Communicator()
+    topo = comm.topology
+    nodes, per_node = topo.num_nodes, comm.size // topo.num_nodes
+    say = print if comm.rank == 0 else (lambda *a, **k: None)
+    data = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"mpitp-train-mesh-{os.getuid()}.npy")
+    if comm.rank == 0:
+        np.save(data, np.random.default_rng(0).integers(0, 4096, 200_000))
+    comm.barrier()
+    kv = preset_config(args.config).num_key_value_heads
+    sizes = [int(t) for t in args.tp.split(",")] if args.tp else [t for t in (1, 2, 4, 8) if t <= kv]
+    sizes = [t for t in sizes if comm.size % t == 0]
+    node_leader = comm.rank == min(topo.nodes[topo.node_of[comm.rank]])
+    real = not topo.simulated and nodes > 1
+    say(
+        f"# {comm.size} ranks on {nodes} {'real' if real else 'simulated'} node(s) of {per_node}; "
+        f"{args.config}, {args.mode}, batch {args.batch} x seq {args.seq}, float32, {args.algorithm} collectives"
+    )
+    trainers = {}
+    for t in sizes:
+        opts = Options(
+            config=args.config,
+            data=data,
+            mode=args.mode,
+            tp=t,
+            steps=10**6,
+            batch=args.batch,
+            seq=args.seq,
+            algorithm=args.algorithm,
+            eval_fraction=0,
+            progress=False,
+        )
+        trainers[t] = Trainer(opts, comm)
+    times: dict[int, list] = {t: [] for t in sizes}
+    inter: dict[int, int] = {}
+    wire: dict[int, list] = {t: [] for t in sizes}
+    for _ in range(args.rounds):
+        for t, tr in trainers.items():
+            tr.train_step()  # warm: allocations, first touch
+            groups = [c for c in {id(c): c for c in (tr.dp, tr.tp) if c is not None}.values()]
+            for c in groups:
+                c.traffic.reset()
+            comm.barrier()
+            tx0 = tx_bytes() if real and node_leader else None
+            steps = []
+            for _ in range(args.steps - 1):
+                t0 = time.perf_counter()
+                tr.train_step()
+                steps.append(time.perf_counter() - t0)
+            comm.barrier()
+            tx1 = tx_bytes() if real and node_leader else None
+            times[t].append(float(np.median(steps)))
+            mine = sum(c.traffic.by_peer.get("inter", 0) for c in groups) // (args.steps - 1)
+            per_node_bytes = comm.mpi.allgather(mine)
+            node_sum = max(sum(per_node_bytes[r] for r in ranks) for ranks in topo.nodes)
+            inter[t] = node_sum
+            if tx0 is not None and tx1 is not None:
+                wire[t].append((tx1 - tx0) / (args.steps - 1))
+    walls = {t: comm.mpi.allgather(wire[t][-1] if wire[t] else None) for t in sizes}
+    prof = profiles.get("nvlink-ib200")  # bytes only: the profile does not change them
+    ok = True
+    rows = []
+    say(f"# {'layout':<14} {'tokens/s':>9} {'step ms':>9} {'inter/node/step':>16} {'plan':>12} {'wire/node/step':>15}")
+    for t, tr in trainers.items():
+        step = float(np.median(times[t]))
+        planned = plan_layout(tr.cfg, t, comm.size // t, nodes, args.mode, args.batch, args.seq, 4, prof)
+        want = int(planned["inter_bytes_per_node"])
+        wires = [w for w in walls[t] if w is not None]
+        row = {
+            "tp": t,
+            "dp": comm.size // t,
+            "tokens_per_s": args.batch * args.seq / step,
+            "step_s": step,
+            "inter_bytes_per_node": inter[t],
+            "plan_inter_bytes_per_node": want,
+            "wire_bytes_per_node": max(wires) if wires else None,
+        }
+        ok &= inter[t] == want
+        rows.append(row)
+        say(
+            f"  tp{t} x {args.mode}{comm.size // t:<4} {row['tokens_per_s']:>9.0f} {step * 1e3:>9.1f} "
+            f"{inter[t] / 1e6:>13.2f} MB {want / 1e6:>9.2f} MB"
+            + (f" {row['wire_bytes_per_node'] / 1e6:>12.2f} MB" if wires else f" {'-':>15}")
+        )
+    for tr in trainers.values():
+        tr.close()
+    if comm.rank == 0:
+        fastest = max(rows, key=lambda r: r["tokens_per_s"])
+        fewest = min(rows, key=lambda r: r["inter_bytes_per_node"])
+        print(
+            f"# fastest: tp{fastest['tp']} x {args.mode}{fastest['dp']}; fewest inter-node bytes: "
+            f"tp{fewest['tp']} x {args.mode}{fewest['dp']}; counters "
+            + ("== plan for every layout" if ok else "DIFFER from the plan")
+        )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+    comm.free()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
