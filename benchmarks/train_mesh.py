@@ -100,6 +100,7 @@ def main() -> int:
                 c.traffic.reset()
             comm.barrier()
             tx0 = tx_bytes() if real and node_leader else None
+            comm.barrier()  # nobody sends before every node has read its counter
             steps = []
             for _ in range(args.steps - 1):
                 t0 = time.perf_counter()

@@ -126,6 +126,21 @@ def test_bytes_on_the_wire_match_the_counters(cluster, alg):
         assert mine > 0 and mine <= wire <= 1.03 * mine, f"{alg} {name}: wire {wire}, counters {mine}"
 
 
+def test_training_mesh_across_nodes(cluster, tmp_path):
+    """tp 1, 2, 4 x fsdp on 2 nodes x 2 ranks: each layout's inter-node bytes per step,
+    as the counters see them, equal mpitp plan train's, and each node's link carried
+    them (eth0, TCP/IP headers included: within 3% above)."""
+    out = tmp_path / "mesh.json"
+    res = on_cluster(4, 2, sys.executable, "benchmarks/train_mesh.py", "--rounds", "1", "--steps", "2", "--json", out)
+    assert res.returncode == 0 and "counters == plan for every layout" in res.stdout, res.stdout + res.stderr[-3000:]
+    rows = {r["tp"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {1, 2, 4}
+    for r in rows.values():
+        assert r["inter_bytes_per_node"] == r["plan_inter_bytes_per_node"] > 0
+        assert r["inter_bytes_per_node"] <= r["wire_bytes_per_node"] <= 1.03 * r["inter_bytes_per_node"], r
+    assert min(rows.values(), key=lambda r: r["inter_bytes_per_node"])["tp"] == 2  # the plan's fewest
+
+
 def test_tp_generation_across_nodes(cluster):
     """TP = 4 over two nodes writes what TP = 1 writes (the embedded default model)."""
     from mpitp.models import default
