@@ -138,6 +138,16 @@ def test_resume_on_another_mesh(ids, configs, tmp_path):
         train(n, out, ids, *common, "--tp", tp, "--mode", mode, "--resume", out)
         assert rel(losses(out), losses(tmp_path / "whole")[3:]) <= 1e-10
         assert rel(params(out), params(tmp_path / "whole")) <= 1e-10
+    # the mesh's own last checkpoint exports to the same Hugging Face tensors as one process's
+    from safetensors.numpy import load_file
+
+    from mpitp.train.checkpoint import export_hf
+
+    mesh = load_file(export_hf(tmp_path / "part", tmp_path / "hf-mesh") / "model.safetensors")
+    whole = load_file(export_hf(tmp_path / "whole", tmp_path / "hf-whole") / "model.safetensors")
+    assert mesh.keys() == whole.keys() and "model.layers.1.self_attn.o_proj.bias" in mesh
+    for name in whole:
+        assert mesh[name].shape == whole[name].shape and rel(mesh[name], whole[name]) <= 1e-5, name
 
 
 PROBE = textwrap.dedent("""
