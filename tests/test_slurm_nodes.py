@@ -4,6 +4,7 @@ their own; jobs then run through srun --mpi=pmi2 (MPICH) and --mpi=pmix (Open MP
 bin/mpitp-run chooses. Needs root, network namespaces and SLURM (.ci/run installs it);
 skips with the reason otherwise."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -89,6 +90,27 @@ def test_generate_job_across_two_nodes(nodes, tmp_path):
     )
     assert "world of 4 rank(s) on 2 node(s): OK" in text and "TP=4: prefill" in text
     assert text.count("the quick brown") == 1
+
+
+def test_train_job_tp_inside_nodes_fsdp_across(nodes, tmp_path):
+    """slurm/train.sbatch with MPITP_TP=2 on 2 nodes x 2 tasks: a 2 x 2 mesh whose tp
+    groups are the nodes' own ranks; it learns and leaves a checkpoint of that mesh."""
+    text = sbatch(
+        tmp_path,
+        str(ROOT / "slurm" / "train.sbatch"),
+        MPITP_TP="2",
+        MPITP_STEPS="6",
+        MPITP_SEQ="32",
+        MPITP_LR="3e-3",
+        MPITP_OUT=str(tmp_path / "run"),
+        MPITP_TRAIN_ARGS="--config tiny --data-default",
+    )
+    assert "world of 4 rank(s) on 2 node(s): OK" in text and "(mesh dp 2 x tp 2)" in text
+    assert "mesh dimension" not in text  # no warning: every tp group inside a node
+    log = [json.loads(line) for line in open(tmp_path / "run" / "log.jsonl")]
+    assert len(log) == 6 and log[-1]["loss"] < log[0]["loss"]
+    meta = json.loads((tmp_path / "run" / "step-000006" / "meta.json").read_text())
+    assert meta["mesh"] == {"dp": 2, "tp": 2} and meta["world_size"] == 4
 
 
 @pytest.mark.skipif(not (OMPI_VENV / "bin" / "python").exists(), reason="no Open MPI venv (.venv-ompi)")
