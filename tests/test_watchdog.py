@@ -1,5 +1,6 @@
 """A collective that one rank never enters must abort the job within MPITP_TIMEOUT plus
-a few seconds, naming the collective, its sequence number and the waiting rank."""
+a few seconds, naming the collective, its sequence number and the waiting rank, and
+showing where in the program that rank waited."""
 
 import re
 import sys
@@ -35,5 +36,6 @@ def test_hang_becomes_abort(n, alg, first, tmp_path):
     assert "mpitp watchdog" in out and "allreduce #2" in out, out[-3000:]
     waited = re.findall(r"rank (\d+) waited", out)
     assert waited and "1" not in waited, out[-3000:]  # a rank that did enter names itself
+    assert "where this rank waits" in out and f'File "{script}", line 7' in out, out[-3000:]  # its stack
     # the watchdog ended the job, not the launcher's limit (mpiexec's timeout, or launch's kill)
     assert res.returncode != 124 and "killed after" not in out and "TIMED OUT" not in out.upper(), out[-3000:]

@@ -9,6 +9,8 @@ job with a message instead of hanging it.
 
 from __future__ import annotations
 
+import faulthandler
+import sys
 import time
 from collections.abc import Generator
 from typing import Any
@@ -47,6 +49,8 @@ class Watchdog:
                 time.sleep(0)  # let an oversubscribed peer run
 
     def abort(self, label: str) -> None:
+        print(f"[rank {self.rank}] mpitp watchdog: where this rank waits (Python stack):", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=False)
         self._end(
             f"mpitp watchdog: rank {self.rank} waited more than {self.timeout:g} s in {label}; "
             "another rank never entered it or is stuck. Aborting the job (MPITP_TIMEOUT)."
