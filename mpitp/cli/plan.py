@@ -204,14 +204,7 @@ def _train_config(name: str):
             head_dim=m.head_dim,
             tie_word_embeddings=m.tied,
         )
-    path = Path(name)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.exists():
-        raise ptp_error(
-            f"unknown model {name!r}: not a preset ({', '.join([*PRESETS, *ptp.PRESETS])}) and no config.json there"
-        )
-    return LlamaConfig.from_path(path)
+    return LlamaConfig.from_path(ptp.config_path(name, [*PRESETS, *ptp.PRESETS]))
 
 
 def _train(args):

@@ -59,10 +59,9 @@ PRESETS = {
 }
 
 
-def load_model(name_or_path: str) -> ModelShape:
-    """A preset name, or a Hugging Face ``config.json`` (or the directory holding it)."""
-    if name_or_path in PRESETS:
-        return PRESETS[name_or_path]
+def config_path(name_or_path: str, presets=PRESETS) -> Path:
+    """A Hugging Face ``config.json``, or the directory holding one; else a ShardingError
+    that lists the ``presets``."""
     p = Path(name_or_path)
     if p.is_dir():
         p = p / "config.json"
@@ -70,8 +69,16 @@ def load_model(name_or_path: str) -> ModelShape:
         from ..tp.partition import ShardingError
 
         raise ShardingError(
-            f"unknown model {name_or_path!r}: not a preset ({', '.join(PRESETS)}) and no config.json there"
+            f"unknown model {name_or_path!r}: not a preset ({', '.join(presets)}) and no config.json there"
         )
+    return p
+
+
+def load_model(name_or_path: str) -> ModelShape:
+    """A preset name, or a Hugging Face ``config.json`` (or the directory holding it)."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    p = config_path(name_or_path)
     cfg = json.loads(p.read_text())
     try:
         return ModelShape(
