@@ -6,6 +6,7 @@ tp 4 x dp 1 as the uninterrupted run continues; each rank's bytes per step, by g
 peer class with the tp groups inside simulated nodes, equal ``mpitp plan train``'s."""
 
 import json
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -175,7 +176,7 @@ PROBE = textwrap.dedent("""
 @pytest.mark.parametrize("n", [4, 6])
 def test_traffic_matches_the_plan_by_peer_class(ids, n):
     """Two ranks per simulated node: the tp rings stay inside nodes, the dp rings cross."""
-    res = launch.run(n, [sys.executable, "-c", PROBE, str(ids)], timeout=240, env={"MPITP_RANKS_PER_NODE": "2"})
+    res = launch.run(n, [sys.executable, "-c", PROBE, str(ids)], timeout=240, env=dict(os.environ, MPITP_RANKS_PER_NODE="2"))
     assert res.returncode == 0, res.stderr[-3000:]
     for rows in json.loads(res.stdout.split("PROBE", 1)[1]):
         for mode, r in rows.items():
