@@ -176,7 +176,8 @@ PROBE = textwrap.dedent("""
 @pytest.mark.parametrize("n", [4, 6])
 def test_traffic_matches_the_plan_by_peer_class(ids, n):
     """Two ranks per simulated node: the tp rings stay inside nodes, the dp rings cross."""
-    res = launch.run(n, [sys.executable, "-c", PROBE, str(ids)], timeout=240, env=dict(os.environ, MPITP_RANKS_PER_NODE="2"))
+    env = dict(os.environ, MPITP_RANKS_PER_NODE="2")
+    res = launch.run(n, [sys.executable, "-c", PROBE, str(ids)], timeout=240, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     for rows in json.loads(res.stdout.split("PROBE", 1)[1]):
         for mode, r in rows.items():
