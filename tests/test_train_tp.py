@@ -113,7 +113,7 @@ def test_float32(ids, tmp_path):
     train(1, tmp_path / "one", ids, "--steps", 4)
     train(4, tmp_path / "mesh", ids, "--steps", 4, "--tp", 2, "--mode", "fsdp")
     assert rel(losses(tmp_path / "mesh"), losses(tmp_path / "one")) <= 1e-5
-    assert rel(params(tmp_path / "mesh"), params(tmp_path / "one")) <= 1e-4
+    assert rel(params(tmp_path / "mesh"), params(tmp_path / "one")) <= 1e-5  # 3.6e-6 measured
 
 
 def test_hugging_face_start(tmp_path):
