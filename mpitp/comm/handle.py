@@ -9,9 +9,8 @@ job with a message instead of hanging it.
 
 from __future__ import annotations
 
-import faulthandler
-import sys
 import time
+import traceback
 from collections.abc import Generator
 from typing import Any
 
@@ -49,11 +48,13 @@ class Watchdog:
                 time.sleep(0)  # let an oversubscribed peer run
 
     def abort(self, label: str) -> None:
-        print(f"[rank {self.rank}] mpitp watchdog: where this rank waits (Python stack):", file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=False)
+        # where this rank waits, in the same write as the message: two ranks that give up
+        # at once would otherwise interleave their lines (and a short write stays whole)
+        stack = "".join(traceback.format_stack(limit=24)[:-1])  # the innermost frames, not abort
         self._end(
             f"mpitp watchdog: rank {self.rank} waited more than {self.timeout:g} s in {label}; "
-            "another rank never entered it or is stuck. Aborting the job (MPITP_TIMEOUT)."
+            "another rank never entered it or is stuck. Aborting the job (MPITP_TIMEOUT).\n"
+            f"mpitp watchdog: rank {self.rank} waits here (its Python stack):\n{stack}"
         )
 
     def fail(self, label: str, reason: str) -> None:
