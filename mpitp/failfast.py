@@ -61,10 +61,10 @@ def where(environ=os.environ) -> str:
 
 def abort(code: int, message: str | None = None) -> None:
     """Print ``message`` (if any), then end every rank of the job with ``code``."""
-    if message:
-        sys.stderr.write(message if message.endswith("\n") else message + "\n")
     sys.stderr.flush()
     sys.stdout.flush()
+    if message:  # to the process's own stderr, past any Python-level capture (pytest's)
+        os.write(2, (message if message.endswith("\n") else message + "\n").encode(errors="replace"))
     try:
         from mpi4py import MPI
 

@@ -37,6 +37,7 @@ def run_suite(suite: str, n: int, extra_env: dict | None = None, timeout: int = 
         "no:cacheprovider",
         "--color=no",
         "--timeout=0",
+        "--capture=sys",  # fd 2 stays the launcher's: a watchdog abort's message and stack reach us
         f"tests/mpi/{suite}",
     ]
     res = launch.run(n, argv, timeout=timeout, env=env, cwd=str(ROOT))
