@@ -260,6 +260,38 @@ def test_persistent_buffers():
         c.free()
 
 
+def test_shared_memory_wait_keeps_mpi_progressing():
+    """A rank that waits on the shared-memory ring still lets MPI finish what it owes its
+    peers. Each round every rank exchanges 200 messages just above Open MPI's eager limit
+    with its neighbours (MPI point-to-point), then joins a ring all-reduce over shared
+    memory. A rank whose receives completed may still owe the sender its acknowledgement,
+    queued inside MPI; without the channel's progress pokes that sender never leaves its
+    Waitall, the others spin on the channel, and the watchdog ends the job (Open MPI at 3
+    ranks: every run hung before the fix; this was CI's rare hang in the test below)."""
+    if N == 1:
+        pytest.skip("one rank: no neighbours")
+    fast = mpitp.Communicator()
+    fast.shm, fast.cma = True, False
+    raw = MPI.COMM_WORLD.Dup()
+    try:
+        x = np.ones(1000, np.float32)
+        fast.allreduce(x, algorithm="ring")  # the channel is open
+        right, left = (raw.rank + 1) % N, (raw.rank - 1) % N
+        wrong = []  # checked after the rounds: agree() is an MPI call, which would progress
+        for it in range(60):
+            sends = [raw.Isend(np.full(1025, i, np.float32), dest=right, tag=it) for i in range(200)]
+            bufs = [np.empty(1025, np.float32) for _ in range(200)]
+            MPI.Request.Waitall([raw.Irecv(b, source=left, tag=it) for b in bufs] + sends)
+            y = fast.allreduce(x, algorithm="ring")
+            if not (all(b[0] == i for i, b in enumerate(bufs)) and (y == N).all()):
+                wrong.append(it)
+        agree(not wrong, f"rounds {wrong}: messages out of order or a wrong sum")
+        agree(fast._links.opened() == ({"flat": True} if fast.topology.num_nodes == 1 else {}), "the channel ran")
+    finally:
+        raw.Free()
+        fast.free()
+
+
 @pytest.mark.parametrize("seg_bytes,depth", [(512 * 1024, 4), (64, 1), (40, 2), (4096, 3)])
 def test_ring_transports_agree_bitwise(seg_bytes, depth):
     """The ring over shared memory (one node), over cross-memory attach and over MPI

@@ -20,6 +20,12 @@ reduces or copies the slot into place, fences and sets its own ``consumed = k + 
 A rank always takes an arrived segment before it blocks, so the ring cannot deadlock
 however few slots there are. The schedule (which chunk, which step) is the ring's own,
 so results are bit-identical to the MPI transport.
+
+A rank spinning here makes no MPI call, yet MPI may still need it: a send that completed
+in an earlier collective can sit in this rank's queue (Open MPI keeps an eager fragment
+there when the peer's shared-memory FIFO is full, and pushes it only from inside an MPI
+call), and the peer that waits for it never comes here. So every 64 idle polls the loop
+pokes MPI's progress engine (``MPI_Iprobe``).
 """
 
 from __future__ import annotations
@@ -156,6 +162,8 @@ class Channel:
                 progress()
             if idle % every == 0:
                 os.sched_yield()
+            if idle % 64 == 0:
+                self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)  # MPI's progress: see the docstring
             if timeout is not None and idle % 64 == 0:
                 now = time.monotonic()
                 if idle == 64:
