@@ -271,6 +271,9 @@ def test_shared_memory_wait_keeps_mpi_progressing():
     if N == 1:
         pytest.skip("one rank: no neighbours")
     fast = mpitp.Communicator()
+    if fast.topology.num_nodes > 1:
+        fast.free()
+        pytest.skip("several nodes: the ring's shared-memory channel spans one node only")
     fast.shm, fast.cma = True, False
     raw = MPI.COMM_WORLD.Dup()
     try:
@@ -286,7 +289,7 @@ def test_shared_memory_wait_keeps_mpi_progressing():
             if not (all(b[0] == i for i, b in enumerate(bufs)) and (y == N).all()):
                 wrong.append(it)
         agree(not wrong, f"rounds {wrong}: messages out of order or a wrong sum")
-        agree(fast._links.opened() == ({"flat": True} if fast.topology.num_nodes == 1 else {}), "the channel ran")
+        agree(fast._links.opened() == {"flat": True}, "the channel ran")
     finally:
         raw.Free()
         fast.free()
