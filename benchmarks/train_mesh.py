@@ -95,7 +95,7 @@ def main() -> int:
     for _ in range(args.rounds):
         for t, tr in trainers.items():
             tr.train_step()  # warm: allocations, first touch
-            groups = [c for c in {id(c): c for c in (tr.dp, tr.tp) if c is not None}.values()]
+            groups = [c for c in (tr.dp, tr.tp) if c is not None]  # tp None at tp 1
             for c in groups:
                 c.traffic.reset()
             comm.barrier()

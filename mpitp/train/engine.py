@@ -33,7 +33,6 @@ class Engine:
     ):
         self.cfg, self.S, self.recompute = cfg, sharding, recompute
         self.tp = tp if tp is not None and tp.size > 1 else None
-        self.cut = cut
         self.v0 = cut.v0 if cut is not None else 0
         self.layer_cfg = cut.local_config if cut is not None and self.tp is not None else cfg
         self.L = cfg.num_hidden_layers

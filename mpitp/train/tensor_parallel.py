@@ -84,8 +84,8 @@ def vocab_cross_entropy(logits, targets, v0: int, tp, algorithm: str = "auto"):
     t = targets.reshape(-1) - v0
     mine = (t >= 0) & (t < z.shape[1])
     rows = xp.arange(len(t))
-    zmax = z.max(axis=-1) if z.shape[1] else xp.full(len(t), -xp.inf, z.dtype)
-    picked = xp.where(mine, z[rows, xp.where(mine, t, 0)] if z.shape[1] else 0.0, 0.0)
+    zmax = z.max(axis=-1)
+    picked = xp.where(mine, z[rows, xp.where(mine, t, 0)], 0.0)
     if tp is not None and tp.size > 1:
         tp.allreduce(zmax, op="max", out=zmax, algorithm=algorithm)
     e = xp.exp(z - zmax[:, None])

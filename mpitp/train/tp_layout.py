@@ -89,7 +89,7 @@ class TPCut:
             intermediate_size=self.i1 - self.i0,
         )
 
-    def _cut(self, key: str, shape: tuple) -> tuple[str, int, int] | None:
+    def _cut(self, key: str) -> tuple[str, int, int] | None:
         if self.T == 1:
             return None
         if key in self._rows:
@@ -101,7 +101,7 @@ class TPCut:
     def _local(self, u: UnitLayout) -> UnitLayout:
         specs = []
         for ten in u.tensors:
-            cut = self._cut(ten.key, ten.shape)
+            cut = self._cut(ten.key)
             shape = ten.shape
             if cut is not None:
                 a, b = cut[1], cut[2]
@@ -113,7 +113,7 @@ class TPCut:
         """[start, end) runs of unit i's local buffer held whole by every tp rank."""
         if self.T == 1:
             return []
-        return [(x.offset, x.offset + x.size) for x in self.units[i].tensors if self._cut(x.key, x.shape) is None]
+        return [(x.offset, x.offset + x.size) for x in self.units[i].tensors if self._cut(x.key) is None]
 
     def index(self, i: int, lo: int, hi: int) -> np.ndarray:
         """Positions in the whole unit's flat buffer of unit i's local elements [lo, hi)."""
@@ -123,7 +123,7 @@ class TPCut:
             s, e = max(lt.offset, lo), min(lt.offset + lt.size, hi)
             if s >= e:
                 continue
-            cut = self._cut(wt.key, wt.shape)
+            cut = self._cut(wt.key)
             if cut is None:
                 idx = np.arange(s - lt.offset, e - lt.offset)
             else:
