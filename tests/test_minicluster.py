@@ -9,6 +9,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import netns_check
@@ -63,9 +64,16 @@ def cluster():
 def test_refuses_without_root():
     if shutil.which("setpriv") is None:
         pytest.skip("needs setpriv (util-linux)")
-    res = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *TOOL, "up"], capture_output=True, text=True
-    )
+    # a copy anyone may read: the checkout may sit in a directory only root can enter (mktemp -d)
+    with tempfile.TemporaryDirectory() as d:
+        os.chmod(d, 0o755)
+        tool = shutil.copy(TOOL[-1], d)
+        os.chmod(tool, 0o755)
+        res = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *TOOL[:-1], tool, "up"],
+            capture_output=True,
+            text=True,
+        )
     assert res.returncode == 2 and "needs root" in res.stderr and "nothing was changed" in res.stderr
 
 
