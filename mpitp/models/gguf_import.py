@@ -1,10 +1,11 @@
-"""GGUF (llama.cpp) LLaMA checkpoint -> Hugging Face directory that mpitp loads.
+"""GGUF (llama.cpp) LLaMA checkpoint -> a model directory that mpitp loads.
 
-Reads the file with the ``gguf`` package (llama.cpp's own reader), dequantizes every
-tensor to float32 (``gguf.quants.dequantize``), undoes llama.cpp's reordering of the
-q/k rows (its converter permutes HF's rotate-half layout per head, ``permute`` in
-convert_hf_to_gguf.py), and writes config.json, model.safetensors and a tokenizer.json
-rebuilt from the GGUF vocabulary and merges (byte-level BPE, "gpt2" tokenizer model).
+Reads the file's header with the ``gguf`` package (llama.cpp's own reader) and writes
+config.json, a tokenizer.json rebuilt from the GGUF vocabulary and merges (byte-level
+BPE, "gpt2" tokenizer model), tokenizer_config.json, and ``model.gguf``: a link to the
+file itself. The weights stay in the file, in its formats, and are read from it in place
+(:mod:`mpitp.models.gguf_weights`; llama.cpp's reordering of the q/k rows, ``permute``
+in convert_hf_to_gguf.py, is undone there by row index).
 """
 
 from __future__ import annotations
@@ -70,7 +71,6 @@ def _field(reader, key, default=None):
 def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
     """Write an mpitp-loadable checkpoint directory; atomic (a temp dir renamed at the end)."""
     import gguf
-    from safetensors.numpy import save_file
 
     try:
         reader = gguf.GGUFReader(str(gguf_path))
@@ -81,24 +81,12 @@ def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
         raise GGUFError(f"{gguf_path}: architecture {arch!r}; only 'llama' GGUF files are imported")
     g = lambda k, d=_REQUIRED: _field(reader, f"llama.{k}", d)  # noqa: E731
     heads, kv = int(g("attention.head_count")), int(g("attention.head_count_kv", g("attention.head_count")))
-    tensors = {}
-    from tqdm import tqdm
-
-    # a progress bar on a terminal (tqdm stays quiet when stderr is not one)
-    for t in tqdm(reader.tensors, desc=f"importing {Path(gguf_path).name}", unit="tensor", disable=None, leave=False):
-        try:
-            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-            w = w.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
-        except Exception as e:  # data cut short: the header promised more bytes
-            raise GGUFError(
-                f"{gguf_path}: tensor {t.name} cannot be read ({type(e).__name__}: {e}; truncated file?)"
-            ) from None
-        name = hf_name(t.name)
-        if t.name.endswith("attn_q.weight"):
-            w = unpermute(w, heads)
-        elif t.name.endswith("attn_k.weight"):
-            w = unpermute(w, kv)
-        tensors[name] = np.ascontiguousarray(w)
+    names = set()
+    for t in reader.tensors:
+        expected = int(np.prod(t.shape)) * gguf.GGML_QUANT_SIZES[t.tensor_type][1] // gguf.GGML_QUANT_SIZES[t.tensor_type][0]
+        if t.data.nbytes != expected:  # the header promised more bytes than the file has
+            raise GGUFError(f"{gguf_path}: tensor {t.name} cannot be read ({t.data.nbytes} of {expected} bytes; truncated file?)")
+        names.add(hf_name(t.name))
     tokens = _field(reader, "tokenizer.ggml.tokens", _REQUIRED)
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -112,16 +100,16 @@ def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
         "rope_theta": float(g("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(g("context_length", 2048)),
         "vocab_size": len(tokens),
-        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "tie_word_embeddings": "lm_head.weight" not in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-        "torch_dtype": "float32",
+        "torch_dtype": "float32",  # what the float path computes in; the weights keep the file's formats
         "source": f"converted by mpitp from {Path(gguf_path).name}",
     }
     out = Path(out_dir)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent if out.parent.exists() else None))
     try:
-        save_file(tensors, str(tmp / "model.safetensors"))
+        (tmp / "model.gguf").symlink_to(Path(gguf_path).resolve())
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         _tokenizer(reader, tokens).save(str(tmp / "tokenizer.json"))
         write_tokenizer_config(reader, tokens, tmp)

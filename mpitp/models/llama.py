@@ -156,11 +156,15 @@ class TPPlan:
     mlp: list[int]
 
     @classmethod
-    def of(cls, c: LlamaConfig, p: int) -> TPPlan:
+    def of(cls, c: LlamaConfig, p: int, block: int = 1) -> TPPlan:
+        """``block``: the MLP's cut in multiples of it where the size allows (32 for block
+        weights, so that down_proj's input columns split on whole blocks)."""
         att = partition.attention(c.num_attention_heads, c.num_key_value_heads, p)
         if p > c.intermediate_size:
             raise partition.ShardingError(f"tensor-parallel size {p} exceeds intermediate_size = {c.intermediate_size}")
-        return cls(att, partition.mlp(c.intermediate_size, c.hidden_size, c.head_dim, att))
+        if c.intermediate_size % block or c.intermediate_size // block < p:
+            block = 1
+        return cls(att, partition.mlp(c.intermediate_size, c.hidden_size, c.head_dim, att, block=block))
 
 
 class LlamaForCausalLM:
@@ -178,14 +182,15 @@ class LlamaForCausalLM:
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: LlamaConfig, comm=None, dtype="float32", xp=np):
+    def __init__(self, config: LlamaConfig, comm=None, dtype="float32", xp=np, weights: str = "float32"):
         self.config, self.comm, self.xp, self.dtype = config, comm, xp, np.dtype(dtype)
+        self.weights = weights if xp is np else "float32"  # how matmul weights are kept (loader.WEIGHTS)
         c = config
         self.rotary = Rotary(
             c.head_dim, c.rope_theta, c.rope_scaling, min(c.max_position_embeddings, 4096), xp=xp, dtype=np.float32
         )
         self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, comm=comm, dtype=self.dtype, xp=xp)
-        self.plan = TPPlan.of(c, comm.size if comm is not None else 1)
+        self.plan = TPPlan.of(c, comm.size if comm is not None else 1, 1 if self.weights == "float32" else 32)
         self.layers = [
             DecoderLayer(c, comm, self.rotary, self.dtype, xp, self.plan) for _ in range(c.num_hidden_layers)
         ]
@@ -193,7 +198,10 @@ class LlamaForCausalLM:
         self.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size, comm=comm, dtype=self.dtype, xp=xp)
         if c.tie_word_embeddings:
             self.lm_head.tie(self.embed_tokens)
-        if xp is np:  # one stream of the matrices decoding reads, in reading order: the
+        for _, m in self.named_modules():
+            if hasattr(m, "weights"):
+                m.weights = self.weights
+        if xp is np and self.weights == "float32":  # one stream of the matrices decoding reads, in reading order: the
             # layers', then the head's; the embedding last (one row of it is read per token;
             # packed once when the head shares it)
             mats = [m for _, m in self.named_modules() if hasattr(m, "_wt")]
@@ -201,10 +209,12 @@ class LlamaForCausalLM:
         self.last_stats: dict = {}
 
     @classmethod
-    def from_pretrained(cls, path, comm=None, dtype: str = "float32", device: str = "cpu") -> LlamaForCausalLM:
+    def from_pretrained(
+        cls, path, comm=None, dtype: str = "float32", device: str = "cpu", weights: str = "auto"
+    ) -> LlamaForCausalLM:
         from .loader import load_pretrained
 
-        return load_pretrained(cls, path, comm=comm, dtype=dtype, device=device)
+        return load_pretrained(cls, path, comm=comm, dtype=dtype, device=device, weights=weights)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         a = self.layers[0].self_attn
@@ -281,14 +291,36 @@ class LlamaForCausalLM:
                 for part, shard in unpack.get(leaf, [(leaf, None)]):
                     yield f"{parent}.{part}.{param}".lstrip("."), mod, param, shard
 
+    def finish_load(self) -> None:
+        """After the loader: block weights joined per module (:meth:`LinearBase.finish`)."""
+        for _, m in self.named_modules():
+            if hasattr(m, "finish"):
+                m.finish()
+
+    @staticmethod
+    def _held(m) -> list:
+        w = getattr(m, "qweight", None)
+        return [w if w is not None else m.weight, getattr(m, "bias", None)]
+
     def weight_bytes(self) -> int:
-        """Bytes of weights this rank holds (a tied head counted once)."""
-        arrays = {
-            id(a): a for _, m in self.named_modules() for a in (m.weight, getattr(m, "bias", None)) if a is not None
-        }
+        """Bytes of weights this rank holds, in the form it holds them (a tied head counted once)."""
+        arrays = {id(a): a for _, m in self.named_modules() for a in self._held(m) if a is not None}
         return sum(a.nbytes for a in arrays.values())
 
     def streamed_bytes(self) -> int:
         """Bytes of weights one decode step reads on this rank: all but the embedding table
         (one row of it is looked up), unless the head shares it."""
-        return self.weight_bytes() - (0 if self.lm_head.tied else self.embed_tokens.weight.nbytes)
+        return self.weight_bytes() - (0 if self.lm_head.tied else self._held(self.embed_tokens)[0].nbytes)
+
+    def weight_formats(self) -> dict[str, int]:
+        """How this rank holds its matmul weights: format -> bytes (float32, Q4_1, Q8_0, ...)."""
+        out: dict[str, int] = {}
+        seen = set()
+        for _, m in self.named_modules():
+            w = self._held(m)[0]
+            if id(w) in seen or not hasattr(m, "weights"):
+                continue
+            seen.add(id(w))
+            name = w.source if getattr(m, "qweight", None) is not None else str(w.dtype)
+            out[name] = out.get(name, 0) + w.nbytes
+        return out

@@ -79,6 +79,22 @@ def locate(wmap: dict, model, name: str):
     return None
 
 
+def _sources(model, path: Path):
+    """(file, tensor name, source) of every tensor of the checkpoint: safetensors files,
+    or the GGUF file of an imported llama.cpp model."""
+    from .gguf_weights import is_gguf_dir, sources
+
+    if is_gguf_dir(path):
+        c = model.config
+        for name, src in sources(path, c.num_attention_heads, c.num_key_value_heads):
+            yield path / "model.gguf", name, src
+        return
+    for f in checkpoint_files(path):
+        with open_safetensors(f) as h:
+            for name in h.keys():
+                yield f, name, SafetensorsSource(h, name, dtype=np.float32)
+
+
 def load_weights(model, path: Path) -> dict:
     from tqdm import tqdm
 
@@ -89,23 +105,20 @@ def load_weights(model, path: Path) -> dict:
     bar = tqdm(
         total=len(wmap), desc=f"loading {path.name}", unit="tensor", disable=True if quiet else None, leave=False
     )
-    for f in checkpoint_files(path):
-        with open_safetensors(f) as h:
-            for name in h.keys():
-                target = locate(wmap, model, name)
-                if target is None:
-                    continue
-                obj, param, shard = target
-                try:
-                    src = SafetensorsSource(h, name, dtype=np.float32)
-                    obj.weight_loader(param, src, shard)
-                except MpitpError:
-                    raise
-                except Exception as e:  # a header that lies about the data, a short file
-                    raise CheckpointError(f"{f}: tensor {name} cannot be read ({e})") from None
-                bytes_read += src.bytes_read
-                bar.update(name in wmap)
-                seen.add(name)
+    for f, name, src in _sources(model, path):
+        target = locate(wmap, model, name)
+        if target is None:
+            continue
+        obj, param, shard = target
+        try:
+            obj.weight_loader(param, src, shard)
+        except MpitpError:
+            raise
+        except Exception as e:  # a header that lies about the data, a short file
+            raise CheckpointError(f"{f}: tensor {name} cannot be read ({e})") from None
+        bytes_read += src.bytes_read
+        bar.update(name in wmap)
+        seen.add(name)
     bar.close()
     missing = sorted(set(wmap) - seen)
     if missing:
@@ -114,15 +127,25 @@ def load_weights(model, path: Path) -> dict:
             hint = " (the config does not tie word embeddings, so the checkpoint must carry lm_head.weight)"
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"{path}: missing tensors {shown}{hint}")
+    model.finish_load()
     return {"tensors": len(seen), "bytes_read": bytes_read}
 
 
-def load_pretrained(cls, path, comm=None, dtype: str = "float32", device: str = "cpu"):
+WEIGHTS = ("auto", "float32", "q8_0")
+
+
+def load_pretrained(cls, path, comm=None, dtype: str = "float32", device: str = "cpu", weights: str = "auto"):
+    """``weights``: ``auto`` keeps a GGUF file's block-quantized tensors as they are (float
+    checkpoints load as ``dtype``), ``float32`` dequantizes everything, ``q8_0`` quantizes
+    the matmul weights at load. On a GPU, weights are always ``dtype`` (quantized files
+    dequantize)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such directory")
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a checkpoint directory (config.json + *.safetensors)")
+    if weights not in WEIGHTS:
+        raise ConfigError(f"weights {weights!r}: one of {', '.join(WEIGHTS)}")
     cfg = LlamaConfig.from_path(path)
     xp: Any = np
     if device == "cuda":
@@ -134,6 +157,8 @@ def load_pretrained(cls, path, comm=None, dtype: str = "float32", device: str = 
             raise ConfigError("device='cuda' needs CuPy: pip install 'mpitp[cuda12]'") from None
     elif device != "cpu":
         raise ConfigError(f"unknown device {device!r} (cpu or cuda)")
-    model = cls(cfg, comm=comm, dtype=dtype, xp=xp)
+    if device == "cuda" or np.dtype(dtype) != np.float32:
+        weights = "float32"  # the kernels are float32 CPU kernels; elsewhere the array path
+    model = cls(cfg, comm=comm, dtype=dtype, xp=xp, weights=weights)
     model.load_info = load_weights(model, path)
     return model

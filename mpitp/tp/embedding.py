@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels import formats
 from . import partition
 from .linear import ShardingError, gather_last_dim
 from .partition import PAD  # noqa: F401  (re-exported)
@@ -23,6 +24,12 @@ from .source import TensorSource
 
 
 class VocabParallelEmbedding:
+    """``weights`` as :class:`~mpitp.tp.linear.LinearBase`'s: with block weights the rank's
+    rows stay quantized (``qweight``, padding rows zero blocks); a lookup decodes only the
+    rows asked for, and the head runs the matmul kernel over them."""
+
+    weights = "float32"
+
     def __init__(self, vocab_size: int, hidden: int, *, comm=None, dtype=np.float32, xp=np):
         self.comm, self.xp, self.dtype = comm, xp, np.dtype(dtype)
         p = comm.size if comm is not None else 1
@@ -34,6 +41,24 @@ class VocabParallelEmbedding:
         self.end = self.start + self.per_rank
         self._wt = xp.zeros((hidden, self.per_rank), self.dtype)  # [hidden, rows]: the head's GEMV
         self.weight = self._wt.T  # [rows, hidden] view
+        self.qweight: formats.BlockWeight | None = None
+
+    def _blocks(self, src: TensorSource, real_end: int) -> formats.BlockWeight | None:
+        if self.weights == "float32" or self.xp is not np or self.hidden % formats.BLOCK:
+            return None
+        if self.weights == "auto":
+            if not getattr(src, "quantized", False):
+                return None
+            bw = src.block_rows(self.start, real_end)  # type: ignore[attr-defined]
+        else:
+            bw = formats.quantize_q8_0(src.rows(self.start, real_end))
+        pad = self.per_rank - (real_end - self.start)
+        return bw if pad == 0 else formats.concat_rows([bw, formats.empty(bw.kind, pad, self.hidden, bw.source)])
+
+    def finish(self) -> None:
+        if self.qweight is not None:
+            self.qweight = self.qweight.contiguous()
+            self._wt = self.weight = None  # never written: no memory held
 
     def weight_loader(self, param: str, src: TensorSource, shard_id=None) -> None:
         if tuple(src.shape) != (self.vocab_size, self.hidden):
@@ -41,6 +66,9 @@ class VocabParallelEmbedding:
                 f"{src.name}: checkpoint shape {tuple(src.shape)}, model expects {(self.vocab_size, self.hidden)}"
             )
         real_end = min(self.end, self.vocab_size)
+        if real_end > self.start and (bw := self._blocks(src, real_end)) is not None:
+            self.qweight = bw
+            return
         self.weight[...] = 0  # padding rows stay zero
         if real_end > self.start:
             self.weight[: real_end - self.start] = self.xp.asarray(src.rows(self.start, real_end), self.dtype)
@@ -49,8 +77,14 @@ class VocabParallelEmbedding:
         xp = self.xp
         ids = xp.asarray(ids)
         mine = (ids >= self.start) & (ids < self.end)
-        local = xp.where(mine, ids - self.start, 0)
-        out = self.weight[local] * mine[..., None].astype(self.dtype)
+        if self.qweight is not None:
+            from ..kernels.matmul import take
+
+            local = np.where(mine, ids - self.start, -1).astype(np.int64)
+            out = take(self.qweight, local.reshape(-1)).reshape(*ids.shape, self.hidden)
+        else:
+            local = xp.where(mine, ids - self.start, 0)
+            out = self.weight[local] * mine[..., None].astype(self.dtype)
         if self.tp_size > 1:
             self.comm.allreduce(out, out=out)
         return out
@@ -66,10 +100,21 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self._wt, self.weight = embedding._wt, embedding.weight
-        self.tied = True
+        self.tied, self._tied_to = True, embedding
+
+    def finish(self) -> None:
+        if self.tied:
+            self.qweight, self._wt, self.weight = self._tied_to.qweight, self._tied_to._wt, self._tied_to.weight
+        else:
+            super().finish()
 
     def __call__(self, h):
-        logits = h @ self._wt
+        if self.qweight is not None:
+            from ..kernels.matmul import matmul
+
+            logits = matmul(h, self.qweight)
+        else:
+            logits = h @ self._wt
         if self.tp_size > 1:
             logits = gather_last_dim(self.comm, logits, self.sizes)
         return logits[..., : self.vocab_size]

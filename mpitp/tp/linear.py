@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .. import backend
+from ..kernels import formats
 from . import partition
 from .partition import ShardingError
 from .source import TensorSource
@@ -38,7 +39,14 @@ def _cut(n: int, p: int, sizes, what: str) -> list[int]:
 
 
 class LinearBase:
-    """Holds ``weight`` (and ``bias``) for this rank; ``xp`` is numpy or cupy."""
+    """Holds ``weight`` (and ``bias``) for this rank; ``xp`` is numpy or cupy.
+
+    ``weights`` says how the weight is kept (set by the model before loading):
+    ``float32`` (the array ``weight``), ``auto`` (block-quantized tensors of the file stay
+    in their format, :mod:`mpitp.kernels`), ``q8_0`` (quantized at load). Block weights
+    arrive in pieces (q, k, v; gate, up) and are joined by :meth:`finish` after loading."""
+
+    weights = "float32"
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, comm, dtype=np.float32, xp=np):
         self.comm, self.xp, self.dtype = comm, xp, np.dtype(dtype)
@@ -51,6 +59,39 @@ class LinearBase:
         self._wt = xp.zeros((in_features, out_features), self.dtype)
         self.weight = self._wt.T
         self.bias = xp.zeros(out_features, self.dtype) if bias else None
+        self.qweight: formats.BlockWeight | None = None
+        self._parts: dict[int, formats.BlockWeight] = {}  # local row offset -> piece
+
+    def _blocks(self, src: TensorSource, rows=None, cols=None) -> formats.BlockWeight | None:
+        """This rank's piece of ``src`` (rows or columns [a, b)) as block weights, or None
+        to keep it as floats (``weights`` float32, CuPy, a float tensor under ``auto``, or
+        a column cut that is not on block boundaries)."""
+        mode = self.weights
+        if mode == "float32" or self.xp is not np or len(src.shape) != 2:
+            return None
+        if cols is not None and (cols[0] % formats.BLOCK or cols[1] % formats.BLOCK):
+            return None
+        if mode == "auto":
+            if not getattr(src, "quantized", False):
+                return None
+            return src.block_rows(*rows) if rows is not None else src.block_cols(*cols)  # type: ignore[attr-defined]
+        if src.shape[1] % formats.BLOCK:
+            return None
+        return formats.quantize_q8_0(src.rows(*rows) if rows is not None else src.cols(*cols))
+
+    def finish(self) -> None:
+        """After loading: join the block pieces into ``qweight`` (pieces of different
+        kinds, or a part left as floats, fall back to float32 for the whole weight)."""
+        parts, self._parts = sorted(self._parts.items()), {}
+        if not parts:
+            return
+        covered = sum(p.shape[0] for _, p in parts) == self.out_features
+        if covered and len({p.kind for _, p in parts}) == 1:
+            self.qweight = parts[0][1].contiguous() if len(parts) == 1 else formats.concat_rows([p for _, p in parts])
+            self._wt = self.weight = None  # the float array was never written: no memory held
+            return
+        for off, p in parts:
+            self.weight[off : off + p.shape[0]] = p.dequantize()
 
     def _put(self, param: str, value: np.ndarray) -> None:
         dst = getattr(self, param)
@@ -66,6 +107,10 @@ class LinearBase:
             raise ShardingError(f"{src.name}: checkpoint shape {tuple(src.shape)}, model expects {tuple(shape)}")
 
     def matmul(self, x):
+        if self.qweight is not None:
+            from ..kernels import matmul
+
+            return matmul.matmul(x, self.qweight)
         return x @ self._wt
 
 
@@ -75,6 +120,9 @@ class ReplicatedLinear(LinearBase):
     def weight_loader(self, param: str, src: TensorSource, shard_id: Any = None) -> None:
         full = getattr(self, param).shape
         self._check_full(src, full)
+        if param == "weight" and (bw := self._blocks(src, rows=(0, full[0]))) is not None:
+            self._parts[0] = bw
+            return
         self._put(param, src.read())
 
     def __call__(self, x):
@@ -108,7 +156,11 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, param: str, src: TensorSource, shard_id: Any = None) -> None:
         full = (self.full_out, self.in_features) if param == "weight" else (self.full_out,)
         self._check_full(src, full)
-        self._put(param, src.rows(self.start, self.start + self.out_features))
+        rows = (self.start, self.start + self.out_features)
+        if param == "weight" and (bw := self._blocks(src, rows=rows)) is not None:
+            self._parts[0] = bw
+            return
+        self._put(param, src.rows(*rows))
 
     def __call__(self, x):
         y = self.matmul(x)
@@ -149,7 +201,11 @@ class RowParallelLinear(LinearBase):
             self._put("bias", src.read())
             return
         self._check_full(src, (self.out_features, self.full_in))
-        self._put("weight", src.cols(self.start, self.start + self.in_features))
+        cols = (self.start, self.start + self.in_features)
+        if (bw := self._blocks(src, cols=cols)) is not None:
+            self._parts[0] = bw
+            return
+        self._put("weight", src.cols(*cols))
 
     def __call__(self, x):
         if not self.input_is_parallel:
@@ -197,6 +253,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id]
         self._check_full(src, (size, self.in_features) if param == "weight" else (size,))
         n, off, start = self.cuts[shard_id][self.tp_rank], self.shard_offsets[shard_id], self.shard_starts[shard_id]
+        if param == "weight" and (bw := self._blocks(src, rows=(start, start + n))) is not None:
+            self._parts[off] = bw
+            return
         dst = getattr(self, param)
         dst[off : off + n] = self.xp.asarray(src.rows(start, start + n), dtype=self.dtype)
 
@@ -238,6 +297,9 @@ class QKVParallelLinear(ColumnParallelLinear):
             full, start, n = self.total_kv_heads * d, self.kv_start * d, self.kv_size
             off = self.q_size + (0 if shard_id == "k" else self.kv_size)
         self._check_full(src, (full, self.in_features) if param == "weight" else (full,))
+        if param == "weight" and (bw := self._blocks(src, rows=(start, start + n))) is not None:
+            self._parts[off] = bw
+            return
         dst = getattr(self, param)
         dst[off : off + n] = self.xp.asarray(src.rows(start, start + n), dtype=self.dtype)
 

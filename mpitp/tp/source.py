@@ -69,3 +69,67 @@ class SafetensorsSource:
 
     def cols(self, a: int, b: int) -> np.ndarray:
         return self._take(self._slice[:, a:b])
+
+
+class GGUFSource:
+    """One tensor of a GGUF file, memory-mapped: ``raw`` is its bytes [rows, row bytes]
+    (a view of the file; nothing is read until a slice is asked for). ``perm`` reorders
+    the rows (llama.cpp's q/k layout back to Hugging Face's) without touching the others.
+
+    ``rows``/``cols``/``read`` give floats (dequantized, the ``gguf`` package's decoder);
+    ``block_rows``/``block_cols`` give the quants themselves
+    (:class:`~mpitp.kernels.formats.BlockWeight`), only of the rows asked for."""
+
+    def __init__(self, name: str, raw, type_name: str, shape: tuple, perm=None, dtype=np.float32):
+        self.name, self._raw, self.type_name, self.dtype = name, raw, type_name, dtype
+        self.shape = tuple(shape)
+        self._perm = perm
+        self.bytes_read = 0
+
+    @property
+    def quantized(self) -> bool:
+        return self.type_name not in ("F32", "F16", "BF16", "F64")
+
+    def _raw_rows(self, a: int, b: int):
+        raw = self._raw if len(self.shape) > 1 else self._raw.reshape(1, -1)
+        block = raw[a:b] if self._perm is None else raw[self._perm[a:b]]
+        self.bytes_read += block.nbytes
+        return block
+
+    def _floats(self, raw) -> np.ndarray:
+        import gguf
+
+        w = gguf.quants.dequantize(np.ascontiguousarray(raw), gguf.GGMLQuantizationType[self.type_name])
+        return np.asarray(w).astype(self.dtype, copy=False)
+
+    def read(self) -> np.ndarray:
+        if len(self.shape) == 1:
+            return self._floats(self._raw_rows(0, 1)).reshape(self.shape)
+        return self.rows(0, self.shape[0])
+
+    def rows(self, a: int, b: int) -> np.ndarray:
+        return self._floats(self._raw_rows(a, b)).reshape(b - a, *self.shape[1:])
+
+    def cols(self, a: int, b: int) -> np.ndarray:
+        return self.rows(0, self.shape[0])[:, a:b]
+
+    def block_rows(self, a: int, b: int):
+        from ..kernels.formats import from_ggml
+
+        return from_ggml(self._raw_rows(a, b), self.type_name)
+
+    def block_cols(self, a: int, b: int):
+        """Columns [a, b) of every row, on block boundaries. Only the blocks that hold them
+        are converted (whole blocks of 32, or super-blocks of 256 for K-quants)."""
+        import gguf
+
+        from ..kernels.formats import from_ggml
+
+        per, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[self.type_name]]
+        if a % per == 0 and b % per == 0:
+            raw = self._raw_rows(0, self.shape[0])[:, a // per * size : b // per * size]
+            return from_ggml(np.ascontiguousarray(raw), self.type_name)
+        lo, hi = a // per * per, -(-b // per) * per  # the super-blocks around [a, b)
+        bw = from_ggml(np.ascontiguousarray(self._raw_rows(0, self.shape[0])[:, lo // per * size : hi // per * size]),
+                       self.type_name)  # fmt: skip
+        return bw.cols(a - lo, b - lo)
