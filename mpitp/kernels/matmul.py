@@ -24,14 +24,14 @@ from numba import njit
 
 SMALL = 16  # rows of x up to which the decode kernels run; above, tiles + BLAS
 TILE = 2048  # weight rows dequantized per BLAS call in prefill
-LO, SH = np.uint8(15), np.uint8(4)  # uint8 nibbles convert to float32 in vector registers
+SIXTEEN, SIXTEENTH = np.float32(16.0), np.float32(1 / 16)
 OPTS = dict(cache=True, fastmath=True, nogil=True, boundscheck=False)
 
 
 @njit(**OPTS)
 def _split_x(x, xlo, xhi, xsum):
-    """x [M, K] -> its block halves [M, K/2] (what the low and high nibbles multiply) and
-    per-block sums [M, K/32]."""
+    """x [M, K] -> its block halves [M', K/2] (what the low and high nibbles multiply; rows
+    M..M' stay zero) and per-block sums [M, K/32]."""
     M, K = x.shape
     for i in range(M):
         for b in range(K // 32):
@@ -45,15 +45,23 @@ def _split_x(x, xlo, xhi, xsum):
             xsum[i, b] = s
 
 
+# A byte q holds two 4-bit weights. Integer shifts of numba's uint8 widen to 64-bit lanes
+# (half the vector width); in float32 the split is exact and stays in 8-wide lanes:
+#     hi = floor(q / 16),  lo = q - 16·hi
+
+
 @njit(**OPTS)
 def _q4_rows1(qs, d, m, xlo, xhi, xsum, y):
+    """One row of x: y[n] = Σ_k d[n, k/16]·(lo·xlo[k] + hi·xhi[k]) + Σ_b m[n, b]·xsum[b]."""
     N, H = qs.shape
     B = d.shape[1]
     for n in range(N):
         s = np.float32(0.0)
         for k in range(H):
-            q = qs[n, k]
-            s += d[n, k >> 4] * (np.float32(q & LO) * xlo[0, k] + np.float32(q >> SH) * xhi[0, k])
+            qf = np.float32(qs[n, k])
+            hi = np.floor(qf * SIXTEENTH)
+            lo = qf - SIXTEEN * hi
+            s += d[n, k >> 4] * (lo * xlo[0, k] + hi * xhi[0, k])
         t = np.float32(0.0)
         for b in range(B):
             t += m[n, b] * xsum[0, b]
@@ -61,33 +69,47 @@ def _q4_rows1(qs, d, m, xlo, xhi, xsum, y):
 
 
 @njit(**OPTS)
-def _q4_rowsM(qs, d, m, xlo, xhi, y):
+def _q4_rows2(qs, d, m, xlo, xhi, y, i):
+    """Rows i, i+1 of x: each weight decoded once (d·q + m, in registers) for both."""
     N, H = qs.shape
-    M = xlo.shape[0]
-    wl = np.empty(H, np.float32)
-    wh = np.empty(H, np.float32)
     for n in range(N):
-        for k in range(H):  # decode the row once
-            q = qs[n, k]
+        s0 = np.float32(0.0)
+        s1 = np.float32(0.0)
+        for k in range(H):
+            qf = np.float32(qs[n, k])
+            hi = np.floor(qf * SIXTEENTH)
+            lo = qf - SIXTEEN * hi
             sc, mn = d[n, k >> 4], m[n, k >> 4]
-            wl[k] = sc * np.float32(q & LO) + mn
-            wh[k] = sc * np.float32(q >> SH) + mn
-        i = 0
-        while i + 1 < M:  # two rows of x share each load of the decoded weights
-            s0 = np.float32(0.0)
-            s1 = np.float32(0.0)
-            for k in range(H):
-                a, b = wl[k], wh[k]
-                s0 += a * xlo[i, k] + b * xhi[i, k]
-                s1 += a * xlo[i + 1, k] + b * xhi[i + 1, k]
-            y[i, n] = s0
-            y[i + 1, n] = s1
-            i += 2
-        if i < M:
-            s0 = np.float32(0.0)
-            for k in range(H):
-                s0 += wl[k] * xlo[i, k] + wh[k] * xhi[i, k]
-            y[i, n] = s0
+            a, b = sc * lo + mn, sc * hi + mn
+            s0 += a * xlo[i, k] + b * xhi[i, k]
+            s1 += a * xlo[i + 1, k] + b * xhi[i + 1, k]
+        y[i, n] = s0
+        y[i + 1, n] = s1
+
+
+@njit(**OPTS)
+def _q4_rows4(qs, d, m, xlo, xhi, y, i):
+    """Rows i..i+3 of x, each weight decoded once for the four."""
+    N, H = qs.shape
+    for n in range(N):
+        s0 = np.float32(0.0)
+        s1 = np.float32(0.0)
+        s2 = np.float32(0.0)
+        s3 = np.float32(0.0)
+        for k in range(H):
+            qf = np.float32(qs[n, k])
+            hi = np.floor(qf * SIXTEENTH)
+            lo = qf - SIXTEEN * hi
+            sc, mn = d[n, k >> 4], m[n, k >> 4]
+            a, b = sc * lo + mn, sc * hi + mn
+            s0 += a * xlo[i, k] + b * xhi[i, k]
+            s1 += a * xlo[i + 1, k] + b * xhi[i + 1, k]
+            s2 += a * xlo[i + 2, k] + b * xhi[i + 2, k]
+            s3 += a * xlo[i + 3, k] + b * xhi[i + 3, k]
+        y[i, n] = s0
+        y[i + 1, n] = s1
+        y[i + 2, n] = s2
+        y[i + 3, n] = s3
 
 
 @njit(**OPTS)
@@ -101,79 +123,80 @@ def _q8_rows1(qs, d, x, y):
 
 
 @njit(**OPTS)
-def _q8_rowsM(qs, d, x, y):
+def _q8_rows2(qs, d, x, y, i):
     N, K = qs.shape
-    M = x.shape[0]
-    w = np.empty(K, np.float32)
     for n in range(N):
+        s0 = np.float32(0.0)
+        s1 = np.float32(0.0)
         for k in range(K):
-            w[k] = d[n, k >> 5] * np.float32(qs[n, k])
-        i = 0
-        while i + 1 < M:
-            s0 = np.float32(0.0)
-            s1 = np.float32(0.0)
-            for k in range(K):
-                a = w[k]
-                s0 += a * x[i, k]
-                s1 += a * x[i + 1, k]
-            y[i, n] = s0
-            y[i + 1, n] = s1
-            i += 2
-        if i < M:
-            s0 = np.float32(0.0)
-            for k in range(K):
-                s0 += w[k] * x[i, k]
-            y[i, n] = s0
+            a = d[n, k >> 5] * np.float32(qs[n, k])
+            s0 += a * x[i, k]
+            s1 += a * x[i + 1, k]
+        y[i, n] = s0
+        y[i + 1, n] = s1
+
+
+@njit(**OPTS)
+def _q8_rows4(qs, d, x, y, i):
+    N, K = qs.shape
+    for n in range(N):
+        s0 = np.float32(0.0)
+        s1 = np.float32(0.0)
+        s2 = np.float32(0.0)
+        s3 = np.float32(0.0)
+        for k in range(K):
+            a = d[n, k >> 5] * np.float32(qs[n, k])
+            s0 += a * x[i, k]
+            s1 += a * x[i + 1, k]
+            s2 += a * x[i + 2, k]
+            s3 += a * x[i + 3, k]
+        y[i, n] = s0
+        y[i + 1, n] = s1
+        y[i + 2, n] = s2
+        y[i + 3, n] = s3
 
 
 @njit(**OPTS)
 def q4_dequantize(qs, d, m, r0, r1, out):
     """Rows [r0, r1) of a q4 weight -> out [r1-r0, K] float32."""
-    H = qs.shape[1]
+    B = d.shape[1]
     for n in range(r0, r1):
-        for k in range(H):
-            q = qs[n, k]
-            b = k >> 4
-            j = 32 * b + (k & 15)
-            out[n - r0, j] = d[n, b] * np.float32(q & LO) + m[n, b]
-            out[n - r0, j + 16] = d[n, b] * np.float32(q >> SH) + m[n, b]
+        for b in range(B):
+            sc, mn = d[n, b], m[n, b]
+            for j in range(16):
+                qf = np.float32(qs[n, 16 * b + j])
+                hi = np.floor(qf * SIXTEENTH)
+                out[n - r0, 32 * b + j] = sc * (qf - SIXTEEN * hi) + mn
+                out[n - r0, 32 * b + 16 + j] = sc * hi + mn
 
 
 @njit(**OPTS)
 def q8_dequantize(qs, d, r0, r1, out):
-    K = qs.shape[1]
+    B = d.shape[1]
     for n in range(r0, r1):
-        for k in range(K):
-            out[n - r0, k] = d[n, k >> 5] * np.float32(qs[n, k])
+        for b in range(B):
+            sc = d[n, b]
+            for j in range(32):
+                out[n - r0, 32 * b + j] = sc * np.float32(qs[n, 32 * b + j])
 
 
 @njit(**OPTS)
 def q4_take(qs, d, m, ids, out):
     """Embedding lookup: out[t] = row ids[t] of a q4 weight (a negative id gives zeros)."""
-    H = qs.shape[1]
     for t in range(ids.shape[0]):
-        n = ids[t]
-        if n < 0:
+        if ids[t] < 0:
             out[t, :] = 0
-            continue
-        for k in range(H):
-            q = qs[n, k]
-            b = k >> 4
-            j = 32 * b + (k & 15)
-            out[t, j] = d[n, b] * np.float32(q & LO) + m[n, b]
-            out[t, j + 16] = d[n, b] * np.float32(q >> SH) + m[n, b]
+        else:
+            q4_dequantize(qs, d, m, ids[t], ids[t] + 1, out[t : t + 1])
 
 
 @njit(**OPTS)
 def q8_take(qs, d, ids, out):
-    K = qs.shape[1]
     for t in range(ids.shape[0]):
-        n = ids[t]
-        if n < 0:
+        if ids[t] < 0:
             out[t, :] = 0
-            continue
-        for k in range(K):
-            out[t, k] = d[n, k >> 5] * np.float32(qs[n, k])
+        else:
+            q8_dequantize(qs, d, ids[t], ids[t] + 1, out[t : t + 1])
 
 
 def dequantize_rows(w, r0: int, r1: int) -> np.ndarray:
@@ -210,16 +233,29 @@ def matmul(x: np.ndarray, w) -> np.ndarray:
     y = np.empty((M, N), np.float32)
     if w.kind == "q4":
         K = x2.shape[1]
-        xlo = np.empty((M, K // 2), np.float32)
-        xhi = np.empty((M, K // 2), np.float32)
+        P = M + (M > 1 and M % 2)  # rows in pairs: an odd count gets a zero row
+        xlo = np.zeros((P, K // 2), np.float32)
+        xhi = np.zeros((P, K // 2), np.float32)
         xsum = np.empty((M, K // 32), np.float32)
         _split_x(x2, xlo, xhi, xsum)
         if M == 1:
             _q4_rows1(w.qs, w.d, w.m, xlo, xhi, xsum, y)
-        else:
-            _q4_rowsM(w.qs, w.d, w.m, xlo, xhi, y)
+            return y.reshape(*lead, N)
+        yp = np.empty((P, N), np.float32) if P > M else y
+        for i in range(0, P - P % 4, 4):
+            _q4_rows4(w.qs, w.d, w.m, xlo, xhi, yp, i)
+        if P % 4:
+            _q4_rows2(w.qs, w.d, w.m, xlo, xhi, yp, P - 2)
+        y = yp[:M]
     elif M == 1:
         _q8_rows1(w.qs, w.d, x2, y)
     else:
-        _q8_rowsM(w.qs, w.d, x2, y)
+        P = M + M % 2
+        xp = x2 if P == M else np.concatenate([x2, np.zeros((1, x2.shape[1]), np.float32)])
+        yp = np.empty((P, N), np.float32) if P > M else y
+        for i in range(0, P - P % 4, 4):
+            _q8_rows4(w.qs, w.d, xp, yp, i)
+        if P % 4:
+            _q8_rows2(w.qs, w.d, xp, yp, P - 2)
+        y = yp[:M]
     return y.reshape(*lead, N)

@@ -1,0 +1,132 @@
+"""The block-format kernels (:mod:`mpitp.kernels`) against the ``gguf`` package's own
+quantizers and dequantizers and a float64 NumPy matmul, for shapes that are multiples of
+nothing convenient: rows of x 1-16 (the decode kernels) and more (tiles + BLAS)."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("numba")
+
+from mpitp.kernels import formats  # noqa: E402
+from mpitp.kernels import matmul as mm  # noqa: E402
+
+NATIVE = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+def ggml(w, t):
+    """(raw bytes, the gguf package's float32 dequantization) of w quantized to type t."""
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[t])
+    return raw, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[t]).astype(np.float32)
+
+
+def magnitude(bw):
+    """|d·q| + |m| per weight: the size of the terms the kernel adds (q4 adds the minimum's
+    term apart, so a weight near zero can still carry large terms)."""
+    d = np.repeat(np.abs(bw.d), 32, axis=1)
+    if bw.kind == "q8":
+        return d * np.abs(bw.qs.astype(np.float32))
+    b = bw.dequantize() - np.repeat(bw.m, 32, axis=1)
+    return np.abs(b) + np.repeat(np.abs(bw.m), 32, axis=1)
+
+
+def close(y, ref, x, bw):
+    """Any float32 summation order of K terms errs by at most K·u·Σ|terms| (u = 2⁻²⁴)."""
+    k = x.shape[-1]
+    bound = 2 * k * 2.0**-24 * (np.abs(x.astype(np.float64)) @ magnitude(bw).T.astype(np.float64)) + 1e-30
+    worst = (np.abs(y - ref) / bound).max()
+    assert worst <= 1, worst
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    t=st.sampled_from(NATIVE),
+    n=st.integers(1, 300),
+    blocks=st.integers(1, 23),
+    m=st.one_of(st.integers(1, 16), st.integers(17, 40)),
+    seed=st.integers(0, 2**31),
+)
+def test_matmul_equals_the_dequantized_product(t, n, blocks, m, seed):
+    rng = np.random.default_rng(seed)
+    k = 32 * blocks
+    w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 3)
+    raw, deq = ggml(w, t)
+    bw = formats.from_ggml(raw, t)
+    assert bw.shape == (n, k) and np.array_equal(bw.dequantize(), deq)  # the file's values, exactly
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y = mm.matmul(x, bw)
+    assert y.dtype == np.float32 and y.shape == (m, n)
+    close(y, x.astype(np.float64) @ deq.T.astype(np.float64), x, bw)
+
+
+@pytest.mark.parametrize("t", NATIVE)
+def test_batched_leading_dims_and_non_contiguous_x(t):
+    rng = np.random.default_rng(1)
+    raw, deq = ggml(rng.standard_normal((70, 96)).astype(np.float32), t)
+    bw = formats.from_ggml(raw, t)
+    x = rng.standard_normal((3, 2, 192)).astype(np.float32)[..., ::2]  # strided
+    close(mm.matmul(x, bw), x.astype(np.float64) @ deq.T.astype(np.float64), x, bw)
+
+
+@pytest.mark.parametrize("t", NATIVE)
+def test_row_and_block_column_slices(t):
+    rng = np.random.default_rng(2)
+    raw, deq = ggml(rng.standard_normal((50, 32 * 9)).astype(np.float32), t)
+    bw = formats.from_ggml(raw, t)
+    assert np.array_equal(bw.rows(7, 31).dequantize(), deq[7:31])
+    assert np.array_equal(bw.cols(64, 224).dequantize(), deq[:, 64:224])
+    with pytest.raises(ValueError, match="block boundaries"):
+        bw.cols(10, 64)
+    both = formats.concat_rows([bw.rows(0, 20), bw.rows(20, 50)])
+    assert np.array_equal(both.dequantize(), deq)
+
+
+@pytest.mark.parametrize("t", NATIVE)
+def test_take_is_the_embedding_lookup(t):
+    rng = np.random.default_rng(3)
+    raw, deq = ggml(rng.standard_normal((40, 64)).astype(np.float32), t)
+    bw = formats.from_ggml(raw, t)
+    ids = np.array([3, -1, 39, 0, 3], np.int64)
+    out = mm.take(bw, ids)
+    assert np.array_equal(out[[0, 2, 3, 4]], deq[[3, 39, 0, 3]]) and not out[1].any()
+
+
+def test_quantize_q8_0_is_ggmls():
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((33, 160)).astype(np.float32)
+    w[3, :32] = 0  # an all-zero block: d = 0
+    raw, deq = ggml(w, "Q8_0")
+    mine = formats.quantize_q8_0(w)
+    assert np.array_equal(mine.dequantize(), deq)
+    assert np.array_equal(mine.qs, formats.from_ggml(raw, "Q8_0").qs)
+
+
+def k_quant(t, rows, superblocks, rng):
+    """Random bytes of a K-quant tensor with finite fp16 scales where its layout has them."""
+    _, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]]
+    raw = rng.integers(0, 256, (rows, superblocks, size), dtype=np.uint8)
+    scales = lambda n: rng.uniform(1e-3, 2e-2, (rows, superblocks, n)).astype(np.float16).view(np.uint8)
+    if t == "Q6_K":  # ql, qh, int8 scales, then d
+        raw[..., -2:] = scales(1)
+    else:  # Q4_K, Q5_K: d, dmin first
+        raw[..., :4] = scales(2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("t", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quants_become_q8_0_within_half_a_step(t):
+    """Converted once at load: each value within half a Q8_0 step (d = amax/127 of its block),
+    plus the step's own rounding to fp16 (q·|d - fp16(d)| <= 127·d·2⁻¹¹)."""
+    rng = np.random.default_rng(5)
+    raw = k_quant(t, 12, 3, rng)
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[t]).astype(np.float32)
+    bw = formats.from_ggml(raw, t)
+    assert bw.kind == "q8" and bw.source == f"{t}->Q8_0" and bw.shape == ref.shape
+    got = bw.dequantize()
+    amax = np.abs(ref.reshape(12, -1, 32)).max(-1, keepdims=True)
+    err = np.abs(got - ref).reshape(12, -1, 32)
+    assert (err <= amax / 127 * (0.5 + 127 * 2.0**-11) + 1e-7).all()
+    x = rng.standard_normal((3, ref.shape[1])).astype(np.float32)
+    close(mm.matmul(x, bw), x.astype(np.float64) @ got.T.astype(np.float64), x, bw)
