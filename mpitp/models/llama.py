@@ -23,7 +23,7 @@ from ..tp import (
     VocabParallelEmbedding,
     partition,
 )
-from ..tp.arena import pack
+from ..tp.arena import pack, pack_blocks
 from .config import LlamaConfig
 from .ops import attention, rms_norm, swiglu
 from .rope import Rotary
@@ -296,6 +296,14 @@ class LlamaForCausalLM:
         for _, m in self.named_modules():
             if hasattr(m, "finish"):
                 m.finish()
+        why = {m.fallback for _, m in self.named_modules() if getattr(m, "fallback", "")}
+        if why:
+            from ..log import get_logger
+
+            get_logger("models").warning(f"some weights kept as float32 on this rank: {'; '.join(sorted(why))}")
+        if self.weights != "float32":  # block weights in reading order: the layers', then the head's
+            mods = [m for _, m in self.named_modules() if getattr(m, "qweight", None) is not None]
+            self._arena = pack_blocks(mods[1:] + mods[:1] if mods and mods[0] is self.embed_tokens else mods)
 
     @staticmethod
     def _held(m) -> list:

@@ -51,3 +51,28 @@ def pack(modules, xp=np) -> object:
         view = old_view[1] if old_view is not None else m._wt
         m._wt, m.weight = view, view.T
     return arena
+
+
+def pack_blocks(modules) -> np.ndarray | None:
+    """The same for block weights (``qweight``: quants, scales, minimums), after loading:
+    one buffer, each array a cache-line aligned view, in the order given."""
+    seen, mods = set(), []
+    for m in modules:
+        w = getattr(m, "qweight", None)
+        if w is not None and id(w) not in seen:
+            seen.add(id(w))
+            mods.append(m)
+    fields = [(m, f) for m in mods for f in ("qs", "d", "m") if getattr(m.qweight, f) is not None]
+    if not fields:
+        return None
+    step = lambda n: -(-n // ALIGN) * ALIGN
+    total = sum(step(getattr(m.qweight, f).nbytes) for m, f in fields)
+    raw = np.empty(total + ALIGN, np.uint8)  # >= 4 MiB: NumPy asks for transparent huge pages
+    off = -raw.ctypes.data % ALIGN
+    for m, f in fields:
+        old = getattr(m.qweight, f)
+        view = raw[off : off + old.nbytes].view(old.dtype).reshape(old.shape)
+        view[...] = old
+        setattr(m.qweight, f, view)
+        off += step(old.nbytes)
+    return raw

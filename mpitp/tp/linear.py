@@ -47,6 +47,7 @@ class LinearBase:
     arrive in pieces (q, k, v; gate, up) and are joined by :meth:`finish` after loading."""
 
     weights = "float32"
+    fallback = ""  # why this rank keeps float32 where block weights were asked for
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, comm, dtype=np.float32, xp=np):
         self.comm, self.xp, self.dtype = comm, xp, np.dtype(dtype)
@@ -70,6 +71,7 @@ class LinearBase:
         if mode == "float32" or self.xp is not np or len(src.shape) != 2:
             return None
         if cols is not None and (cols[0] % formats.BLOCK or cols[1] % formats.BLOCK):
+            self.fallback = f"input columns [{cols[0]}, {cols[1]}) are not on {formats.BLOCK}-weight block boundaries"
             return None
         if mode == "auto":
             if not getattr(src, "quantized", False):

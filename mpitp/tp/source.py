@@ -92,7 +92,9 @@ class GGUFSource:
 
     def _raw_rows(self, a: int, b: int):
         raw = self._raw if len(self.shape) > 1 else self._raw.reshape(1, -1)
-        block = raw[a:b] if self._perm is None else raw[self._perm[a:b]]
+        return raw[a:b] if self._perm is None else raw[self._perm[a:b]]
+
+    def _count(self, block):
         self.bytes_read += block.nbytes
         return block
 
@@ -104,19 +106,26 @@ class GGUFSource:
 
     def read(self) -> np.ndarray:
         if len(self.shape) == 1:
-            return self._floats(self._raw_rows(0, 1)).reshape(self.shape)
+            return self._floats(self._count(self._raw_rows(0, 1))).reshape(self.shape)
         return self.rows(0, self.shape[0])
 
     def rows(self, a: int, b: int) -> np.ndarray:
-        return self._floats(self._raw_rows(a, b)).reshape(b - a, *self.shape[1:])
+        return self._floats(self._count(self._raw_rows(a, b))).reshape(b - a, *self.shape[1:])
 
     def cols(self, a: int, b: int) -> np.ndarray:
-        return self.rows(0, self.shape[0])[:, a:b]
+        import gguf
+
+        per, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[self.type_name]]
+        lo, hi = a // per, -(-b // per)  # the blocks that hold the columns
+        raw = self._raw_rows(0, self.shape[0])
+        raw = raw.view(np.uint8).reshape(raw.shape[0], -1)[:, lo * size : hi * size]
+        w = self._floats(self._count(np.ascontiguousarray(raw))).reshape(self.shape[0], -1)
+        return w[:, a - lo * per : b - lo * per]
 
     def block_rows(self, a: int, b: int):
         from ..kernels.formats import from_ggml
 
-        return from_ggml(self._raw_rows(a, b), self.type_name)
+        return from_ggml(self._count(self._raw_rows(a, b)), self.type_name)
 
     def block_cols(self, a: int, b: int):
         """Columns [a, b) of every row, on block boundaries. Only the blocks that hold them
@@ -128,8 +137,7 @@ class GGUFSource:
         per, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[self.type_name]]
         if a % per == 0 and b % per == 0:
             raw = self._raw_rows(0, self.shape[0])[:, a // per * size : b // per * size]
-            return from_ggml(np.ascontiguousarray(raw), self.type_name)
+            return from_ggml(self._count(np.ascontiguousarray(raw)), self.type_name)
         lo, hi = a // per * per, -(-b // per) * per  # the super-blocks around [a, b)
-        bw = from_ggml(np.ascontiguousarray(self._raw_rows(0, self.shape[0])[:, lo // per * size : hi // per * size]),
-                       self.type_name)  # fmt: skip
-        return bw.cols(a - lo, b - lo)
+        raw = self._raw_rows(0, self.shape[0])[:, lo // per * size : hi // per * size]
+        return from_ggml(self._count(np.ascontiguousarray(raw)), self.type_name).cols(a - lo, b - lo)
