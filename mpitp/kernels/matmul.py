@@ -199,6 +199,66 @@ def q8_take(qs, d, ids, out):
             q8_dequantize(qs, d, ids[t], ids[t] + 1, out[t : t + 1])
 
 
+@njit(**OPTS)
+def q4_small(qs, d, m, x, y):
+    """y [M, N] = x [M, K] @ Wᵀ for M <= SMALL: one row alone, else rows four and two at a
+    time (an odd count gets a zero row). One call from Python: numba's dispatch costs
+    microseconds per call and argument, and a decode step makes ~120 of these calls."""
+    M, K = x.shape
+    P = M + (M > 1 and M % 2)
+    xlo = np.zeros((P, K // 2), np.float32)
+    xhi = np.zeros((P, K // 2), np.float32)
+    xsum = np.empty((M, K // 32), np.float32)
+    _split_x(x, xlo, xhi, xsum)
+    if M == 1:
+        _q4_rows1(qs, d, m, xlo, xhi, xsum, y)
+        return
+    yp = np.empty((P, y.shape[1]), np.float32) if P > M else y
+    for i in range(0, P - P % 4, 4):
+        _q4_rows4(qs, d, m, xlo, xhi, yp, i)
+    if P % 4:
+        _q4_rows2(qs, d, m, xlo, xhi, yp, P - 2)
+    if P > M:
+        y[:, :] = yp[:M]
+
+
+@njit(**OPTS)
+def q8_small(qs, d, x, y):
+    M, K = x.shape
+    if M == 1:
+        _q8_rows1(qs, d, x, y)
+        return
+    P = M + M % 2
+    xp = x
+    if P > M:
+        xp = np.zeros((P, K), np.float32)
+        xp[:M] = x
+    yp = np.empty((P, y.shape[1]), np.float32) if P > M else y
+    for i in range(0, P - P % 4, 4):
+        _q8_rows4(qs, d, xp, yp, i)
+    if P % 4:
+        _q8_rows2(qs, d, xp, yp, P - 2)
+    if P > M:
+        y[:, :] = yp[:M]
+
+
+def warm(kind: str) -> None:
+    """Compile (or load from numba's cache) the kernels of one kind now, at load time,
+    rather than inside the first forward."""
+    qs = np.zeros((1, 16 if kind == "q4" else 32), np.uint8 if kind == "q4" else np.int8)
+    d = np.zeros((1, 1), np.float32)
+    for M in (1, 2, 3, 4, 5):
+        x, y = np.zeros((M, 32), np.float32), np.empty((M, 1), np.float32)
+        q4_small(qs, d, d, x, y) if kind == "q4" else q8_small(qs, d, x, y)
+    out = np.empty((1, 32), np.float32)
+    if kind == "q4":
+        q4_dequantize(qs, d, d, 0, 1, out)
+        q4_take(qs, d, d, np.zeros(1, np.int64), out)
+    else:
+        q8_dequantize(qs, d, 0, 1, out)
+        q8_take(qs, d, np.zeros(1, np.int64), out)
+
+
 def dequantize_rows(w, r0: int, r1: int) -> np.ndarray:
     out = np.empty((r1 - r0, w.shape[1]), np.float32)
     if w.kind == "q4":
@@ -220,42 +280,18 @@ def take(w, ids: np.ndarray) -> np.ndarray:
 
 def matmul(x: np.ndarray, w) -> np.ndarray:
     """``x [..., K] @ w.T`` -> float32 [..., N] for a planar weight ``w`` [N, K]."""
-    lead = x.shape[:-1]
-    x2 = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), dtype=np.float32)
+    N = w.qs.shape[0]
+    x2 = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
+    if x2.dtype != np.float32 or not x2.flags.c_contiguous:
+        x2 = np.ascontiguousarray(x2, dtype=np.float32)
     M = x2.shape[0]
-    N = w.shape[0]
+    y = np.empty((M, N), np.float32)
     if M > SMALL:
-        y = np.empty((M, N), np.float32)
         for r0 in range(0, N, TILE):
             r1 = min(N, r0 + TILE)
             np.matmul(x2, dequantize_rows(w, r0, r1).T, out=y[:, r0:r1])
-        return y.reshape(*lead, N)
-    y = np.empty((M, N), np.float32)
-    if w.kind == "q4":
-        K = x2.shape[1]
-        P = M + (M > 1 and M % 2)  # rows in pairs: an odd count gets a zero row
-        xlo = np.zeros((P, K // 2), np.float32)
-        xhi = np.zeros((P, K // 2), np.float32)
-        xsum = np.empty((M, K // 32), np.float32)
-        _split_x(x2, xlo, xhi, xsum)
-        if M == 1:
-            _q4_rows1(w.qs, w.d, w.m, xlo, xhi, xsum, y)
-            return y.reshape(*lead, N)
-        yp = np.empty((P, N), np.float32) if P > M else y
-        for i in range(0, P - P % 4, 4):
-            _q4_rows4(w.qs, w.d, w.m, xlo, xhi, yp, i)
-        if P % 4:
-            _q4_rows2(w.qs, w.d, w.m, xlo, xhi, yp, P - 2)
-        y = yp[:M]
-    elif M == 1:
-        _q8_rows1(w.qs, w.d, x2, y)
+    elif w.kind == "q4":
+        q4_small(w.qs, w.d, w.m, x2, y)
     else:
-        P = M + M % 2
-        xp = x2 if P == M else np.concatenate([x2, np.zeros((1, x2.shape[1]), np.float32)])
-        yp = np.empty((P, N), np.float32) if P > M else y
-        for i in range(0, P - P % 4, 4):
-            _q8_rows4(w.qs, w.d, xp, yp, i)
-        if P % 4:
-            _q8_rows2(w.qs, w.d, xp, yp, P - 2)
-        y = yp[:M]
-    return y.reshape(*lead, N)
+        q8_small(w.qs, w.d, x2, y)
+    return y if x.ndim == 2 else y.reshape(*x.shape[:-1], N)

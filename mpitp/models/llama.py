@@ -304,6 +304,11 @@ class LlamaForCausalLM:
         if self.weights != "float32":  # block weights in reading order: the layers', then the head's
             mods = [m for _, m in self.named_modules() if getattr(m, "qweight", None) is not None]
             self._arena = pack_blocks(mods[1:] + mods[:1] if mods and mods[0] is self.embed_tokens else mods)
+            if mods:
+                from ..kernels.matmul import warm
+
+                for kind in sorted({m.qweight.kind for m in mods}):
+                    warm(kind)
 
     @staticmethod
     def _held(m) -> list:
