@@ -232,8 +232,9 @@ def main() -> int:
         port = free_port()
         argv = [sys.executable, "-m", "mpitp.cli.main", "serve", "--port", str(port), "--max-batch", "8"]
         argv += ["--model", args.model] if args.model else []
-        proc = subprocess.Popen(launch.command(tp, argv, timeout=3600), env=launch.environment(ENV, timeout=3600),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        env = launch.environment(ENV, timeout=3600)
+        proc = subprocess.Popen(launch.command(tp, argv, timeout=3600), env=env, **quiet)  # type: ignore[call-overload]
         try:
             wait_ready(f"http://127.0.0.1:{port}/health", proc)
             r = {n: load(port, n, args.max_tokens) for n in clients}

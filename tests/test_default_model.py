@@ -54,7 +54,9 @@ def test_import_gives_a_llama_config(model_dir):
     cfg = json.loads((model_dir / "config.json").read_text())
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]) == (9, 3, 30)
     assert cfg["vocab_size"] == 49152 and cfg["tie_word_embeddings"] is True
-    assert (model_dir / "tokenizer.json").exists() and (model_dir / "model.gguf").resolve() == default.gguf_file().resolve()
+    assert (model_dir / "tokenizer.json").exists() and (
+        model_dir / "model.gguf"
+    ).resolve() == default.gguf_file().resolve()
     assert not list(model_dir.glob("*.safetensors"))  # no float32 copy of the weights
 
 
@@ -99,4 +101,6 @@ def test_kept_as_the_file_stores_it_equals_the_dequantized_model(model_dir):
     for row in ids:
         a, b = blocks(row), floats(row)
         assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max()
-    assert blocks.generate(ids, max_new_tokens=12, stop_tokens=[]) == floats.generate(ids, max_new_tokens=12, stop_tokens=[])
+    assert blocks.generate(ids, max_new_tokens=12, stop_tokens=[]) == floats.generate(
+        ids, max_new_tokens=12, stop_tokens=[]
+    )

@@ -138,7 +138,9 @@ def _tp(args):
         f"{m.name}: hidden {m.hidden}, {m.layers} layers, {m.heads} heads ({m.kv_heads} KV), "
         f"intermediate {m.intermediate}, vocab {m.vocab}; {res['params'] / 1e9:.2f}B parameters"
     )
-    print(f"TP={args.tp}, {args.dtype}, weights {res['weights']}; per-rank shard shapes [in, out] (HF stores [out, in]):")
+    print(
+        f"TP={args.tp}, {args.dtype}, weights {res['weights']}; per-rank shard shapes [in, out] (HF stores [out, in]):"
+    )
     for k in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head"):
         print(f"  {k:<13} {tuple(s[k])}")
     o = s["qkv_local_offsets"]

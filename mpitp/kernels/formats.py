@@ -85,7 +85,7 @@ def concat_rows(parts: list[BlockWeight]) -> BlockWeight:
     kinds = {p.kind for p in parts}
     if len(kinds) != 1 or len({p.shape[1] for p in parts}) != 1:
         raise ValueError("concat_rows: parts differ in kind or width")
-    m = None if parts[0].m is None else np.concatenate([p.m for p in parts])  # type: ignore[misc]
+    m = None if parts[0].m is None else np.concatenate([p.m for p in parts])
     sources = sorted({p.source for p in parts})
     return BlockWeight(parts[0].kind, np.concatenate([p.qs for p in parts]), np.concatenate([p.d for p in parts]), m,
                        "+".join(sources))  # fmt: skip

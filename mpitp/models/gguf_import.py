@@ -83,9 +83,13 @@ def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
     heads, kv = int(g("attention.head_count")), int(g("attention.head_count_kv", g("attention.head_count")))
     names = set()
     for t in reader.tensors:
-        expected = int(np.prod(t.shape)) * gguf.GGML_QUANT_SIZES[t.tensor_type][1] // gguf.GGML_QUANT_SIZES[t.tensor_type][0]
+        expected = (
+            int(np.prod(t.shape)) * gguf.GGML_QUANT_SIZES[t.tensor_type][1] // gguf.GGML_QUANT_SIZES[t.tensor_type][0]
+        )
         if t.data.nbytes != expected:  # the header promised more bytes than the file has
-            raise GGUFError(f"{gguf_path}: tensor {t.name} cannot be read ({t.data.nbytes} of {expected} bytes; truncated file?)")
+            raise GGUFError(
+                f"{gguf_path}: tensor {t.name} cannot be read ({t.data.nbytes} of {expected} bytes; truncated file?)"
+            )
         names.add(hf_name(t.name))
     tokens = _field(reader, "tokenizer.ggml.tokens", _REQUIRED)
     config = {

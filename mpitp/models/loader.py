@@ -157,8 +157,10 @@ def load_pretrained(cls, path, comm=None, dtype: str = "float32", device: str = 
             raise ConfigError("device='cuda' needs CuPy: pip install 'mpitp[cuda12]'") from None
     elif device != "cpu":
         raise ConfigError(f"unknown device {device!r} (cpu or cuda)")
-    if device == "cuda" or np.dtype(dtype) != np.float32:
-        weights = "float32"  # the kernels are float32 CPU kernels; elsewhere the array path
+    from .gguf_weights import is_gguf_dir
+
+    if device == "cuda" or np.dtype(dtype) != np.float32 or (weights == "auto" and not is_gguf_dir(path)):
+        weights = "float32"  # the array path: a float checkpoint as it is; on a GPU; float16
     model = cls(cfg, comm=comm, dtype=dtype, xp=xp, weights=weights)
     model.load_info = load_weights(model, path)
     return model

@@ -310,6 +310,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         return q, k, v
 
 
+_BLOCK_MATMUL: Any = None
+
+
 def _block_matmul():
     """The compiled kernels' entry, imported on first use (numba loads in ~0.5 s)."""
     global _BLOCK_MATMUL
@@ -318,9 +321,6 @@ def _block_matmul():
 
         _BLOCK_MATMUL = matmul
     return _BLOCK_MATMUL
-
-
-_BLOCK_MATMUL = None
 
 
 def gather_last_dim(comm, y, sizes=None):

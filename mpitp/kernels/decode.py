@@ -1,0 +1,95 @@
+"""One compiled call for the small operations of a decode step (NumPy float32, CPU).
+
+Decoding one token per row runs ~35 NumPy operations per layer besides the matmuls, each
+a few microseconds of dispatch for a few hundred numbers. These do the same arithmetic
+in one call each (float32, as :mod:`mpitp.models.ops`; only the summation order
+differs)::
+
+    rms_norm   x [R, H], w [H]                                   -> x / sqrt(mean(x²) + eps) · w
+    swiglu     gu [R, 2I] (gate | up)                            -> silu(gate) · up   [R, I]
+    attend     qkv [B, (nh + 2·nkv)·d] of one new token per row  -> [B, nh·d]
+               RoPE (rotate-half) on q and k, k and v written into the cache at column s,
+               softmax(q·kᵀ·scale) over columns 0..s that ``valid`` allows, · v
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .matmul import OPTS
+
+MASKED = np.float32(np.finfo(np.float32).min)
+
+
+@njit(**OPTS)
+def rms_norm(x, w, eps, out):
+    R, H = x.shape
+    for r in range(R):
+        s = np.float32(0.0)
+        for h in range(H):
+            s += x[r, h] * x[r, h]
+        inv = np.float32(1.0) / np.sqrt(s / np.float32(H) + np.float32(eps))
+        for h in range(H):
+            out[r, h] = x[r, h] * inv * w[h]
+
+
+@njit(**OPTS)
+def swiglu(gu, out):
+    R, I2 = gu.shape
+    n = I2 // 2
+    for r in range(R):
+        for i in range(n):
+            g = gu[r, i]
+            out[r, i] = g / (np.float32(1.0) + np.exp(-g)) * gu[r, n + i]
+
+
+@njit(**OPTS)
+def attend(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out):
+    """``cos``/``sin`` [B, d] of each row's position; ``kc``/``vc`` [B, L, nkv, d];
+    ``masked``: apply ``valid`` (else every column 0..s counts)."""
+    B = qkv.shape[0]
+    d = kc.shape[3]
+    half = d // 2
+    g = nh // nkv
+    q = np.empty(d, np.float32)
+    scores = np.empty(s + 1, np.float32)
+    acc = np.empty(d, np.float32)
+    for b in range(B):
+        for j in range(nkv):  # the new keys (rotated) and values into the cache
+            base = (nh + j) * d
+            for i in range(half):
+                x0, x1 = qkv[b, base + i], qkv[b, base + half + i]
+                kc[b, s, j, i] = x0 * cos[b, i] - x1 * sin[b, i]
+                kc[b, s, j, half + i] = x1 * cos[b, half + i] + x0 * sin[b, half + i]
+            vbase = (nh + nkv + j) * d
+            for i in range(d):
+                vc[b, s, j, i] = qkv[b, vbase + i]
+        for h in range(nh):
+            j = h // g
+            base = h * d
+            for i in range(half):
+                x0, x1 = qkv[b, base + i], qkv[b, base + half + i]
+                q[i] = x0 * cos[b, i] - x1 * sin[b, i]
+                q[half + i] = x1 * cos[b, half + i] + x0 * sin[b, half + i]
+            top = MASKED
+            for t in range(s + 1):
+                if masked and not valid[b, t]:
+                    scores[t] = MASKED
+                else:
+                    a = np.float32(0.0)
+                    for i in range(d):
+                        a += q[i] * kc[b, t, j, i]
+                    scores[t] = a * scale
+                top = max(top, scores[t])
+            total = np.float32(0.0)
+            for t in range(s + 1):
+                scores[t] = np.exp(scores[t] - top)
+                total += scores[t]
+            acc[:] = 0
+            for t in range(s + 1):
+                p = scores[t] / total
+                for i in range(d):
+                    acc[i] += p * vc[b, t, j, i]
+            for i in range(d):
+                out[b, base + i] = acc[i]
