@@ -42,7 +42,28 @@ class RMSNorm:
         self.weight[...] = self.xp.asarray(src.read(), self.weight.dtype)
 
     def __call__(self, x):
+        if _fast(x, self.weight):
+            out = np.empty_like(x)
+            _decode_kernels().rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps, out.reshape(-1, x.shape[-1]))
+            return out
         return rms_norm(x, self.weight, self.eps)
+
+
+def _fast(*arrays) -> bool:
+    """NumPy float32, contiguous: the compiled small ops of :mod:`mpitp.kernels.decode`."""
+    return all(type(a) is np.ndarray and a.dtype == np.float32 and a.flags.c_contiguous for a in arrays)
+
+
+_DECODE = None
+
+
+def _decode_kernels():
+    global _DECODE
+    if _DECODE is None:
+        from ..kernels import decode
+
+        _DECODE = decode
+    return _DECODE
 
 
 class Step:
@@ -56,6 +77,10 @@ class Step:
         causal = xp.arange(S)[None, :] <= (s + xp.arange(T))[:, None]  # [T, S]
         self.allowed = (causal[None] & cache.valid[:, None, :S])[:, None, None]  # [B, 1, 1, T, S]
         self.masked = not bool(self.allowed.all())  # decoding without pads masks nothing
+        self.one = T == 1 and _fast(self.cos)  # a decode step: attention in one compiled call
+        if self.one:
+            self.cos1 = np.ascontiguousarray(self.cos[:, 0, 0])  # [B, head_dim]
+            self.sin1 = np.ascontiguousarray(self.sin[:, 0, 0])
 
 
 class KVCache:
@@ -103,6 +128,13 @@ class Attention:
         d = self.head_dim
         B, T, _ = x.shape
         qkv = self.qkv_proj(x)
+        if step.one and _fast(qkv, cache.k[layer]):
+            out = np.empty((B, self.nh * d), np.float32)
+            _decode_kernels().attend(
+                qkv.reshape(B, -1), step.cos1, step.sin1, cache.k[layer], cache.v[layer], cache.valid,
+                cache.length, self.nh, self.nkv, np.float32(self.scale), step.masked, out,
+            )  # fmt: skip
+            return self.o_proj(out.reshape(B, 1, -1))
         nq = self.nh + self.nkv  # q and k sit side by side: one rotation for both
         qk = self.rotary.apply(qkv[..., : nq * d].reshape(B, T, nq, d), step.cos, step.sin)
         q, k, v = qk[:, :, : self.nh], qk[:, :, self.nh :], qkv[..., nq * d :]
@@ -132,6 +164,10 @@ class MLP:
     def __call__(self, x):
         gu = self.gate_up_proj(x)
         half = gu.shape[-1] // 2
+        if _fast(gu):
+            act = np.empty((*gu.shape[:-1], half), np.float32)
+            _decode_kernels().swiglu(gu.reshape(-1, 2 * half), act.reshape(-1, half))
+            return self.down_proj(act)
         return self.down_proj(swiglu(gu[..., :half], gu[..., half:]))
 
 
