@@ -190,6 +190,11 @@ def run(args) -> int:
             texts.append(w.text)
     s = model.last_stats
     per_rank = comm.mpi.gather(model.weight_bytes(), root=0) or []  # the list on rank 0
+    from ..bench.collectives import memcpy_bandwidth
+
+    # the ceiling: every rank copying at once, as every rank streams its weights at once
+    ceiling = comm.mpi.allreduce(memcpy_bandwidth(32 << 20, 5, comm.mpi), op=__import__("mpi4py").MPI.MIN)
+    streamed = comm.mpi.allreduce(model.streamed_bytes(), op=__import__("mpi4py").MPI.MAX)
     if r0:
         if single:
             print()
@@ -200,7 +205,9 @@ def run(args) -> int:
             f"\n[mpitp] TP={comm.size}: prefill {s['prompt_tokens']} tokens in {s['prefill_s'] * 1e3:.1f} ms, "
             f"decode {s['new_tokens']} tokens at {s['decode_tokens_per_s']:.1f} tokens/s, "
             f"weights per rank {', '.join(f'{b / 2**20:.1f} MiB' for b in per_rank)} "
-            f"({' + '.join(f'{k} {v / 2**20:.1f}' for k, v in model.weight_formats().items())} on rank 0)",
+            f"({' + '.join(f'{k} {v / 2**20:.1f}' for k, v in model.weight_formats().items())} on rank 0); "
+            f"decode at {streamed * s['decode_tokens_per_s'] / (ceiling * 1e9):.0%} of the memcpy ceiling "
+            f"({ceiling:.1f} GB/s per rank, all ranks copying)",
             file=sys.stderr,
         )
     comm.free()

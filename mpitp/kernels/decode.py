@@ -93,3 +93,14 @@ def attend(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out):
                     acc[i] += p * vc[b, t, j, i]
             for i in range(d):
                 out[b, base + i] = acc[i]
+
+
+def warm() -> None:
+    """Compile (or load from numba's cache) these now, at load time, with the argument
+    types a forward passes, rather than inside the first prefill or decode step."""
+    x = np.zeros((1, 4), np.float32)
+    rms_norm(x, np.ones(4, np.float32), 1e-5, np.empty_like(x))
+    swiglu(x, np.empty((1, 2), np.float32))
+    kc, vc = np.zeros((1, 2, 1, 2), np.float32), np.zeros((1, 2, 1, 2), np.float32)
+    cos, sin, out = np.ones((1, 2), np.float32), np.zeros((1, 2), np.float32), np.empty((1, 2), np.float32)
+    attend(np.zeros((1, 6), np.float32), cos, sin, kc, vc, np.ones((1, 2), bool), 0, 1, 1, np.float32(1), True, out)

@@ -332,6 +332,8 @@ class LlamaForCausalLM:
         for _, m in self.named_modules():
             if hasattr(m, "finish"):
                 m.finish()
+        if self.xp is np and self.dtype == np.float32:
+            _decode_kernels().warm()
         why = {m.fallback for _, m in self.named_modules() if getattr(m, "fallback", "")}
         if why:
             from ..log import get_logger
