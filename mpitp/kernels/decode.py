@@ -88,6 +88,8 @@ def attend(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out):
                 total += scores[t]
             acc[:] = 0
             for t in range(s + 1):
+                if masked and not valid[b, t]:
+                    continue  # its weight is exactly 0 (exp of MASKED - top), unless all are masked
                 p = scores[t] / total
                 for i in range(d):
                     acc[i] += p * vc[b, t, j, i]

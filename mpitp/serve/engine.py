@@ -64,8 +64,10 @@ class Engine:
 
     # ------------------------------------------------------------------ lockstep control
     def exchange(self, message):
-        """Rank 0's ``message`` on every rank. Ranks that wait poll (with sleeps) rather
-        than spin in MPI, so an idle server leaves the cores to rank 0's HTTP threads."""
+        """Rank 0's ``message`` on every rank. While requests run, the waiting ranks wait
+        in MPI (the message is due within a step; a sleep would add up to its length to
+        every step); an idle server's ranks poll with sleeps instead of spinning, leaving
+        the cores to rank 0's HTTP threads."""
         comm = self.comm
         if comm is None or comm.size == 1:
             return message
@@ -73,6 +75,8 @@ class Engine:
         data = pickle.dumps(message) if comm.rank == 0 else b""
         size = np.array([len(data)], np.int64)
         req = mpi.Ibcast(size, root=0)
+        if self.busy:  # every rank knows: the slots change only by what was exchanged
+            req.Wait()
         while not req.Test():
             time.sleep(0.0005)
         buf = bytearray(data) if comm.rank == 0 else bytearray(int(size[0]))
@@ -116,8 +120,8 @@ class Engine:
         out, never read). Running requests always hold the lowest rows (``release`` moves
         the last one down), so the step computes k rows, not the whole batch."""
         m, c = self.model, self.cache
-        if c.length >= self.max_len:
-            self._compact()
+        if c.length >= self.max_len or self._unused() > max(256, c.length // 2):
+            self._compact()  # full, or most of the timeline belongs to finished requests
         k = self.running
         rows = self.slots[:k]
         feed = [s is not None and s.last >= 0 for s in rows]
@@ -161,7 +165,15 @@ class Engine:
             moved = last
         self.slots[last] = None
         c.valid[last, :] = False
+        if last == 0:  # nothing runs: the timeline starts again at column 0
+            c.length = 0
         return moved
+
+    def _unused(self) -> int:
+        """Leading columns of the timeline that no running request attends to."""
+        c = self.cache
+        used = c.valid[: self.running, : c.length].any(axis=0)
+        return int(np.argmax(used)) if used.any() else c.length
 
     def _shift(self, by: int) -> None:
         """Move every row's columns right by ``by`` (a new prompt longer than the timeline)."""
