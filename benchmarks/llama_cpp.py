@@ -40,16 +40,9 @@ import numpy as np
 
 from mpitp import launch
 
-PROMPTS = [
-    "Write a short poem about the sea.",
-    "Explain MPI in one paragraph.",
-    "List five fruits.",
-    "What is tensor parallelism?",
-    "Tell a joke about computers.",
-    "Describe Paris.",
-    "How do rings reduce data?",
-    "Name three planets.",
-]
+sys.path.insert(0, str(Path(__file__).parent))
+from serve import PROMPTS  # noqa: E402  (the same 8 prompts as benchmarks/serve.py)
+
 ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
 
 

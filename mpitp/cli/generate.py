@@ -24,6 +24,18 @@ def _pick(given, configured, default):
     return given if given is not None else (configured if configured is not None else default)
 
 
+def add_weights_argument(p) -> None:
+    """--weights, as generate and serve take it."""
+    p.add_argument(
+        "--weights",
+        default="auto",
+        choices=["auto", "float32", "q8_0"],
+        help="how matmul weights are kept: auto = as the file stores them (a GGUF file's Q4_0/Q4_1/Q8_0 "
+        "blocks as they are, K-quants as Q8_0; safetensors as --dtype), float32 = dequantized, "
+        "q8_0 = quantized at load (default auto)",
+    )
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "generate",
@@ -60,14 +72,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--stop-string", action="append", help="stop at this text, even if it is a number")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"])
-    p.add_argument(
-        "--weights",
-        default="auto",
-        choices=["auto", "float32", "q8_0"],
-        help="how matmul weights are kept: auto = as the file stores them (a GGUF file's Q4_0/Q4_1/Q8_0 "
-        "blocks as they are, K-quants as Q8_0; safetensors as --dtype), float32 = dequantized, "
-        "q8_0 = quantized at load (default auto)",
-    )
+    add_weights_argument(p)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument(
         "--chat",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from .generate import add_weights_argument
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -25,14 +27,7 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     p.add_argument("--served-model-name", help="the model id clients see (default: the directory name)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"])
-    p.add_argument(
-        "--weights",
-        default="auto",
-        choices=["auto", "float32", "q8_0"],
-        help="how matmul weights are kept: auto = as the file stores them (a GGUF file's Q4_0/Q4_1/Q8_0 "
-        "blocks as they are, K-quants as Q8_0; safetensors as --dtype), float32 = dequantized, "
-        "q8_0 = quantized at load (default auto)",
-    )
+    add_weights_argument(p)
 
 
 def run(args) -> int:
