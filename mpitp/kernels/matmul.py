@@ -11,8 +11,8 @@ rows in one array and the per-block scale (and minimum) as float32 beside it::
 Decoding (few rows of x, ``M <= SMALL``) walks W once, row by row. With one row of x, one
 running sum per output row over the whole row, the block's scale broadcast inside it
 (x split once per call into the halves each nibble multiplies), the minimum term by
-per-block sums of x. With 2-16 rows, each weight row is decoded once into float32 in L1
-and applied to every row of x, two at a time. x stays float32: the result is the
+per-block sums of x. With 2-16 rows, each weight is decoded once in registers (d·q + m)
+and applied to four (or two) rows of x at a time. x stays float32: the result is the
 dequantized float32 product up to summation order. Prefill (more rows) dequantizes
 tiles of W and hands them to BLAS.
 """
