@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import numpy as np
 
 BLOCK = 32
-NATIVE = ("Q4_0", "Q4_1", "Q8_0")  # ggml types kept as they are (planar)
 
 
 @dataclass
@@ -56,10 +55,6 @@ class BlockWeight:
         ba, bb = a // BLOCK, b // BLOCK
         m = None if self.m is None else self.m[:, ba:bb]
         return BlockWeight(self.kind, self.qs[:, ba * per : bb * per], self.d[:, ba:bb], m, self.source)
-
-    def take_rows(self, index: np.ndarray) -> BlockWeight:
-        m = None if self.m is None else self.m[index]
-        return BlockWeight(self.kind, self.qs[index], self.d[index], m, self.source)
 
     def contiguous(self) -> BlockWeight:
         c = np.ascontiguousarray

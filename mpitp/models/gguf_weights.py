@@ -44,13 +44,3 @@ def sources(path: Path, heads: int, kv_heads: int, dtype=np.float32) -> Iterator
         elif t.name.endswith("attn_k.weight"):
             perm = _perm(shape[0], kv_heads)
         yield hf_name(t.name), GGUFSource(hf_name(t.name), t.data, t.tensor_type.name, shape, perm, dtype)
-
-
-def formats(path: Path) -> dict[str, int]:
-    """Tensor type name -> count, as the file stores them."""
-    import gguf
-
-    out: dict[str, int] = {}
-    for t in gguf.GGUFReader(str(Path(path) / FILE)).tensors:
-        out[t.tensor_type.name] = out.get(t.tensor_type.name, 0) + 1
-    return out
