@@ -188,7 +188,9 @@ def test_timeline_across_nodes(cluster, tmp_path):
 
 def test_tune_across_nodes_then_auto_follows_it(cluster, tmp_path):
     """--tune on two nodes measures where the two-level all-reduce overtakes MPI's own
-    call and records it for 2 nodes; auto then leaves MPI's call exactly there."""
+    call and records it for 2 nodes (where that lies is a race on a busy machine, so only
+    the record's form is checked); auto then leaves MPI's call exactly where the file
+    says — the tuned size, and a size written into the file by hand."""
     path = tmp_path / "tuning.json"
     res = on_cluster(
         4,
@@ -209,8 +211,20 @@ def test_tune_across_nodes_then_auto_follows_it(cluster, tmp_path):
         "2",
     )
     assert res.returncode == 0, res.stderr
-    cross = json.loads(path.read_text())["allreduce@2nodes"]["4"]
-    assert 64 << 10 <= cross <= 16 << 20  # the link is slow: the pipelined two-level one wins by 16 MiB
+    table = json.loads(path.read_text())
+    cross = table["allreduce@2nodes"]["4"]
+    swept = [64 << 10 << (2 * i) for i in range(5)]  # 64K, 256K, 1M, 4M, 16M with --factor 4
+    assert cross in swept + [1 << 62], cross  # a size swept, or never (1 << 62)
+    if cross < 1 << 62:
+        follows(path, cross)
+    table["allreduce@2nodes"]["4"] = 256 << 10  # what the file says, whatever was measured
+    path.write_text(json.dumps(table))
+    follows(path, 256 << 10)
+
+
+def follows(path, cross):
+    """Under ``MPITP_TUNING=path``, auto all-reduces ``cross // 2`` bytes with MPI's own call
+    and ``cross`` bytes with the two-level one (seen in the traffic counters per peer)."""
     code = (
         "import numpy as np, mpitp; c = mpitp.Communicator()\n"
         f"for n in ({cross} // 2, {cross}):\n"
