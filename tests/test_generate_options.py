@@ -1,6 +1,7 @@
 """Generation options users bring from transformers and llama.cpp: stop strings matched
 across token boundaries, generation_config.json defaults, repetition penalty and min-p,
---prompt-file batches equal to single runs."""
+top-k and top-p against a NumPy reference distribution (and end to end: top-k 1 or a
+tiny top-p at a high temperature is greedy), --prompt-file batches equal to single runs."""
 
 import json
 import shutil
@@ -56,6 +57,52 @@ def test_repetition_penalty_and_min_p():
     z = np.log(np.array([[0.5, 0.3, 0.15, 0.05]]))  # min_p 0.4: only tokens with p >= 0.2 remain
     picks = {int(sample(z, rng, temperature=1.0, min_p=0.4)[0]) for _ in range(300)}
     assert picks == {0, 1}
+
+
+def reference(z, temperature, top_k=0, top_p=1.0):
+    """The distribution top-k / top-p sampling draws from (transformers' TopK/TopP
+    warpers): softmax at the temperature over the k largest logits, then the smallest set
+    of most likely tokens whose mass reaches top_p, renormalised."""
+    p = np.exp((z - z.max()) / temperature)
+    p /= p.sum()
+    order = np.argsort(-z, kind="stable")
+    keep = np.zeros(len(z), bool)
+    keep[order[: top_k or len(z)]] = True
+    p = np.where(keep, p, 0.0) / p[keep].sum()
+    mass = np.cumsum(p[order])
+    nucleus = order[: int(np.searchsorted(mass, top_p * (1 - 1e-12))) + 1]
+    q = np.zeros_like(p)
+    q[nucleus] = p[nucleus]
+    return q / q.sum()
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (1, 1.0), (0, 0.6), (0, 0.9), (8, 0.7)])
+def test_top_k_top_p_draw_from_the_reference_distribution(top_k, top_p):
+    rng = np.random.default_rng(7)
+    z = rng.normal(0, 2, 40)
+    want = reference(z, 1.3, top_k, top_p)
+    draws = sample(np.tile(z, (20000, 1)), np.random.default_rng(1), temperature=1.3, top_k=top_k, top_p=top_p)
+    assert set(draws.tolist()) <= set(np.flatnonzero(want).tolist())  # never outside the top-k set / nucleus
+    seen = np.bincount(draws, minlength=len(z)) / len(draws)
+    assert 0.5 * np.abs(seen - want).sum() < 0.02, (seen, want)  # total variation, 20000 draws
+    assert np.count_nonzero(want) > 1 or top_k == 1  # the cases cut the distribution, not leave one token
+
+
+def test_top_k_1_or_a_tiny_nucleus_is_greedy_at_any_temperature():
+    base = ["--model", str(FIX), "--prompt", "the quick", "--prompt", "tensor", "--max-new-tokens", "12", "--seed", "3"]
+    runs = {
+        name: launch.run(2, GEN + base + extra, timeout=120)
+        for name, extra in {
+            "greedy": ["--temperature", "0"],
+            "hot": ["--temperature", "5"],
+            "top-k 1": ["--temperature", "5", "--top-k", "1"],
+            "top-p tiny": ["--temperature", "5", "--top-p", "1e-6"],
+        }.items()
+    }
+    assert all(r.returncode == 0 for r in runs.values()), {k: r.stderr[-1000:] for k, r in runs.items()}
+    out = {k: r.stdout for k, r in runs.items()}
+    assert out["hot"] != out["greedy"]  # the temperature alone changes the text ...
+    assert out["top-k 1"] == out["top-p tiny"] == out["greedy"]  # ... each cut restores greedy
 
 
 def test_generation_config_defaults(tmp_path):
