@@ -175,20 +175,32 @@ def test_full_queue_and_api_key():
 
 
 def test_sigterm_with_requests_in_flight():
+    """A greedy request that runs 1000 tokens unless stopped (this prompt's greedy text has
+    no end-of-text in its first 1000 tokens), signalled once its first tokens arrive: only
+    the SIGTERM can end it, and the reply says so (finish_reason "abort", as vLLM)."""
     srv = Server(2, model=slow_model())
-    result = {}
+    result, streaming = {}, threading.Event()
 
     def long():
-        s = srv.client.completions.create(model="m", prompt="Once upon a time", max_tokens=1000, stream=True)
-        chunks = list(s)
-        result["reason"] = chunks[-1].choices[0].finish_reason if chunks else None
+        s = srv.client.completions.create(
+            model="m", prompt="Once upon a time", max_tokens=1000, temperature=0, stream=True
+        )
+        chunks = []
+        for ch in s:
+            chunks.append(ch)
+            streaming.set()
+        result["reason"] = chunks[-1].choices[0].finish_reason
+        result["text"] = "".join(ch.choices[0].text for ch in chunks)
 
     t = threading.Thread(target=long)
     t.start()
-    time.sleep(1.0)
+    assert streaming.wait(timeout=120), "no tokens came"
     assert srv.stop() == 0  # every rank ends cleanly
+    err = srv.proc.stderr.read()
     t.join(timeout=30)
-    assert not t.is_alive() and result.get("reason") == "stop"  # the request was finished, not dropped
+    assert not t.is_alive() and result.get("reason") == "abort", (result, err[-2000:])  # ended, not dropped
+    assert "SIGTERM: ending 1 request(s) in flight" in err, err[-2000:]
+    assert result["text"]  # what it had made reached the client
 
 
 def test_request_timeout_cuts_a_request_off():

@@ -10,7 +10,8 @@ tokenize it and queue it (503 when the bounded queue is full); the main thread o
 rank runs :func:`run`, where rank 0 takes queued requests into free batch rows at the
 next step. Text reaches the client as tokens complete (stop strings never shown);
 a client that goes away, or a request past ``--request-timeout``, is cancelled. SIGTERM
-(or SIGINT) finishes the requests in flight with what they have and ends every rank.
+(or SIGINT) ends the requests in flight with what they have (finish_reason "abort",
+vLLM's word for a request the server ended) and ends every rank.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from ..log import get_logger
 from ..models import chat
 from ..models.stops import StopText
 from .engine import Engine, Job
@@ -128,8 +130,14 @@ def run(engine: Engine, service: Service | None) -> None:
     """Every rank: serve until SIGTERM/SIGINT (rank 0 decides; the others follow)."""
     rank0 = service is not None
     stop = threading.Event()
+    got: list[str] = []
+
+    def on_signal(signum, _frame):
+        got.append(signal.Signals(signum).name)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     running: dict[int, Request] = {}  # rank 0: row -> request
     while True:
         control = None
@@ -183,8 +191,11 @@ def run(engine: Engine, service: Service | None) -> None:
         if shutdown:
             if service is not None:
                 service.stopping.set()
+            if rank0:
+                why = got[0] if got else "a signal"
+                get_logger("serve").info(f"{why}: ending {len(running)} request(s) in flight with what they have")
             for row in list(running):
-                _finish(running.pop(row), "stop")
+                _finish(running.pop(row), "abort")
             return
 
 
