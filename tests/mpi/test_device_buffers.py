@@ -20,9 +20,12 @@ N = MPI.COMM_WORLD.size
 
 
 class HostCudaArray:
-    """Host memory exposed via __cuda_array_interface__ v3 only."""
+    """Host memory exposed via __cuda_array_interface__ v3 only. Counts the stream
+    synchronisations and the copies to and from the host, so a test can tell which path ran."""
 
     syncs = 0
+    to_host = 0
+    from_host = 0
 
     def __init__(self, a: np.ndarray):
         self._a = a
@@ -77,13 +80,23 @@ def _sync(a):
     HostCudaArray.syncs += 1
 
 
+def _to_host(a):
+    HostCudaArray.to_host += 1
+    return a._a.copy()
+
+
+def _from_host(dst, host):
+    HostCudaArray.from_host += 1
+    dst[...] = host
+
+
 backend.register_device_type(
     HostCudaArray,
     backend.DeviceOps(
         xp=_XP,
         empty=lambda shape, dtype: HostCudaArray(np.empty(shape, dtype)),
-        to_host=lambda a: a._a.copy(),
-        from_host=lambda dst, host: dst.__setitem__(Ellipsis, host),
+        to_host=_to_host,
+        from_host=_from_host,
         synchronize=_sync,
         ascontiguous=lambda a: a if a.flags.c_contiguous else a.copy(),
     ),
@@ -94,8 +107,29 @@ backend.register_device_type(
 def dcomm(request, monkeypatch):
     monkeypatch.setenv("MPITP_CUDA_AWARE", request.param)
     c = mpitp.Communicator()
+    c.staged = request.param == "0"  # what the test expects of the path
     yield c
     c.free()
+
+
+class took_the_path:
+    """``with took_the_path(comm, what):`` the collectives inside copied device data to the
+    host (staged) — or, CUDA-aware, handed the device buffers to MPI with no host copy."""
+
+    def __init__(self, comm, what):
+        self.staged, self.what = comm.staged, what
+
+    def __enter__(self):
+        self.before = HostCudaArray.to_host, HostCudaArray.from_host
+
+    def __exit__(self, *exc):
+        if exc[0] is not None:
+            return
+        copies = HostCudaArray.to_host - self.before[0], HostCudaArray.from_host - self.before[1]
+        if self.staged:
+            agree(copies[0] > 0 and copies[1] > 0, f"{self.what}: staged, yet copies to/from host were {copies}")
+        else:
+            agree(copies == (0, 0), f"{self.what}: CUDA-aware, yet copies to/from host were {copies}")
 
 
 def host(a):
@@ -114,35 +148,43 @@ def test_mpi_reads_the_interface():
 def test_allreduce_on_device_arrays(dcomm, algorithm):
     before = HostCudaArray.syncs
     x = HostCudaArray(np.full((3, 5), dcomm.rank + 1.0, np.float32))
-    y = dcomm.allreduce(x, algorithm=algorithm)
+    with took_the_path(dcomm, "allreduce"):
+        y = dcomm.allreduce(x, algorithm=algorithm)
     agree(isinstance(y, HostCudaArray), f"result is {type(y).__name__}, not a device array")
     agree(np.all(host(y) == N * (N + 1) / 2) and y.shape == (3, 5), "allreduce values")
     agree(HostCudaArray.syncs > before, "stream not synchronised before MPI")
     z = HostCudaArray(np.full(7, 2, np.int64))
-    r = dcomm.allreduce(z, op="prod", out=z, algorithm=algorithm)
+    with took_the_path(dcomm, "in-place allreduce"):
+        r = dcomm.allreduce(z, op="prod", out=z, algorithm=algorithm)
     agree(r is z and np.all(host(z) == 2**N), "in-place allreduce on device")
 
 
 def test_other_collectives_on_device_arrays(dcomm):
     r = dcomm.rank
-    x = HostCudaArray(np.arange(2 * N, dtype=np.int32) + 100 * r)
-    ag = dcomm.allgather(x)
-    agree(
-        isinstance(ag, HostCudaArray)
-        and np.array_equal(host(ag), np.concatenate([np.arange(2 * N) + 100 * q for q in range(N)])),
-        "allgather",
-    )
-    rs = dcomm.reduce_scatter(x)
-    want = np.array_split(sum(np.arange(2 * N) + 100 * q for q in range(N)), N)[r]
+    rows = [np.arange(2 * N, dtype=np.int32) + 100 * q for q in range(N)]  # rank q's input, known to all
+    x = HostCudaArray(rows[r].copy())
+    with took_the_path(dcomm, "allgather"):
+        ag = dcomm.allgather(x)
+    agree(isinstance(ag, HostCudaArray) and np.array_equal(host(ag), np.concatenate(rows)), "allgather")
+    with took_the_path(dcomm, "reduce_scatter"):
+        rs = dcomm.reduce_scatter(x)
+    want = np.array_split(sum(rows), N)[r]
     agree(isinstance(rs, HostCudaArray) and np.array_equal(host(rs), want), "reduce_scatter")
     b = HostCudaArray(np.arange(4.0) if r == 0 else np.zeros(4))
-    dcomm.broadcast(b, root=0)
+    with took_the_path(dcomm, "broadcast"):
+        dcomm.broadcast(b, root=0)
     agree(np.array_equal(host(b), np.arange(4.0)), "broadcast into a device buffer")
     g = dcomm.gather(x, root=0)
-    agree(r != 0 or (isinstance(g, HostCudaArray) and g.shape == (2 * N * N,)), "gather")
+    agree(
+        r != 0 or (isinstance(g, HostCudaArray) and np.array_equal(host(g), np.concatenate(rows))),
+        "gather: rank 0 holds every rank's rows in rank order",
+    )
     red = dcomm.reduce(x, root=0)
-    agree(r != 0 or np.array_equal(host(red), sum(np.arange(2 * N) + 100 * q for q in range(N))), "reduce")
-    a2a = dcomm.alltoall(x)
-    agree(isinstance(a2a, HostCudaArray) and a2a.shape == x.shape, "alltoall")
+    agree(r != 0 or np.array_equal(host(red), sum(rows)), "reduce")
+    with took_the_path(dcomm, "alltoall"):
+        a2a = dcomm.alltoall(x)
+    # block j of rank q's input goes to rank j; rank r receives block r of every rank, in rank order
+    want = np.concatenate([np.array_split(rows[q], N)[r] for q in range(N)])
+    agree(isinstance(a2a, HostCudaArray) and np.array_equal(host(a2a), want), "alltoall: block r of every rank")
     sc = dcomm.scatter(HostCudaArray(np.arange(N * 3.0)) if r == 0 else None, root=0)
     agree(np.array_equal(host(sc) if isinstance(sc, HostCudaArray) else sc, np.arange(3.0) + 3 * r), "scatter")
