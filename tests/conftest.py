@@ -1,6 +1,42 @@
 """Outer test process. Multi-rank suites live in tests/mpi/ and run under a real
-``mpiexec`` (see test_mpi_suites.py); they are not collected here directly."""
+``mpiexec`` (see test_mpi_suites.py); they are not collected here directly.
+
+In CI (``CI`` set), a test that skips because a reference or tool is missing — torch,
+transformers, the openai client, the default model's package, the Open MPI venv, the
+SLURM testbed — fails the run: CI installs them, so such a skip means a reference
+silently stopped being checked. Skips for a reason of the test's own (a world size
+that has nothing to test) stay skips."""
 
 import os
 
+import pytest
+
 collect_ignore = [] if os.environ.get("MPITP_INNER") else ["mpi"]
+
+MISSING = ("could not import", "not installed", "no Open MPI venv", "no SLURM controller", "No module named")
+
+
+def missing_reference_skips(stats) -> list[str]:
+    """The skip reasons, among ``stats["skipped"]`` reports, that name something missing."""
+    found = []
+    for rep in stats.get("skipped", []):
+        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        if any(m in reason for m in MISSING):
+            found.append(f"{rep.nodeid}: {reason}")
+    return found
+
+
+def pytest_terminal_summary(terminalreporter):
+    if os.environ.get("CI"):
+        found = missing_reference_skips(terminalreporter.stats)
+        if found:
+            terminalreporter.section("CI: skipped because a reference or tool is missing", red=True)
+            for line in found:
+                terminalreporter.line(line)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if os.environ.get("CI") and reporter and missing_reference_skips(reporter.stats):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -2,11 +2,15 @@
 
 Each launch has a time limit (MPIEXEC_TIMEOUT / --timeout, plus a kill of the whole
 process group), and ranks run with the mpitp watchdog on, so a hang fails in seconds
-with a message instead of eating CI's time.
+with a message instead of eating CI's time. A test that skips inside a suite is reported
+here as a warning naming the suite, world size and reason (in CI, a skip for something
+missing fails the inner run itself: see conftest.py).
 """
 
 import os
+import re
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -38,6 +42,7 @@ def run_suite(suite: str, n: int, extra_env: dict | None = None, timeout: int = 
         "--color=no",
         "--timeout=0",
         "--capture=sys",  # fd 2 stays the launcher's: a watchdog abort's message and stack reach us
+        "-rs",  # the reason of every skip, reported below
         f"tests/mpi/{suite}",
     ]
     res = launch.run(n, argv, timeout=timeout, env=env, cwd=str(ROOT))
@@ -48,6 +53,9 @@ def run_suite(suite: str, n: int, extra_env: dict | None = None, timeout: int = 
             pytrace=False,
         )
     assert " passed" in res.stdout, res.stdout[-2000:]
+    skips = sorted(set(re.findall(r"^SKIPPED \[\d+\] (.*)$", res.stdout, re.M)))
+    if skips:
+        warnings.warn(f"{suite} at {n} ranks ({FLAVOR}) skipped: " + "; ".join(skips), stacklevel=2)
     return res
 
 
