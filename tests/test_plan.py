@@ -4,7 +4,10 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 MPITP = [sys.executable, "-m", "mpitp.cli.main", "plan"]
 
@@ -108,7 +111,18 @@ def test_fit_writes_local_profile_that_plan_reads(tmp_path):
     assert (tmp_path / "profile-local.json").exists()
     out = subprocess.run(MPITP + ["allreduce", "--profile", "local", "--json"], capture_output=True, text=True, env=env)
     prof = json.loads(out.stdout)["profile"]
-    assert prof["name"] == "local" and prof["intra"]["beta"] > 0 and prof["intra"]["alpha"] > 0
+    written = json.loads((tmp_path / "profile-local.json").read_text())
+    assert prof["name"] == "local" and prof["intra"] == written["intra"]  # plan reads what fit measured
+
+
+def test_fit_recovers_a_known_link():
+    """alpha and beta from two half round trips of a link with known figures: 3 us, 5 GB/s."""
+    from mpitp.plan.profiles import link_from_half_trips
+
+    t = lambda n: 3e-6 + n / 5e9  # noqa: E731
+    link = link_from_half_trips({8: t(8), 1 << 22: t(1 << 22)})
+    assert link.alpha == pytest.approx(t(8), rel=1e-12) and link.beta == pytest.approx(5e9, rel=1e-9)
+    assert link_from_half_trips({8: 1e-5, 1 << 22: 1e-5}).beta == pytest.approx(((1 << 22) - 8) / 1e-9)  # floor
 
 
 @pytest.mark.parametrize("n,k", [(8, 4), (5, 3)])
@@ -185,3 +199,14 @@ def test_plan_tp_counts_block_weights_as_the_model_holds_them():
     for p in (2, 3):
         res = plan("tp", "--model", str(path / "config.json"), "--tp", str(p), "--weights", "q4_1")
         assert [r["intermediate"] for r in res["shards"]["per_rank"]] == TPPlan.of(c, p, 32).mlp
+
+
+@given(st.integers(0, 10_000), st.integers(1, 64))
+def test_the_runtime_cut_is_numpy_array_split(n, parts):
+    """The chunk sizes the ring, the plans and the FSDP shards share are numpy.array_split's
+    (so the plan-vs-counter tests that use them rest on NumPy's cut, not on themselves)."""
+    from mpitp.comm.algorithms.ring import chunk_counts, offsets
+
+    pieces = np.array_split(np.arange(n), parts)
+    assert chunk_counts(n, parts) == [len(p) for p in pieces]
+    assert offsets(chunk_counts(n, parts)) == [sum(map(len, pieces[:i])) for i in range(parts)]

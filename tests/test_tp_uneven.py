@@ -28,7 +28,8 @@ def test_issue_examples():
     assert partition.vocab(1001, 3) == (1024, [384, 320, 320])
 
 
-@pytest.mark.parametrize("heads,kv", [(9, 3), (12, 1), (28, 4), (32, 8), (8, 8), (14, 2)])
+# (4, 2): from p = 5 on, more ranks than heads, refused
+@pytest.mark.parametrize("heads,kv", [(9, 3), (12, 1), (28, 4), (32, 8), (8, 8), (14, 2), (4, 2)])
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_every_rank_uses_only_its_kv_heads(heads, kv, p):
     if p > heads:

@@ -97,6 +97,15 @@ def get(name: str | None, alpha_intra=None, beta_intra=None, alpha_inter=None, b
     return Profile(prof.name + (" (custom)" if custom else ""), intra, inter, prof.note)
 
 
+def link_from_half_trips(half: dict[int, float]) -> Link:
+    """The link ``T(X) = alpha + X / beta`` through two measured half round trips
+    ``{small: t_small, large: t_large}`` (bytes -> seconds): alpha is the small message's
+    time, beta the bytes added over the time added. A large message no slower than the
+    small one (timer noise) gives the 1 ns floor rather than a negative bandwidth."""
+    small, large = sorted(half)
+    return Link(half[small], (large - small) / max(half[large] - half[small], 1e-9))
+
+
 def fit(comm, sizes=(8, 1 << 22), reps: int = 20) -> Profile:
     """Fit alpha and beta from a ping-pong between ranks 0 and 1 of ``comm`` (a mpi4py comm).
 
@@ -124,10 +133,8 @@ def fit(comm, sizes=(8, 1 << 22), reps: int = 20) -> Profile:
                 comm.Send(buf, 0)
             best = min(best, (time.perf_counter() - t0) / 2)
         half[n] = comm.bcast(best, root=0)
-    small, large = sizes
-    alpha = half[small]
-    beta = (large - small) / max(half[large] - half[small], 1e-9)
-    link = Link(alpha, beta)
+    link = link_from_half_trips(half)
+    alpha, beta = link.alpha, link.beta
     return Profile(
         "local",
         link,

@@ -56,14 +56,59 @@ def bound(inputs, op, dtype):
     return 2 * g * (4 if dtype.kind == "c" else 1) * stack.prod(axis=0)
 
 
-def mpi_reference(x, op):
-    """MPI's own all-reduce of ``x`` over the world, through mpi4py directly (no mpitp)."""
-    from mpitp.comm.ops import ReduceOp, mpi_datatype, mpi_op
+MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
+BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "prod": MPI.LAND, "min": MPI.LAND}  # NumPy: + is or, * is and
 
+
+def mpi_reference(x, op):
+    """MPI's own all-reduce of ``x`` over the world, through mpi4py alone — no mpitp table:
+    mpi4py's dtype map (``MPI._typedict``) and MPI's built-in operations (on bools, the
+    logical ones NumPy's arithmetic amounts to)."""
+    dt = MPI._typedict[x.dtype.char]
     y = np.empty_like(x)
-    dt = mpi_datatype(x.dtype)
-    MPI.COMM_WORLD.Allreduce([x, dt], [y, dt], op=mpi_op(ReduceOp(op), x.dtype))
+    MPI.COMM_WORLD.Allreduce([x, dt], [y, dt], op=(BOOL_OPS if x.dtype == np.bool_ else MPI_OPS)[op])
     return y
+
+
+def split_sizes(n: int, parts: int) -> list[int]:
+    """Chunk sizes of ``numpy.array_split`` — the cut mpitp promises, computed by NumPy."""
+    return [len(c) for c in np.array_split(np.empty(n, np.uint8), parts)]
+
+
+def ring_sends(n: int, parts: int, idx: int, phase: str) -> int:
+    """Elements member ``idx`` of a ring of ``parts`` sends for ``n`` elements: the
+    reduce-scatter sends every chunk but its own, the all-gather every chunk but its right
+    neighbour's, the all-reduce both."""
+    if parts == 1:
+        return 0
+    c = split_sizes(n, parts)
+    rs, ag = n - c[idx], n - c[(idx + 1) % parts]
+    return {"rs": rs, "ag": ag, "ar": rs + ag}[phase]
+
+
+def two_level_sends(alg: str, node_sizes: list[int], n: int, itemsize: int) -> list[tuple[int, int]]:
+    """(intra, inter) elements every rank sends in a two-level all-reduce, from the
+    algorithm's description alone (DESIGN.md §3): rings inside each node, then across nodes
+    on shards (``hierarchical``, in pipelined pieces of >= 1 MiB, at most 16) or on whole
+    buffers between the node leaders (``hierarchical_leader``, the fallback for uneven nodes)."""
+    from mpitp.comm.algorithms.hierarchical import MAX_PIECES, PIECE_BYTES  # the two constants only
+
+    if alg == "hierarchical" and len(set(node_sizes)) > 1:
+        alg = "hierarchical_leader"
+    M, out = len(node_sizes), []
+    for m, L in enumerate(node_sizes):
+        for lr in range(L):
+            if alg == "hierarchical":
+                pieces = split_sizes(n, max(1, min(MAX_PIECES, n * itemsize // PIECE_BYTES)))
+                intra = sum(ring_sends(p, L, lr, "rs") + ring_sends(p, L, lr, "ag") for p in pieces)
+                inter = sum(ring_sends(split_sizes(p, L)[lr], M, m, "ar") for p in pieces)
+            else:
+                intra = ring_sends(n, L, lr, "rs") + ring_sends(n, L, lr, "ag")
+                shard = split_sizes(n, L)
+                intra += n - shard[0] if lr == 0 else shard[lr]  # shards to the leader and back
+                inter = ring_sends(n, M, m, "ar") if lr == 0 else 0
+            out.append((intra, inter))
+    return out
 
 
 def numpy_reference(inputs, op):

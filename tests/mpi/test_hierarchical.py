@@ -1,9 +1,22 @@
 """Two-level all-reduce on simulated nodes (1, 2 and 3 of them, uneven ones included):
-results against MPI's own call, and traffic counters against mpitp.plan's exact bytes."""
+results against MPI's own call and NumPy, and traffic counters against the bytes the
+algorithm sends by its description (chunks cut by numpy.array_split) — and mpitp.plan's
+exact prediction equal to those."""
 
 import numpy as np
 import pytest
-from helpers import agree, bound, close, cma_permitted, mpi_reference, rank_inputs, same_on_all_ranks
+from helpers import (
+    agree,
+    bound,
+    close,
+    cma_permitted,
+    mpi_reference,
+    numpy_reference,
+    rank_inputs,
+    ring_sends,
+    same_on_all_ranks,
+    two_level_sends,
+)
 from mpi4py import MPI
 
 import mpitp
@@ -32,8 +45,9 @@ def test_matches_mpi(ncomm, alg, dtype, op, n):
     inputs = rank_inputs((n,), dtype, op, N, seed=n + len(dtype))
     x = inputs[ncomm.rank]
     y = ncomm.allreduce(x, op=op, algorithm=alg)
-    ref = mpi_reference(x, op)
-    agree(close(y, ref, bound(inputs, op, dtype)), f"{alg} {dtype} {op} n={n} nodes={ncomm.topology.nodes}")
+    tol, where = bound(inputs, op, dtype), f"{alg} {dtype} {op} n={n} nodes={ncomm.topology.nodes}"
+    agree(close(y, mpi_reference(x, op), tol), f"{where}: differs from MPI's own Allreduce")
+    agree(close(y, numpy_reference(inputs, op), tol), f"{where}: differs from NumPy")
     agree(same_on_all_ranks(y), f"{alg}: ranks disagree bitwise")
 
 
@@ -47,17 +61,25 @@ def test_inplace_and_shapes(ncomm, alg):
 @pytest.mark.parametrize("alg", ["ring"] + ALGS)
 @pytest.mark.parametrize("n", [1, 999, 40000, 1_000_003])
 def test_bytes_equal_the_plan(ncomm, alg, n):
-    """Every rank's intra- and inter-node bytes equal mpitp.plan's exact prediction (4 MB:
-    the sharded variant's pipelined pieces, counted with the same cut)."""
+    """Every rank's intra- and inter-node bytes equal what the algorithm sends by its
+    description (4 MB: the sharded variant's pipelined pieces), and mpitp.plan's exact
+    prediction equals that too."""
     ncomm.traffic.reset()
     ncomm.allreduce(np.ones(n, np.float32), algorithm=alg)
     sizes = [len(r) for r in ncomm.topology.nodes]
-    intra, inter = per_rank_elements(alg, sizes, n, 4)[ncomm.rank]
+    if alg == "ring":  # the flat ring: each rank's link to its right neighbour is intra or inter
+        node_of = {r: m for m, ranks in enumerate(ncomm.topology.nodes) for r in ranks}
+        sends = [ring_sends(n, N, r, "ar") for r in range(N)]
+        want = [(e, 0) if node_of[(r + 1) % N] == node_of[r] else (0, e) for r, e in enumerate(sends)]
+    else:
+        want = two_level_sends(alg, sizes, n, 4)
+    intra, inter = want[ncomm.rank]
     t = ncomm.traffic.by_peer
     agree(
         (t.get("intra", 0), t.get("inter", 0)) == (intra * 4, inter * 4),
-        f"{alg} n={n} nodes={sizes}: sent {dict(t)}, plan says intra {intra * 4} inter {inter * 4}",
+        f"{alg} n={n} nodes={sizes}: sent {dict(t)}, the algorithm sends intra {intra * 4} inter {inter * 4}",
     )
+    agree(per_rank_elements(alg, sizes, n, 4) == want, f"{alg} n={n} nodes={sizes}: mpitp.plan differs")
 
 
 @pytest.mark.parametrize("alg", ALGS)
