@@ -1,7 +1,9 @@
 """mpitp serve under a real mpiexec, driven by the official openai client: completions
 and chat, streaming and not, equal to mpitp generate's greedy text; 8 concurrent clients;
 a malformed request; a client that goes away mid-stream; a full queue; the API key;
-SIGTERM with requests in flight."""
+SIGTERM with requests in flight; log-probabilities (echo against transformers' logits,
+greedy chat against its own top entry, streamed equal to whole); parameters the server
+does not serve refused by name."""
 
 import http.client
 import json
@@ -15,6 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -172,6 +175,81 @@ def test_full_queue_and_api_key():
         assert 503 in codes and 200 in codes, codes  # one decoding, one queued, the rest refused
     finally:
         assert srv.stop() == 0
+
+
+def log_softmax(z):
+    z = np.asarray(z, np.float64)
+    return z - z.max(-1, keepdims=True) - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_logprobs(n):
+    """Echo: the prompt's log-probabilities equal the log-softmax of transformers' logits
+    (the fixture's reference.npz) within 1e-4, the first null, the top 3 HF's top 3.
+    Greedy chat: each token is its own top entry. Streamed: the same records as whole."""
+    ref = np.load(FIX / "reference.npz")
+    ids = ref["input_ids"][0].tolist()
+    want = log_softmax(ref["logits"][0])  # position t predicts token t + 1
+    srv = Server(n)
+    try:
+        c = srv.client
+        r = c.completions.create(model="mha", prompt=ids, max_tokens=2, temperature=0, logprobs=3, echo=True)
+        lp = r.choices[0].logprobs
+        assert len(lp.tokens) == len(ids) + 2 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        got = np.array(lp.token_logprobs[1 : len(ids)])
+        assert np.abs(got - want[np.arange(len(ids) - 1), ids[1:]]).max() <= 1e-4, got
+        for t in range(1, len(ids)):
+            top, best = sorted(lp.top_logprobs[t].values(), reverse=True), np.sort(want[t - 1])[::-1][:3]
+            assert abs(top[0] - best[0]) <= 1e-4 and 1 <= len(top) <= 3  # tokens that decode alike share a key
+            assert all(np.abs(best - v).min() <= 1e-4 for v in top), (top, best)
+        assert lp.text_offset == [sum(len(x) for x in lp.tokens[:i]) for i in range(len(lp.tokens))]
+        assert r.choices[0].text == "".join(lp.tokens)  # the echoed prompt, then the completion
+
+        msg = [{"role": "user", "content": "the quick brown fox"}]
+        whole = c.chat.completions.create(
+            model="mha", messages=msg, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+        )
+        content = whole.choices[0].logprobs.content
+        assert len(content) == whole.usage.completion_tokens == 6  # a record per token made
+        for x in content:  # greedy: the chosen token is the most likely one
+            assert x.top_logprobs[0].logprob == x.logprob and x.logprob <= 0 and len(x.top_logprobs) == 2
+        s = c.chat.completions.create(
+            model="mha", messages=msg, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2, stream=True
+        )
+        streamed = [x for ch in s for x in ((ch.choices[0].logprobs.content or []) if ch.choices[0].logprobs else [])]
+        assert [(x.token, x.logprob) for x in streamed] == [(x.token, x.logprob) for x in content]
+        plain = c.chat.completions.create(model="mha", messages=msg, max_tokens=6, temperature=0)
+        assert plain.choices[0].logprobs is None
+        assert plain.choices[0].message.content == whole.choices[0].message.content
+    finally:
+        assert srv.stop() == 0
+
+
+def test_parameters_not_served_are_refused_by_name():
+    srv = Server(1)
+    try:
+        c, msg = srv.client, [{"role": "user", "content": "hi"}]
+        for extra, name in [
+            ({"n": 2}, "'n'"),
+            ({"logit_bias": {"5": 10}}, "'logit_bias'"),
+            ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools'"),
+            ({"frequency_penalty": 0.5}, "'frequency_penalty'"),
+            ({"response_format": {"type": "json_object"}}, "'response_format'"),
+            ({"top_logprobs": 2}, "'top_logprobs' needs 'logprobs'"),
+            ({"temperature": 2.5}, "'temperature'"),
+        ]:
+            with pytest.raises(openai.BadRequestError, match=name):
+                c.chat.completions.create(model="mha", messages=msg, max_tokens=2, **extra)
+        with pytest.raises(openai.BadRequestError, match="'suffix'"):
+            c.completions.create(model="mha", prompt="hi", max_tokens=2, suffix="!")
+        with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+            c.completions.create(model="mha", prompt=[1, 2, 10**6], max_tokens=2)
+        # an unknown field is ignored with a warning; a default-valued known one is fine
+        r = c.chat.completions.create(model="mha", messages=msg, max_tokens=2, n=1, extra_body={"frobnicate": 1})
+        assert r.choices[0].finish_reason in ("stop", "length")
+    finally:
+        assert srv.stop() == 0
+    assert "ignoring unknown field(s) 'frobnicate'" in srv.proc.stderr.read()
 
 
 def test_sigterm_with_requests_in_flight():

@@ -67,6 +67,7 @@ def run(args) -> int:
                 args.api_key,
             )
             service.eos = tuple(model.config.eos_token_id)
+            service.vocab = model.config.vocab_size
         ok = comm.mpi.bcast(True, root=0)
         server = None
         if comm.rank == 0 and ok:

@@ -43,6 +43,12 @@ class Job:
     top_k: int = 0
     seed: int | None = None
     stop_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # alternatives per token (0: the chosen token's only); None: none
+    echo: bool = False  # with logprobs: the prompt's own too (its prefill keeps every position's logits)
+
+    @property
+    def prompt_logits(self) -> bool:
+        return self.echo and self.logprobs is not None
 
 
 @dataclass
@@ -93,7 +99,9 @@ class Engine:
 
     # ------------------------------------------------------------------ model steps
     def admit(self, job: Job) -> np.ndarray:
-        """Prefill ``job`` into a free row; returns its next-token logits."""
+        """Prefill ``job`` into a free row; returns its next-token logits [V] — or, when the
+        job asks for its prompt's log-probabilities, every position's [P, V] (the last row
+        is the next token's)."""
         m, c = self.model, self.cache
         P = len(job.ids)
         if P > c.length:  # P <= max_len: checked when the request came in
@@ -102,7 +110,8 @@ class Engine:
         one = m.new_cache(1, P)
         one.valid[:, :P] = True
         xp = m.xp
-        logits = m.forward(xp.asarray(np.array([job.ids])), xp.asarray(np.arange(P)[None]), one, last_only=True)[:, -1]
+        every = job.prompt_logits
+        logits = m.forward(xp.asarray(np.array([job.ids])), xp.asarray(np.arange(P)[None]), one, last_only=not every)
         L = c.length
         for layer in range(len(c.k)):
             c.k[layer][r, L - P : L] = one.k[layer][0, :P]
@@ -112,7 +121,7 @@ class Engine:
         self.slots[r] = Slot(
             job, pos=P, last=-1, rng=np.random.default_rng(job.seed if job.seed is not None else job.id)
         )
-        return _host(logits)[0]
+        return _host(logits[0]) if every else _host(logits[:, -1])[0]
 
     def step(self) -> np.ndarray:
         """One decode step for the rows that have a token to feed; returns logits for rows

@@ -28,13 +28,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from ..log import get_logger
 from ..models import chat
 from ..models.stops import StopText
+from . import logprobs as lp
+from . import protocol
 from .engine import Engine, Job
 
 _ids = itertools.count(1)
 
 
-class BadRequest(Exception):
-    pass
+BadRequest = protocol.RequestError
 
 
 @dataclass
@@ -48,6 +49,11 @@ class Request:
     cancelled: bool = False
     made: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
+    echo: str = ""  # text completions with echo: the prompt's text, sent first
+    prompt_records: list | None = None  # with echo and logprobs: the prompt's own (rank 0)
+    pending: list = field(default_factory=list)  # token records not yet sent with text
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
+    offset: int = 0  # text completions' logprobs: text_offset of the next token
 
 
 @dataclass
@@ -68,61 +74,50 @@ class Service:
         self.inbox = queue.Queue(maxsize=self.max_queue)
         self.template, self.special = chat.load(self.model_dir)
 
-    def make(self, body: dict, kind: str) -> Request:
-        if not isinstance(body, dict):
-            raise BadRequest("the body must be a JSON object")
-        if kind == "chat":
-            messages = body.get("messages")
-            if (
-                not isinstance(messages, list)
-                or not messages
-                or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages
-                )
-            ):
-                raise BadRequest("'messages' must be a non-empty list of {role, content} objects with string content")
+    def make(self, body, kind: str) -> Request:
+        req, unknown = protocol.parse(body, "chat" if kind == "chat" else "text")
+        if unknown:
+            get_logger("serve").warning(f"ignoring unknown field(s) {', '.join(map(repr, unknown))} of a request")
+        echo = ""
+        if isinstance(req, protocol.ChatRequest):
+            messages = [m.model_dump() for m in req.messages]
             text = chat.render(self.template, messages, add_generation_prompt=True, **self.special)
             ids = self.tok.encode(text, add_special_tokens=False).ids  # type: ignore[attr-defined]
+            max_tokens = req.max_completion_tokens or req.max_tokens or 256
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
         else:
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str) or not prompt:
-                raise BadRequest("'prompt' must be a non-empty string")
-            ids = self.tok.encode(prompt).ids  # type: ignore[attr-defined]
-        max_tokens = _number(body, "max_tokens", 16 if kind == "text" else 256, int, 1, self.context)
+            if isinstance(req.prompt, str):
+                ids = self.tok.encode(req.prompt).ids  # type: ignore[attr-defined]
+            else:
+                ids = list(req.prompt)
+                bad = [t for t in ids if not 0 <= t < self.vocab]
+                if bad:
+                    raise BadRequest(f"prompt token id {bad[0]} lies outside the vocabulary of {self.vocab}")
+            max_tokens = req.max_tokens or 16
+            logprobs = req.logprobs
+            if req.echo:
+                echo = req.prompt if isinstance(req.prompt, str) else self.tok.decode(ids)  # type: ignore[attr-defined]
         if len(ids) + max_tokens > self.context:
             raise BadRequest(f"{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the context of {self.context}")
-        stop = body.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise BadRequest("'stop' must be a string or a list of strings")
-        seed = body.get("seed")
-        if seed is not None and not isinstance(seed, int):
-            raise BadRequest("'seed' must be an integer")
         job = Job(
             id=next(_ids),
             ids=ids,
             max_tokens=max_tokens,
-            temperature=_number(body, "temperature", 0.0, float, 0.0, 2.0),
-            top_p=_number(body, "top_p", 1.0, float, 1e-9, 1.0),
-            top_k=_number(body, "top_k", 0, int, 0, 1 << 30),
-            seed=seed,
+            temperature=0.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(0, req.top_k or 0),
+            seed=req.seed,
             stop_ids=tuple(self.eos),
+            logprobs=logprobs,
+            echo=bool(echo),
         )
-        return Request(job, kind, bool(body.get("stream")), StopText(self.tok, stop), time.monotonic() + self.timeout)
+        r = Request(job, kind, req.stream, StopText(self.tok, req.stop or []), time.monotonic() + self.timeout)
+        r.echo = echo
+        r.include_usage = bool((req.stream_options or {}).get("include_usage"))
+        return r
 
     eos: tuple = ()
-
-
-def _number(body: dict, key: str, default, kind, lo, hi):
-    v = body.get(key, default)
-    if v is None:
-        v = default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
-        raise BadRequest(f"'{key}' must be a number")
-    if not lo <= v <= hi:
-        raise BadRequest(f"'{key}' must lie in [{lo}, {hi}], got {v}")
-    return kind(v)
+    vocab: int = 1 << 62  # the model's vocabulary: prompt token ids must lie below it
 
 
 # ---------------------------------------------------------------------------- the loop
@@ -178,8 +173,12 @@ def run(engine: Engine, service: Service | None) -> None:
                 picks = {}
                 for row, r in running.items():
                     lg = fresh[row] if row in fresh else logits[row]  # type: ignore[index]  # fed rows have logits
+                    k = r.job.logprobs
+                    if lg.ndim == 2:  # a prefill that kept every position: the prompt's records
+                        r.prompt_records = lp.prompt_records(lg, r.job.ids, k or 0)
+                        lg = lg[-1]
                     token = engine.pick(row, lg)
-                    done = _emit(r, token)
+                    done = _emit(r, token, None if k is None else lp.record(lg, token, k))
                     picks[row] = (token, done)
             picks = engine.exchange(picks)
             for row, (token, _) in picks.items():
@@ -205,15 +204,21 @@ def _moved(running: dict, src: int | None, dst: int) -> None:
         running[dst] = running.pop(src)
 
 
-def _emit(r: Request, token: int) -> str | None:
-    """Rank 0: one new token of ``r``: stream its text; the finish reason once it ends."""
+def _emit(r: Request, token: int, record=None) -> str | None:
+    """Rank 0: one new token of ``r`` (and its log-probability record): stream its text;
+    the finish reason once it ends. Records travel with the next text sent."""
+    if r.made == 0 and r.echo:
+        r.events.put(("echo", r.echo, r.prompt_records or []))
     r.made += 1
     if token in r.job.stop_ids:
         _finish(r, "stop")
         return "stop"
+    if record is not None:
+        r.pending.append(record)
     piece = r.stops.push(token)
     if piece:
-        r.events.put(("delta", piece))
+        r.events.put(("delta", piece, r.pending))
+        r.pending = []
     if r.stops.stopped:
         _finish(r, "stop")
         return "stop"
@@ -224,15 +229,17 @@ def _emit(r: Request, token: int) -> str | None:
 
 
 def _finish(r: Request, reason: str) -> None:
-    if not r.stops.stopped:
-        rest = r.stops.flush()
-        if rest:
-            r.events.put(("delta", rest))
-    r.events.put(("done", reason))
+    rest = "" if r.stops.stopped else r.stops.flush()
+    if rest or r.pending:
+        r.events.put(("delta", rest, r.pending))
+        r.pending = []
+    r.events.put(("done", reason, []))
 
 
 # ---------------------------------------------------------------------------- HTTP
 def make_handler(service: Service):
+    fmt = lp.Formatter(service.tok)
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -286,29 +293,55 @@ def make_handler(service: Service):
                 return self._error(503, "too many requests queued; try again", "server_error")
             (self._stream if req.stream else self._whole)(req)
 
-        def _chunk(self, r: Request, text: str | None, reason: str | None) -> dict:
+        def _logprobs(self, r: Request, records: list, ids: list[int] | None = None):
+            """The choice's ``logprobs`` for these token records (None unless asked);
+            text completions count ``text_offset`` on from ``r.offset``."""
+            if r.job.logprobs is None:
+                return None
+            if r.kind == "chat":
+                return {"content": fmt.chat(records)}
+            ids = [rec[0] for rec in records] if ids is None else ids
+            out = fmt.completion(records, ids, r.offset)
+            r.offset += sum(len(t) for t in out["tokens"])
+            return out
+
+        def _chunk(self, r: Request, text: str | None, reason: str | None, logprobs=None) -> dict:
             if r.kind == "chat":
                 delta = {"content": text} if text is not None else {}
-                choice = {"index": 0, "delta": delta, "finish_reason": reason}
+                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
                 obj = "chat.completion.chunk"
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": reason}
+                choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
                 obj = "text_completion"
+            return self._envelope(r, obj, [choice])
+
+        def _envelope(self, r: Request, obj: str, choices: list, **extra) -> dict:
             return {
                 "id": f"cmpl-{r.job.id}",
                 "object": obj,
                 "created": r.created,
                 "model": service.name,
-                "choices": [choice],
+                "choices": choices,
+                **extra,
+            }
+
+        def _usage(self, r: Request) -> dict:
+            return {
+                "prompt_tokens": len(r.job.ids),
+                "completion_tokens": r.made,
+                "total_tokens": len(r.job.ids) + r.made,
             }
 
         def _events(self, r: Request):
+            """(kind, text, records) as rank 0's loop sends them: "echo" (the prompt, with
+            its records), "delta" (text and the records of the tokens behind it), "done"
+            (the finish reason as text)."""
             while True:
                 try:
                     yield r.events.get(timeout=max(0.1, r.deadline - time.monotonic() + 5))
                 except queue.Empty:
                     r.cancelled = True
-                    yield ("done", "length")
+                    yield ("done", "length", [])
                     return
 
         def _stream(self, r: Request) -> None:
@@ -318,12 +351,21 @@ def make_handler(service: Service):
             self.send_header("Connection", "close")
             self.end_headers()
             try:
-                for what, value in self._events(r):
-                    chunk = self._chunk(r, value, None) if what == "delta" else self._chunk(r, None, value)
+                for what, value, records in self._events(r):
+                    if what == "echo":
+                        chunk = self._chunk(r, value, None, self._logprobs(r, records, r.job.ids))
+                    elif what == "delta":
+                        chunk = self._chunk(r, value, None, self._logprobs(r, records))
+                    else:
+                        chunk = self._chunk(r, None, value)
                     self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                     self.wfile.flush()
                     if what == "done":
                         break
+                if r.include_usage:
+                    obj = "chat.completion.chunk" if r.kind == "chat" else "text_completion"
+                    last = self._envelope(r, obj, [], usage=self._usage(r))
+                    self.wfile.write(f"data: {json.dumps(last)}\n\n".encode())
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
             except (BrokenPipeError, ConnectionResetError):
@@ -332,34 +374,25 @@ def make_handler(service: Service):
 
         def _whole(self, r: Request) -> None:
             text, reason = [], "stop"
-            for what, value in self._events(r):
-                if what == "delta":
-                    text.append(value)
-                else:
+            ids: list[int] = []
+            records: list = []
+            for what, value, recs in self._events(r):
+                if what == "done":
                     reason = value
                     break
+                text.append(value)
+                ids += r.job.ids if what == "echo" else [rec[0] for rec in recs]
+                records += recs
             body = "".join(text)
+            logprobs = self._logprobs(r, records, ids)
             choice = (
-                {"index": 0, "message": {"role": "assistant", "content": body}, "finish_reason": reason}
+                {"index": 0, "message": {"role": "assistant", "content": body}, "logprobs": logprobs}
                 if r.kind == "chat"
-                else {"index": 0, "text": body, "finish_reason": reason}
+                else {"index": 0, "text": body, "logprobs": logprobs}
             )
-            usage = {
-                "prompt_tokens": len(r.job.ids),
-                "completion_tokens": r.made,
-                "total_tokens": len(r.job.ids) + r.made,
-            }
-            self._json(
-                200,
-                {
-                    "id": f"cmpl-{r.job.id}",
-                    "object": "chat.completion" if r.kind == "chat" else "text_completion",
-                    "created": r.created,
-                    "model": service.name,
-                    "choices": [choice],
-                    "usage": usage,
-                },
-            )
+            choice["finish_reason"] = reason
+            obj = "chat.completion" if r.kind == "chat" else "text_completion"
+            self._json(200, self._envelope(r, obj, [choice], usage=self._usage(r)))
 
     return Handler
 

@@ -1,0 +1,136 @@
+"""Request bodies of the OpenAI API as typed models (pydantic), as vLLM's server has them.
+
+Three kinds of field:
+
+* served — validated here (a 400 naming the field when out of range), used by the engine;
+* known but not served (tools, logit_bias, suffix, penalties, n > 1, ...) — a 400 that
+  names the field, never a silent default: a client that asks for them must know;
+* unknown — ignored with one warning line per request, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+__all__ = ["ChatRequest", "CompletionRequest", "RequestError", "parse"]
+
+MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs, and vLLM's default max_logprobs
+
+
+class RequestError(ValueError):
+    """A request the server refuses (HTTP 400), with a message naming the field."""
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # vLLM's extension; -1 or 0: off
+    stop: list[str] | None = None  # a single string is taken as a list of one
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    n: int = Field(1, ge=1)
+    user: str | None = None  # an end-user id: OpenAI uses it for abuse monitoring only
+
+    # known to the OpenAI API, not served: a value other than these defaults is refused
+    NOT_SERVED: ClassVar[dict[str, Any]] = {
+        "n": 1,
+        "presence_penalty": 0,
+        "frequency_penalty": 0,
+        "logit_bias": None,
+    }
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stops(cls, v):
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("prompt", check_fields=False)
+    @classmethod
+    def _prompt(cls, v):
+        if not v:
+            raise ValueError("the prompt must not be empty")
+        return v
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int]  # text, or token ids (as lm-eval's local-completions sends)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    NOT_SERVED: ClassVar[dict[str, Any]] = {**_Common.NOT_SERVED, "suffix": None, "best_of": 1}
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[TextPart]
+
+    @field_validator("content")
+    @classmethod
+    def _text(cls, v):
+        return v if isinstance(v, str) else "".join(p.text for p in v)  # content parts: text only
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    NOT_SERVED: ClassVar[dict[str, Any]] = {
+        **_Common.NOT_SERVED,
+        "tools": None,
+        "tool_choice": None,
+        "functions": None,
+        "function_call": None,
+        "response_format": None,
+        "audio": None,
+        "modalities": None,
+        "prediction": None,
+    }
+
+
+SERVED_RESPONSE_FORMATS = ({"type": "text"},)
+
+
+def parse(body: Any, kind: Literal["chat", "text"]) -> tuple[CompletionRequest | ChatRequest, list[str]]:
+    """The typed request and the unknown fields it carried (to be warned about once);
+    :class:`RequestError` for anything refused."""
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    cls: type[CompletionRequest] | type[ChatRequest] = ChatRequest if kind == "chat" else CompletionRequest
+    not_served = cls.NOT_SERVED
+    for name, default in not_served.items():
+        v = body.get(name, default)
+        if name == "response_format" and v in SERVED_RESPONSE_FORMATS:
+            continue
+        if v is not None and v != default and v != {} and v != []:
+            raise RequestError(f"'{name}' is not supported by mpitp serve (got {v!r})")
+    try:
+        req = cls.model_validate(body)
+    except ValidationError as e:
+        raise RequestError(_readable(e)) from None
+    if isinstance(req, ChatRequest) and req.top_logprobs is not None and not req.logprobs:
+        raise RequestError("'top_logprobs' needs 'logprobs': true")
+    unknown = sorted(k for k in (req.model_extra or {}) if k not in not_served)
+    return req, unknown
+
+
+def _readable(e: ValidationError) -> str:
+    """The first problem pydantic found, as one line naming the field."""
+    err = e.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "body"
+    return f"'{where}': {err['msg']}"
