@@ -225,12 +225,38 @@ def test_logprobs(n):
         assert srv.stop() == 0
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_n_choices(tp, reference):
+    """n=3: each choice its own row. Greedy: three copies of generate's text. Sampled with a
+    seed: reproducible, streamed equal to whole per choice index, usage over all three."""
+    srv = Server(tp)
+    try:
+        c, p = srv.client, PROMPTS[0]
+        r = c.completions.create(model="mha", prompt=p, max_tokens=10, temperature=0, n=3)
+        assert [ch.index for ch in r.choices] == [0, 1, 2]
+        assert [ch.text for ch in r.choices] == [reference[(p, False)]] * 3
+        one = c.completions.create(model="mha", prompt=p, max_tokens=10, temperature=0)
+        assert r.usage.completion_tokens == 3 * one.usage.completion_tokens  # usage counts every choice
+        hot = dict(model="mha", prompt=p, max_tokens=12, temperature=1.0, n=3, seed=11)
+        a, b = c.completions.create(**hot), c.completions.create(**hot)
+        assert [ch.text for ch in a.choices] == [ch.text for ch in b.choices]  # the seed makes it reproducible
+        assert len({ch.text for ch in a.choices}) > 1  # seed + i per choice: not three copies
+        parts = {0: "", 1: "", 2: ""}
+        for ch in c.completions.create(**hot, stream=True):
+            for x in ch.choices:
+                parts[x.index] += x.text
+        assert [parts[i] for i in range(3)] == [ch.text for ch in a.choices]
+    finally:
+        assert srv.stop() == 0
+
+
 def test_parameters_not_served_are_refused_by_name():
     srv = Server(1)
     try:
         c, msg = srv.client, [{"role": "user", "content": "hi"}]
         for extra, name in [
-            ({"n": 2}, "'n'"),
+            ({"presence_penalty": 1.0}, "'presence_penalty'"),
+            ({"n": 0}, "'n'"),
             ({"logit_bias": {"5": 10}}, "'logit_bias'"),
             ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools'"),
             ({"frequency_penalty": 0.5}, "'frequency_penalty'"),

@@ -41,7 +41,8 @@ def run(args) -> int:
     from ..models.llama import LlamaForCausalLM
     from ..models.resolve import resolve
     from ..serve.engine import Engine
-    from ..serve.server import Service, start_http
+    from ..serve.http import start_http
+    from ..serve.server import Service
     from ..serve.server import run as serve_loop
 
     if args.max_batch < 1 or args.max_queue < 1:

@@ -3,7 +3,7 @@
 Three kinds of field:
 
 * served — validated here (a 400 naming the field when out of range), used by the engine;
-* known but not served (tools, logit_bias, suffix, penalties, n > 1, ...) — a 400 that
+* known but not served (tools, logit_bias, suffix, penalties, best_of, ...) — a 400 that
   names the field, never a silent default: a client that asks for them must know;
 * unknown — ignored with one warning line per request, as vLLM does.
 """
@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 __all__ = ["ChatRequest", "CompletionRequest", "RequestError", "parse"]
 
+MAX_CHOICES = 64
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs, and vLLM's default max_logprobs
 
 
@@ -35,12 +36,11 @@ class _Common(BaseModel):
     seed: int | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices, one batch row each
     user: str | None = None  # an end-user id: OpenAI uses it for abuse monitoring only
 
     # known to the OpenAI API, not served: a value other than these defaults is refused
     NOT_SERVED: ClassVar[dict[str, Any]] = {
-        "n": 1,
         "presence_penalty": 0,
         "frequency_penalty": 0,
         "logit_bias": None,

@@ -1,14 +1,9 @@
-"""The OpenAI-compatible HTTP side, on rank 0, and the loop every rank runs.
+"""The requests rank 0 holds, and the loop every rank runs (the HTTP side: http.py).
 
-    POST /v1/chat/completions   messages -> the model's chat template -> completion
-    POST /v1/completions        prompt -> completion
-         stream: true           server-sent events ("data: {...}" ... "data: [DONE]")
-    GET  /v1/models, /health
-
-HTTP threads (a ThreadingHTTPServer) validate a request (400 with OpenAI's error body),
-tokenize it and queue it (503 when the bounded queue is full); the main thread of every
-rank runs :func:`run`, where rank 0 takes queued requests into free batch rows at the
-next step. Text reaches the client as tokens complete (stop strings never shown);
+HTTP threads turn a body into :class:`Request` s — one per choice (``n``), sharing one
+event queue — and queue them (503 when the bounded queue is full); the main thread of
+every rank runs :func:`run`, where rank 0 takes queued requests into free batch rows at
+the next step. Text reaches the client as tokens complete (stop strings never shown);
 a client that goes away, or a request past ``--request-timeout``, is cancelled. SIGTERM
 (or SIGINT) ends the requests in flight with what they have (finish_reason "abort",
 vLLM's word for a request the server ended) and ends every rank.
@@ -17,13 +12,11 @@ vLLM's word for a request the server ended) and ends every rank.
 from __future__ import annotations
 
 import itertools
-import json
 import queue
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ..log import get_logger
 from ..models import chat
@@ -40,12 +33,16 @@ BadRequest = protocol.RequestError
 
 @dataclass
 class Request:
+    """One choice of a client's request: a batch row's worth. Its events go to the queue
+    its siblings share, as ``(index, kind, text, records)``."""
+
     job: Job
     kind: str  # "chat" or "text"
     stream: bool
     stops: StopText
     deadline: float
     events: queue.Queue = field(default_factory=queue.Queue)
+    index: int = 0  # which choice
     cancelled: bool = False
     made: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
@@ -74,7 +71,8 @@ class Service:
         self.inbox = queue.Queue(maxsize=self.max_queue)
         self.template, self.special = chat.load(self.model_dir)
 
-    def make(self, body, kind: str) -> Request:
+    def make(self, body, kind: str) -> list[Request]:
+        """The request's choices (``n`` of them, one row each), or :class:`BadRequest`."""
         req, unknown = protocol.parse(body, "chat" if kind == "chat" else "text")
         if unknown:
             get_logger("serve").warning(f"ignoring unknown field(s) {', '.join(map(repr, unknown))} of a request")
@@ -99,22 +97,27 @@ class Service:
                 echo = req.prompt if isinstance(req.prompt, str) else self.tok.decode(ids)  # type: ignore[attr-defined]
         if len(ids) + max_tokens > self.context:
             raise BadRequest(f"{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the context of {self.context}")
-        job = Job(
-            id=next(_ids),
-            ids=ids,
-            max_tokens=max_tokens,
-            temperature=0.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=max(0, req.top_k or 0),
-            seed=req.seed,
-            stop_ids=tuple(self.eos),
-            logprobs=logprobs,
-            echo=bool(echo),
-        )
-        r = Request(job, kind, req.stream, StopText(self.tok, req.stop or []), time.monotonic() + self.timeout)
-        r.echo = echo
-        r.include_usage = bool((req.stream_options or {}).get("include_usage"))
-        return r
+        events: queue.Queue = queue.Queue()
+        deadline = time.monotonic() + self.timeout
+        out = []
+        for i in range(req.n):
+            job = Job(
+                id=next(_ids),
+                ids=ids,
+                max_tokens=max_tokens,
+                temperature=0.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=max(0, req.top_k or 0),
+                seed=None if req.seed is None else req.seed + i,  # choice i: seed + i, reproducible
+                stop_ids=tuple(self.eos),
+                logprobs=logprobs,
+                echo=bool(echo),
+            )
+            r = Request(job, kind, req.stream, StopText(self.tok, req.stop or []), deadline, events, index=i)
+            r.echo = echo
+            r.include_usage = bool((req.stream_options or {}).get("include_usage"))
+            out.append(r)
+        return out
 
     eos: tuple = ()
     vocab: int = 1 << 62  # the model's vocabulary: prompt token ids must lie below it
@@ -208,7 +211,7 @@ def _emit(r: Request, token: int, record=None) -> str | None:
     """Rank 0: one new token of ``r`` (and its log-probability record): stream its text;
     the finish reason once it ends. Records travel with the next text sent."""
     if r.made == 0 and r.echo:
-        r.events.put(("echo", r.echo, r.prompt_records or []))
+        r.events.put((r.index, "echo", r.echo, r.prompt_records or []))
     r.made += 1
     if token in r.job.stop_ids:
         _finish(r, "stop")
@@ -217,7 +220,7 @@ def _emit(r: Request, token: int, record=None) -> str | None:
         r.pending.append(record)
     piece = r.stops.push(token)
     if piece:
-        r.events.put(("delta", piece, r.pending))
+        r.events.put((r.index, "delta", piece, r.pending))
         r.pending = []
     if r.stops.stopped:
         _finish(r, "stop")
@@ -231,174 +234,6 @@ def _emit(r: Request, token: int, record=None) -> str | None:
 def _finish(r: Request, reason: str) -> None:
     rest = "" if r.stops.stopped else r.stops.flush()
     if rest or r.pending:
-        r.events.put(("delta", rest, r.pending))
+        r.events.put((r.index, "delta", rest, r.pending))
         r.pending = []
-    r.events.put(("done", reason, []))
-
-
-# ---------------------------------------------------------------------------- HTTP
-def make_handler(service: Service):
-    fmt = lp.Formatter(service.tok)
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, fmt, *args):  # quiet: mpitp logs what matters
-            pass
-
-        def _json(self, code: int, obj) -> None:
-            data = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _error(self, code: int, message: str, kind: str = "invalid_request_error") -> None:
-            self._json(code, {"error": {"message": message, "type": kind, "code": code}})
-
-        def _authorized(self) -> bool:
-            if service.api_key and self.headers.get("Authorization") != f"Bearer {service.api_key}":
-                self._error(401, "missing or wrong API key", "authentication_error")
-                return False
-            return True
-
-        def do_GET(self):
-            if self.path == "/health":
-                return self._json(200, {"status": "ok"})
-            if not self._authorized():
-                return
-            if self.path == "/v1/models":
-                return self._json(
-                    200, {"object": "list", "data": [{"id": service.name, "object": "model", "owned_by": "mpitp"}]}
-                )
-            self._error(404, f"no route {self.path}")
-
-        def do_POST(self):
-            kind = {"/v1/chat/completions": "chat", "/v1/completions": "text"}.get(self.path)
-            if kind is None:
-                return self._error(404, f"no route {self.path}")
-            if not self._authorized():
-                return
-            try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
-                req = service.make(body, kind)
-            except (ValueError, BadRequest, chat.ChatTemplateError) as e:
-                return self._error(400, str(e))
-            if service.stopping.is_set():
-                return self._error(503, "the server is shutting down", "server_error")
-            try:
-                service.inbox.put_nowait(req)
-            except queue.Full:
-                return self._error(503, "too many requests queued; try again", "server_error")
-            (self._stream if req.stream else self._whole)(req)
-
-        def _logprobs(self, r: Request, records: list, ids: list[int] | None = None):
-            """The choice's ``logprobs`` for these token records (None unless asked);
-            text completions count ``text_offset`` on from ``r.offset``."""
-            if r.job.logprobs is None:
-                return None
-            if r.kind == "chat":
-                return {"content": fmt.chat(records)}
-            ids = [rec[0] for rec in records] if ids is None else ids
-            out = fmt.completion(records, ids, r.offset)
-            r.offset += sum(len(t) for t in out["tokens"])
-            return out
-
-        def _chunk(self, r: Request, text: str | None, reason: str | None, logprobs=None) -> dict:
-            if r.kind == "chat":
-                delta = {"content": text} if text is not None else {}
-                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-                obj = "chat.completion.chunk"
-            else:
-                choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
-                obj = "text_completion"
-            return self._envelope(r, obj, [choice])
-
-        def _envelope(self, r: Request, obj: str, choices: list, **extra) -> dict:
-            return {
-                "id": f"cmpl-{r.job.id}",
-                "object": obj,
-                "created": r.created,
-                "model": service.name,
-                "choices": choices,
-                **extra,
-            }
-
-        def _usage(self, r: Request) -> dict:
-            return {
-                "prompt_tokens": len(r.job.ids),
-                "completion_tokens": r.made,
-                "total_tokens": len(r.job.ids) + r.made,
-            }
-
-        def _events(self, r: Request):
-            """(kind, text, records) as rank 0's loop sends them: "echo" (the prompt, with
-            its records), "delta" (text and the records of the tokens behind it), "done"
-            (the finish reason as text)."""
-            while True:
-                try:
-                    yield r.events.get(timeout=max(0.1, r.deadline - time.monotonic() + 5))
-                except queue.Empty:
-                    r.cancelled = True
-                    yield ("done", "length", [])
-                    return
-
-        def _stream(self, r: Request) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            try:
-                for what, value, records in self._events(r):
-                    if what == "echo":
-                        chunk = self._chunk(r, value, None, self._logprobs(r, records, r.job.ids))
-                    elif what == "delta":
-                        chunk = self._chunk(r, value, None, self._logprobs(r, records))
-                    else:
-                        chunk = self._chunk(r, None, value)
-                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                    self.wfile.flush()
-                    if what == "done":
-                        break
-                if r.include_usage:
-                    obj = "chat.completion.chunk" if r.kind == "chat" else "text_completion"
-                    last = self._envelope(r, obj, [], usage=self._usage(r))
-                    self.wfile.write(f"data: {json.dumps(last)}\n\n".encode())
-                self.wfile.write(b"data: [DONE]\n\n")
-                self.wfile.flush()
-            except (BrokenPipeError, ConnectionResetError):
-                r.cancelled = True  # the client went away: free its row at the next step
-            self.close_connection = True
-
-        def _whole(self, r: Request) -> None:
-            text, reason = [], "stop"
-            ids: list[int] = []
-            records: list = []
-            for what, value, recs in self._events(r):
-                if what == "done":
-                    reason = value
-                    break
-                text.append(value)
-                ids += r.job.ids if what == "echo" else [rec[0] for rec in recs]
-                records += recs
-            body = "".join(text)
-            logprobs = self._logprobs(r, records, ids)
-            choice = (
-                {"index": 0, "message": {"role": "assistant", "content": body}, "logprobs": logprobs}
-                if r.kind == "chat"
-                else {"index": 0, "text": body, "logprobs": logprobs}
-            )
-            choice["finish_reason"] = reason
-            obj = "chat.completion" if r.kind == "chat" else "text_completion"
-            self._json(200, self._envelope(r, obj, [choice], usage=self._usage(r)))
-
-    return Handler
-
-
-def start_http(service: Service, host: str, port: int) -> ThreadingHTTPServer:
-    server = ThreadingHTTPServer((host, port), make_handler(service))
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="mpitp-http", daemon=True).start()
-    return server
+    r.events.put((r.index, "done", reason, []))
