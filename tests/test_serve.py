@@ -250,6 +250,75 @@ def test_n_choices(tp, reference):
         assert srv.stop() == 0
 
 
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "color": {"enum": ["red", "green", "blue"]},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 16}, "zip": {"type": "integer", "maximum": 99999}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "color", "address"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_in_a_mixed_batch():
+    """8 requests at once, 4 held to a JSON schema (nested, enum, integer) and 4 free: every
+    constrained reply parses and validates, every free one equals what it gets alone.
+    json_object gives an object; a schema the grammar engine cannot compile is a 400."""
+    jsonschema = pytest.importorskip("jsonschema")
+    srv = Server(2, model=slow_model())
+    try:
+        c = srv.client
+        free = [f"Tell me about {x}." for x in ("Paris", "cats", "the sea", "music")]
+        one = lambda p: [{"role": "user", "content": p}]  # noqa: E731
+        alone = [c.chat.completions.create(model="m", messages=one(p), max_tokens=24, temperature=0) for p in free]
+        fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+        out: dict = {}
+
+        def ask(i):
+            if i % 2:
+                msg = [{"role": "user", "content": f"Describe person number {i} as JSON."}]
+                out[i] = c.chat.completions.create(
+                    model="m", messages=msg, max_tokens=120, temperature=0.7, seed=i, response_format=fmt
+                )
+            else:
+                msg = [{"role": "user", "content": free[i // 2]}]
+                out[i] = c.chat.completions.create(model="m", messages=msg, max_tokens=24, temperature=0)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert sorted(out) == list(range(8))
+        for i in range(1, 8, 2):
+            assert out[i].choices[0].finish_reason == "stop", out[i].choices[0]
+            jsonschema.validate(json.loads(out[i].choices[0].message.content), PERSON)
+        for i in range(0, 8, 2):
+            assert out[i].choices[0].message.content == alone[i // 2].choices[0].message.content
+        r = c.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "A JSON object with one key."}],
+            max_tokens=60,
+            temperature=0,
+            response_format={"type": "json_object"},
+        )
+        assert r.choices[0].finish_reason == "length" or isinstance(json.loads(r.choices[0].message.content), dict)
+        assert r.choices[0].message.content.lstrip().startswith("{")
+        bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}
+        with pytest.raises(openai.BadRequestError, match="cannot be compiled"):
+            c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], response_format=bad)
+    finally:
+        assert srv.stop() == 0
+
+
 def test_parameters_not_served_are_refused_by_name():
     srv = Server(1)
     try:
@@ -260,7 +329,7 @@ def test_parameters_not_served_are_refused_by_name():
             ({"logit_bias": {"5": 10}}, "'logit_bias'"),
             ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools'"),
             ({"frequency_penalty": 0.5}, "'frequency_penalty'"),
-            ({"response_format": {"type": "json_object"}}, "'response_format'"),
+            ({"response_format": {"type": "xml"}}, "'response_format.type'"),
             ({"top_logprobs": 2}, "'top_logprobs' needs 'logprobs'"),
             ({"temperature": 2.5}, "'temperature'"),
         ]:

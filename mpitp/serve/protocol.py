@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = ["ChatRequest", "CompletionRequest", "RequestError", "parse"]
 
@@ -84,8 +84,32 @@ class Message(BaseModel):
         return v if isinstance(v, str) else "".join(p.text for p in v)  # content parts: text only
 
 
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the grammar is always enforced
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a 'json_schema' object with a 'schema'")
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
+    response_format: ResponseFormat | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -96,14 +120,10 @@ class ChatRequest(_Common):
         "tool_choice": None,
         "functions": None,
         "function_call": None,
-        "response_format": None,
         "audio": None,
         "modalities": None,
         "prediction": None,
     }
-
-
-SERVED_RESPONSE_FORMATS = ({"type": "text"},)
 
 
 def parse(body: Any, kind: Literal["chat", "text"]) -> tuple[CompletionRequest | ChatRequest, list[str]]:
@@ -115,8 +135,6 @@ def parse(body: Any, kind: Literal["chat", "text"]) -> tuple[CompletionRequest |
     not_served = cls.NOT_SERVED
     for name, default in not_served.items():
         v = body.get(name, default)
-        if name == "response_format" and v in SERVED_RESPONSE_FORMATS:
-            continue
         if v is not None and v != default and v != {} and v != []:
             raise RequestError(f"'{name}' is not supported by mpitp serve (got {v!r})")
     try:

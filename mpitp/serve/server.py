@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..log import get_logger
 from ..models import chat
@@ -24,6 +25,7 @@ from ..models.stops import StopText
 from . import logprobs as lp
 from . import protocol
 from .engine import Engine, Job
+from .grammar import Grammars
 
 _ids = itertools.count(1)
 
@@ -51,6 +53,7 @@ class Request:
     pending: list = field(default_factory=list)  # token records not yet sent with text
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
     offset: int = 0  # text completions' logprobs: text_offset of the next token
+    matcher: Any = None  # response_format's grammar (rank 0), None when unconstrained
 
 
 @dataclass
@@ -70,6 +73,14 @@ class Service:
     def __post_init__(self):
         self.inbox = queue.Queue(maxsize=self.max_queue)
         self.template, self.special = chat.load(self.model_dir)
+        self.grammars: Grammars | None = None  # made on the first constrained request
+
+    def _matcher(self, response_format):
+        if not response_format or response_format.type == "text":
+            return None
+        if self.grammars is None:
+            self.grammars = Grammars(self.tok, self.vocab, self.eos)
+        return self.grammars.compile(response_format.as_dict())
 
     def make(self, body, kind: str) -> list[Request]:
         """The request's choices (``n`` of them, one row each), or :class:`BadRequest`."""
@@ -83,6 +94,7 @@ class Service:
             ids = self.tok.encode(text, add_special_tokens=False).ids  # type: ignore[attr-defined]
             max_tokens = req.max_completion_tokens or req.max_tokens or 256
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
+            matcher = self._matcher(req.response_format)
         else:
             if isinstance(req.prompt, str):
                 ids = self.tok.encode(req.prompt).ids  # type: ignore[attr-defined]
@@ -93,6 +105,7 @@ class Service:
                     raise BadRequest(f"prompt token id {bad[0]} lies outside the vocabulary of {self.vocab}")
             max_tokens = req.max_tokens or 16
             logprobs = req.logprobs
+            matcher = None
             if req.echo:
                 echo = req.prompt if isinstance(req.prompt, str) else self.tok.decode(ids)  # type: ignore[attr-defined]
         if len(ids) + max_tokens > self.context:
@@ -115,6 +128,7 @@ class Service:
             )
             r = Request(job, kind, req.stream, StopText(self.tok, req.stop or []), deadline, events, index=i)
             r.echo = echo
+            r.matcher = None if matcher is None else matcher.deep_copy()
             r.include_usage = bool((req.stream_options or {}).get("include_usage"))
             out.append(r)
         return out
@@ -176,13 +190,8 @@ def run(engine: Engine, service: Service | None) -> None:
                 picks = {}
                 for row, r in running.items():
                     lg = fresh[row] if row in fresh else logits[row]  # type: ignore[index]  # fed rows have logits
-                    k = r.job.logprobs
-                    if lg.ndim == 2:  # a prefill that kept every position: the prompt's records
-                        r.prompt_records = lp.prompt_records(lg, r.job.ids, k or 0)
-                        lg = lg[-1]
-                    token = engine.pick(row, lg)
-                    done = _emit(r, token, None if k is None else lp.record(lg, token, k))
-                    picks[row] = (token, done)
+                    token, record = _pick(engine, service, row, r, lg)
+                    picks[row] = (token, _emit(r, token, record))
             picks = engine.exchange(picks)
             for row, (token, _) in picks.items():
                 s = engine.slots[row]
@@ -199,6 +208,21 @@ def run(engine: Engine, service: Service | None) -> None:
             for row in list(running):
                 _finish(running.pop(row), "abort")
             return
+
+
+def _pick(engine: Engine, service: Service | None, row: int, r: Request, lg) -> tuple[int, Any]:
+    """Rank 0: the next token of ``r`` from its logits (masked by its grammar, if any),
+    and its log-probability record (from the model's own logits) when asked."""
+    k = r.job.logprobs
+    if lg.ndim == 2:  # a prefill that kept every position: the prompt's records
+        r.prompt_records = lp.prompt_records(lg, r.job.ids, k or 0)
+        lg = lg[-1]
+    g = service.grammars if service is not None and r.matcher is not None else None
+    token = engine.pick(row, lg if g is None else g.mask(r.matcher, lg))
+    if g is not None and token not in r.job.stop_ids and (error := g.advance(r.matcher, token)) is not None:
+        get_logger("serve").error(f"request {r.job.id}: grammar: {error}; unconstrained from here")
+        r.matcher = None
+    return token, None if k is None else lp.record(lg, token, k)
 
 
 def _moved(running: dict, src: int | None, dst: int) -> None:
