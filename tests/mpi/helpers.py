@@ -63,11 +63,35 @@ BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "prod": MPI.LAND, "min": MPI.LAND}  
 def mpi_reference(x, op):
     """MPI's own all-reduce of ``x`` over the world, through mpi4py alone — no mpitp table:
     mpi4py's dtype map (``MPI._typedict``) and MPI's built-in operations (on bools, the
-    logical ones NumPy's arithmetic amounts to)."""
+    logical ones NumPy's arithmetic amounts to). None where this MPI library computes the
+    operation wrongly (:func:`mpi_wraps`): then NumPy's result is the only reference.
+    Collective: every rank calls it with the same dtype and op."""
+    if op == "sum" and x.dtype.kind in "iu" and not mpi_wraps(x.dtype):
+        return None
     dt = MPI._typedict[x.dtype.char]
     y = np.empty_like(x)
     MPI.COMM_WORLD.Allreduce([x, dt], [y, dt], op=(BOOL_OPS if x.dtype == np.bool_ else MPI_OPS)[op])
     return y
+
+
+_WRAPS: dict = {}
+
+
+def mpi_wraps(dtype) -> bool:
+    """Whether MPI's built-in SUM of ``dtype`` wraps around on overflow, as C and NumPy do
+    (Open MPI 5.0's AVX op component saturates 8- and 16-bit sums of long enough arrays).
+    Probed here with MPI alone, once per dtype; collective."""
+    dtype = np.dtype(dtype)
+    if dtype not in _WRAPS:
+        top = np.full(4096, np.iinfo(dtype).max, dtype)
+        got = np.empty_like(top)
+        dt = MPI._typedict[dtype.char]
+        MPI.COMM_WORLD.Allreduce([top, dt], [got, dt], op=MPI.SUM)
+        want = np.full(4096, np.iinfo(dtype).max, dtype)
+        for _ in range(MPI.COMM_WORLD.size - 1):
+            want = np.add(want, top, dtype=dtype)  # wraps
+        _WRAPS[dtype] = bool(MPI.COMM_WORLD.allreduce(int(np.array_equal(got, want)), op=MPI.MIN))
+    return _WRAPS[dtype]
 
 
 def split_sizes(n: int, parts: int) -> list[int]:

@@ -66,7 +66,8 @@ def check_allreduce(comm, n, dtype, op, algorithm, seed):
     tol = bound(inputs, op, dtype)
     agree(np.array_equal(x, x0), "input was modified")
     agree(y.shape == x.shape and y.dtype == x.dtype, f"got {y.shape} {y.dtype}")
-    agree(close(y, ref_mpi, tol), f"{algorithm} {dtype} {op} n={n}: differs from MPI's own Allreduce")
+    where = f"{algorithm} {dtype} {op} n={n}"
+    agree(ref_mpi is None or close(y, ref_mpi, tol), f"{where}: differs from MPI's own Allreduce")  # None: MPI's wrong
     agree(close(y, ref_np, tol), f"{algorithm} {dtype} {op} n={n}: differs from NumPy")
     agree(same_on_all_ranks(y), f"{algorithm} {dtype} {op} n={n}: ranks disagree bitwise")
 
@@ -214,7 +215,8 @@ def test_small_message_fast_path(dtype, op):
             ref_mpi = mpi_reference(x, op)
             for _ in range(3):  # 1st call: slow path; then the fast path
                 y = c.allreduce(x, op=op)
-                agree(close(y, ref_mpi, tol) and close(y, ref, tol) and y.dtype == x.dtype, f"{dtype} {op} n={n}")
+                by_mpi = ref_mpi is None or close(y, ref_mpi, tol)  # None: this MPI computes it wrongly
+                agree(by_mpi and close(y, ref, tol) and y.dtype == x.dtype, f"{dtype} {op} n={n}")
                 out = np.empty_like(x)
                 agree(c.allreduce(x, op=op, out=out) is out and close(out, ref, tol), "out=")
                 z = x.copy()

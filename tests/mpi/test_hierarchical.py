@@ -46,7 +46,8 @@ def test_matches_mpi(ncomm, alg, dtype, op, n):
     x = inputs[ncomm.rank]
     y = ncomm.allreduce(x, op=op, algorithm=alg)
     tol, where = bound(inputs, op, dtype), f"{alg} {dtype} {op} n={n} nodes={ncomm.topology.nodes}"
-    agree(close(y, mpi_reference(x, op), tol), f"{where}: differs from MPI's own Allreduce")
+    ref_mpi = mpi_reference(x, op)  # None: this MPI computes it wrongly; NumPy's below stands
+    agree(ref_mpi is None or close(y, ref_mpi, tol), f"{where}: differs from MPI's own Allreduce")
     agree(close(y, numpy_reference(inputs, op), tol), f"{where}: differs from NumPy")
     agree(same_on_all_ranks(y), f"{alg}: ranks disagree bitwise")
 
