@@ -319,6 +319,56 @@ def test_structured_output_in_a_mixed_batch():
         assert srv.stop() == 0
 
 
+def scrape(url: str) -> dict:
+    """``/metrics`` parsed by prometheus_client's own parser: {(name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def test_metrics_count_what_was_sent():
+    """Counters equal the usage the replies reported; one histogram sample per request (time
+    to first token, end to end) and per later token (inter-token); gauges back to 0."""
+    srv = Server(2)
+    try:
+        c = srv.client
+        before = scrape(srv.url)
+        assert before[("mpitp:num_requests_running", ())] == 0 and before[("mpitp:generation_tokens_total", ())] == 0
+        usage, reasons = [], {}
+        for i, p in enumerate(PROMPTS[:5]):
+            r = c.completions.create(model="mha", prompt=p, max_tokens=5 + i, temperature=0)
+            usage.append(r.usage)
+            reasons[r.choices[0].finish_reason] = reasons.get(r.choices[0].finish_reason, 0) + 1
+        msg = [{"role": "user", "content": "hi"}]
+        chunks = list(
+            c.chat.completions.create(
+                model="mha", messages=msg, max_tokens=4, stream=True, stream_options={"include_usage": True}
+            )
+        )
+        usage.append(chunks[-1].usage)
+        last = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason][0].choices[0].finish_reason
+        reasons[last] = reasons.get(last, 0) + 1
+        m = scrape(srv.url)
+        made = sum(u.completion_tokens for u in usage)
+        assert m[("mpitp:generation_tokens_total", ())] == made > 6
+        assert m[("mpitp:prompt_tokens_total", ())] == sum(u.prompt_tokens for u in usage)
+        ends = {dict(k)["finished_reason"]: v for (name, k), v in m.items() if name == "mpitp:request_success_total"}
+        assert {k: v for k, v in ends.items() if v} == reasons, (ends, reasons)
+        assert m[("mpitp:time_to_first_token_seconds_count", ())] == 6
+        assert m[("mpitp:e2e_request_latency_seconds_count", ())] == 6
+        assert m[("mpitp:inter_token_latency_seconds_count", ())] == made - 6
+        assert m[("mpitp:num_requests_running", ())] == 0 and m[("mpitp:num_requests_waiting", ())] == 0
+    finally:
+        assert srv.stop() == 0
+
+
 def test_parameters_not_served_are_refused_by_name():
     srv = Server(1)
     try:

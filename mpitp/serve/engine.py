@@ -146,6 +146,11 @@ class Engine:
                 s.pos += 1
         return _host(logits)
 
+    def kv_usage(self) -> float:
+        """The share of the cache's rows x columns that running requests attend to."""
+        c, k = self.cache, self.running
+        return float(c.valid[:k, : c.length].sum()) / (self.B * self.max_len) if k else 0.0
+
     @property
     def running(self) -> int:
         return sum(s is not None for s in self.slots)

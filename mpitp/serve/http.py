@@ -3,7 +3,7 @@
     POST /v1/chat/completions   messages -> the model's chat template -> completion
     POST /v1/completions        prompt (text or token ids) -> completion
          stream: true           server-sent events ("data: {...}" ... "data: [DONE]")
-    GET  /v1/models, /health
+    GET  /v1/models, /health, /metrics (Prometheus)
 
 A ThreadingHTTPServer's threads validate a request (400 with OpenAI's error body), queue
 its ``n`` choices and relay the events rank 0's loop sends them — one queue per request,
@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ..models import chat
 from . import logprobs as lp
+from . import metrics
 from .server import BadRequest, Request, Service
 
 
@@ -52,6 +53,14 @@ def make_handler(service: Service):
         def do_GET(self):
             if self.path == "/health":
                 return self._json(200, {"status": "ok"})
+            if self.path == "/metrics":  # unauthenticated, as vLLM's: scrapers carry no key
+                data = service.metrics.text()
+                self.send_response(200)
+                self.send_header("Content-Type", metrics.CONTENT_TYPE)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
             if not self._authorized():
                 return
             if self.path == "/v1/models":

@@ -26,6 +26,7 @@ from . import logprobs as lp
 from . import protocol
 from .engine import Engine, Job
 from .grammar import Grammars
+from .metrics import Metrics
 
 _ids = itertools.count(1)
 
@@ -54,6 +55,10 @@ class Request:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
     offset: int = 0  # text completions' logprobs: text_offset of the next token
     matcher: Any = None  # response_format's grammar (rank 0), None when unconstrained
+    metrics: Any = None  # the service's Metrics
+    arrived: float = field(default_factory=time.monotonic)
+    last_token_at: float = 0.0
+    admitted: bool = False  # took a batch row (metrics: running)
 
 
 @dataclass
@@ -74,6 +79,7 @@ class Service:
         self.inbox = queue.Queue(maxsize=self.max_queue)
         self.template, self.special = chat.load(self.model_dir)
         self.grammars: Grammars | None = None  # made on the first constrained request
+        self.metrics = Metrics(self.name, waiting=self.inbox.qsize)
 
     def _matcher(self, response_format):
         if not response_format or response_format.type == "text":
@@ -129,6 +135,7 @@ class Service:
             r = Request(job, kind, req.stream, StopText(self.tok, req.stop or []), deadline, events, index=i)
             r.echo = echo
             r.matcher = None if matcher is None else matcher.deep_copy()
+            r.metrics = self.metrics
             r.include_usage = bool((req.stream_options or {}).get("include_usage"))
             out.append(r)
         return out
@@ -164,6 +171,7 @@ def run(engine: Engine, service: Service | None) -> None:
                 except queue.Empty:
                     break
                 if req.cancelled:
+                    service.metrics.finished(req, "cancelled")
                     continue
                 jobs.append(req.job)
                 admitted.append(req)
@@ -183,6 +191,9 @@ def run(engine: Engine, service: Service | None) -> None:
             fresh[row] = engine.admit(job)
             if rank0:
                 running[row] = pending[len(fresh) - 1]
+                service.metrics.admitted(running[row])  # type: ignore[union-attr]
+        if service is not None:
+            service.metrics.kv_used(engine.kv_usage())
         picks = None
         if engine.busy:
             logits = engine.step() if any(s and s.last >= 0 for s in engine.slots) else None
@@ -237,6 +248,8 @@ def _emit(r: Request, token: int, record=None) -> str | None:
     if r.made == 0 and r.echo:
         r.events.put((r.index, "echo", r.echo, r.prompt_records or []))
     r.made += 1
+    if r.metrics is not None:
+        r.metrics.token(r)
     if token in r.job.stop_ids:
         _finish(r, "stop")
         return "stop"
@@ -260,4 +273,6 @@ def _finish(r: Request, reason: str) -> None:
     if rest or r.pending:
         r.events.put((r.index, "delta", rest, r.pending))
         r.pending = []
+    if r.metrics is not None:  # counted before the client hears of it: a scrape after sees it
+        r.metrics.finished(r, reason)
     r.events.put((r.index, "done", reason, []))
