@@ -33,6 +33,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from pathlib import Path
 
+    from mpi4py import MPI
     from tokenizers import Tokenizer
 
     from ..comm import Communicator
@@ -42,7 +43,7 @@ def run(args) -> int:
     from ..models.resolve import resolve
     from ..serve.engine import Engine
     from ..serve.http import start_http
-    from ..serve.server import Service
+    from ..serve.server import Service, Stop
     from ..serve.server import run as serve_loop
 
     if args.max_batch < 1 or args.max_queue < 1:
@@ -69,7 +70,10 @@ def run(args) -> int:
             )
             service.eos = tuple(model.config.eos_token_id)
             service.vocab = model.config.vocab_size
-        ok = comm.mpi.bcast(True, root=0)
+        stop = Stop()  # from here on, SIGTERM/SIGINT end the server cleanly
+        # every rank has its handler before rank 0 answers /health (a bcast lets the root
+        # run ahead while a slower rank still loads: a signal then would kill that rank)
+        ok = comm.mpi.allreduce(True, op=MPI.LAND)
         server = None
         if comm.rank == 0 and ok:
             assert service is not None
@@ -77,7 +81,7 @@ def run(args) -> int:
             get_logger("serve").info(
                 f"serving {service.name} at http://{args.host}:{args.port}/v1 (TP={comm.size}, batch {args.max_batch})"
             )
-        serve_loop(engine, service)
+        serve_loop(engine, service, stop)
         if server is not None:
             server.shutdown()
         get_logger("serve").info("stopped")

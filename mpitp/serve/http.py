@@ -1,205 +1,224 @@
-"""The OpenAI-compatible HTTP side, on rank 0 (the loop every rank runs: server.py).
+"""The OpenAI-compatible HTTP side, on rank 0: FastAPI on uvicorn, as vLLM's server
+(the loop every rank runs: server.py).
 
     POST /v1/chat/completions   messages -> the model's chat template -> completion
     POST /v1/completions        prompt (text or token ids) -> completion
          stream: true           server-sent events ("data: {...}" ... "data: [DONE]")
     GET  /v1/models, /health, /metrics (Prometheus)
 
-A ThreadingHTTPServer's threads validate a request (400 with OpenAI's error body), queue
-its ``n`` choices and relay the events rank 0's loop sends them — one queue per request,
-``(choice, kind, text, records)`` with kind "echo", "delta" or "done".
+uvicorn runs in a thread of rank 0 (its own event loop; the main thread keeps the
+signals and runs the lockstep loop). A request is validated (400 with OpenAI's error
+body), its ``n`` choices queued for the loop (503 when the bounded queue is full), and the
+events the loop sends back — ``(choice, kind, text, records)`` with kind "echo", "delta"
+or "done" — reach an asyncio queue through the event loop's thread-safe door. A client
+that goes away cancels its choices; the loop frees their rows at the next step.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-import queue
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
 from ..models import chat
 from . import logprobs as lp
 from . import metrics
-from .server import BadRequest, Request, Service
+from .server import BadRequest, Service
+from .server import Request as Choice
 
 
-def make_handler(service: Service):
+class Events:
+    """A request's event queue: ``put`` from the loop's thread, ``get`` on uvicorn's loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.q: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.q.put_nowait, item)
+
+    async def get(self, timeout: float):
+        return await asyncio.wait_for(self.q.get(), timeout)
+
+
+def error(code: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": code}}, status_code=code)
+
+
+def make_app(service: Service) -> FastAPI:
+    app = FastAPI(title="mpitp", docs_url=None, redoc_url=None, openapi_url=None)
     fmt = lp.Formatter(service.tok)
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):  # 404, 405 in OpenAI's shape
+        return error(e.status_code, f"{e.detail}: {request.method} {request.url.path}")
 
-        def log_message(self, fmt, *args):  # quiet: mpitp logs what matters
-            pass
+    def refused(request: Request) -> JSONResponse | None:
+        if service.api_key and request.headers.get("authorization") != f"Bearer {service.api_key}":
+            return error(401, "missing or wrong API key", "authentication_error")
+        return None
 
-        def _json(self, code: int, obj) -> None:
-            data = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    @app.get("/health")
+    def health():
+        return {"status": "ok"}
 
-        def _error(self, code: int, message: str, kind: str = "invalid_request_error") -> None:
-            self._json(code, {"error": {"message": message, "type": kind, "code": code}})
+    @app.get("/metrics")  # unauthenticated, as vLLM's: scrapers carry no key
+    def prometheus():
+        return Response(service.metrics.text(), media_type=metrics.CONTENT_TYPE)
 
-        def _authorized(self) -> bool:
-            if service.api_key and self.headers.get("Authorization") != f"Bearer {service.api_key}":
-                self._error(401, "missing or wrong API key", "authentication_error")
-                return False
-            return True
+    @app.get("/v1/models")
+    def models(request: Request):
+        return refused(request) or {
+            "object": "list",
+            "data": [{"id": service.name, "object": "model", "owned_by": "mpitp"}],
+        }
 
-        def do_GET(self):
-            if self.path == "/health":
-                return self._json(200, {"status": "ok"})
-            if self.path == "/metrics":  # unauthenticated, as vLLM's: scrapers carry no key
-                data = service.metrics.text()
-                self.send_response(200)
-                self.send_header("Content-Type", metrics.CONTENT_TYPE)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-                return
-            if not self._authorized():
-                return
-            if self.path == "/v1/models":
-                return self._json(
-                    200, {"object": "list", "data": [{"id": service.name, "object": "model", "owned_by": "mpitp"}]}
-                )
-            self._error(404, f"no route {self.path}")
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await submit(request, "chat")
 
-        def do_POST(self):
-            kind = {"/v1/chat/completions": "chat", "/v1/completions": "text"}.get(self.path)
-            if kind is None:
-                return self._error(404, f"no route {self.path}")
-            if not self._authorized():
-                return
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await submit(request, "text")
+
+    async def submit(request: Request, kind: str):
+        if (no := refused(request)) is not None:
+            return no
+        try:
+            body = json.loads(await request.body() or b"null")
+            rs = await run_in_threadpool(service.make, body, kind, Events(asyncio.get_running_loop()))
+        except (ValueError, BadRequest, chat.ChatTemplateError) as e:
+            return error(400, str(e))
+        if service.stopping.is_set():
+            return error(503, "the server is shutting down", "server_error")
+        for i, r in enumerate(rs):
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
-                rs = service.make(body, kind)
-            except (ValueError, BadRequest, chat.ChatTemplateError) as e:
-                return self._error(400, str(e))
-            if service.stopping.is_set():
-                return self._error(503, "the server is shutting down", "server_error")
-            for i, r in enumerate(rs):
-                try:
-                    service.inbox.put_nowait(r)
-                except queue.Full:
-                    for q in rs[:i]:
-                        q.cancelled = True  # the choices already queued never run
-                    return self._error(503, "too many requests queued; try again", "server_error")
-            (self._stream if rs[0].stream else self._whole)(rs)
+                service.inbox.put_nowait(r)
+            except Exception:  # queue.Full
+                for q in rs[:i]:
+                    q.cancelled = True  # the choices already queued never run
+                return error(503, "too many requests queued; try again", "server_error")
+        if rs[0].stream:
+            return StreamingResponse(stream(rs), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return JSONResponse(await whole(rs))
 
-        # ------------------------------------------------------------------ bodies
-        def _logprobs(self, r: Request, records: list, ids: list[int] | None = None):
-            """The choice's ``logprobs`` for these token records (None unless asked);
-            text completions count ``text_offset`` on from ``r.offset``."""
-            if r.job.logprobs is None:
-                return None
-            if r.kind == "chat":
-                return {"content": fmt.chat(records)}
-            ids = [rec[0] for rec in records] if ids is None else ids
-            out = fmt.completion(records, ids, r.offset)
-            r.offset += sum(len(t) for t in out["tokens"])
-            return out
+    # ------------------------------------------------------------------ bodies
+    def logprobs(r: Choice, records: list, ids: list[int] | None = None):
+        """The choice's ``logprobs`` for these token records (None unless asked); text
+        completions count ``text_offset`` on from ``r.offset``."""
+        if r.job.logprobs is None:
+            return None
+        if r.kind == "chat":
+            return {"content": fmt.chat(records)}
+        ids = [rec[0] for rec in records] if ids is None else ids
+        out = fmt.completion(records, ids, r.offset)
+        r.offset += sum(len(t) for t in out["tokens"])
+        return out
 
-        def _envelope(self, r: Request, obj: str, choices: list, **extra) -> dict:
-            return {
-                "id": f"cmpl-{r.job.id}",
-                "object": obj,
-                "created": r.created,
-                "model": service.name,
-                "choices": choices,
-                **extra,
-            }
+    def envelope(r: Choice, obj: str, choices: list, **extra) -> dict:
+        head = {"id": f"cmpl-{r.job.id}", "object": obj, "created": r.created, "model": service.name}
+        return {**head, "choices": choices, **extra}
 
-        @staticmethod
-        def _usage(rs: list[Request]) -> dict:
-            prompt, made = len(rs[0].job.ids), sum(r.made for r in rs)
-            return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
+    def usage(rs: list[Choice]) -> dict:
+        prompt, made = len(rs[0].job.ids), sum(r.made for r in rs)
+        return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
 
-        def _events(self, rs: list[Request]):
-            """The choices' events until each is done (a choice past its deadline by 5 s:
-            cancelled, ended with "length")."""
-            left = {r.index for r in rs}
-            while left:
-                try:
-                    ev = rs[0].events.get(timeout=max(0.1, rs[0].deadline - time.monotonic() + 5))
-                except queue.Empty:
-                    for r in rs:
-                        r.cancelled = True
-                    for i in sorted(left):
-                        yield (i, "done", "length", [])
-                    return
-                if ev[1] == "done":
-                    left.discard(ev[0])
-                yield ev
-
-        # ------------------------------------------------------------------ replies
-        def _stream(self, rs: list[Request]) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            chat_kind = rs[0].kind == "chat"
-            obj = "chat.completion.chunk" if chat_kind else "text_completion"
+    async def events(rs: list[Choice]):
+        """The choices' events until each is done (past the deadline by 5 s: cancelled,
+        ended with "length")."""
+        left = {r.index for r in rs}
+        while left:
             try:
-                for i, what, value, records in self._events(rs):
-                    r = rs[i]
-                    if what == "done":
-                        text, logprobs, reason = None, None, value
-                    else:
-                        text, reason = value, None
-                        logprobs = self._logprobs(r, records, r.job.ids if what == "echo" else None)
-                    if chat_kind:
-                        delta = {"content": text} if text is not None else {}
-                        choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-                    else:
-                        choice = {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
-                    self._send(self._envelope(rs[0], obj, [choice]))
-                if rs[0].include_usage:
-                    self._send(self._envelope(rs[0], obj, [], usage=self._usage(rs)))
-                self.wfile.write(b"data: [DONE]\n\n")
-                self.wfile.flush()
-            except (BrokenPipeError, ConnectionResetError):
+                ev = await rs[0].events.get(max(0.1, rs[0].deadline - time.monotonic() + 5))
+            except asyncio.TimeoutError:
                 for r in rs:
-                    r.cancelled = True  # the client went away: free the rows at the next step
-            self.close_connection = True
+                    r.cancelled = True
+                for i in sorted(left):
+                    yield (i, "done", "length", [])
+                return
+            if ev[1] == "done":
+                left.discard(ev[0])
+            yield ev
 
-        def _send(self, chunk: dict) -> None:
-            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            self.wfile.flush()
-
-        def _whole(self, rs: list[Request]) -> None:
-            text: list[list[str]] = [[] for _ in rs]
-            ids: list[list[int]] = [[] for _ in rs]
-            records: list[list] = [[] for _ in rs]
-            reason = ["stop"] * len(rs)
-            for i, what, value, recs in self._events(rs):
+    async def stream(rs: list[Choice]):
+        chat_kind = rs[0].kind == "chat"
+        obj = "chat.completion.chunk" if chat_kind else "text_completion"
+        finished = False
+        try:
+            async for i, what, value, records in events(rs):
+                r = rs[i]
                 if what == "done":
-                    reason[i] = value
-                    continue
-                text[i].append(value)
-                ids[i] += rs[i].job.ids if what == "echo" else [rec[0] for rec in recs]
-                records[i] += recs
-            choices = []
-            for i, r in enumerate(rs):
-                body, logprobs = "".join(text[i]), self._logprobs(r, records[i], ids[i])
-                if r.kind == "chat":
-                    message = {"role": "assistant", "content": body}
-                    choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason[i]})
+                    text, lps, reason = None, None, value
                 else:
-                    choices.append({"index": i, "text": body, "logprobs": logprobs, "finish_reason": reason[i]})
-            obj = "chat.completion" if rs[0].kind == "chat" else "text_completion"
-            self._json(200, self._envelope(rs[0], obj, choices, usage=self._usage(rs)))
+                    text, reason = value, None
+                    lps = logprobs(r, records, r.job.ids if what == "echo" else None)
+                if chat_kind:
+                    delta = {"content": text} if text is not None else {}
+                    choice = {"index": i, "delta": delta, "logprobs": lps, "finish_reason": reason}
+                else:
+                    choice = {"index": i, "text": text or "", "logprobs": lps, "finish_reason": reason}
+                yield f"data: {json.dumps(envelope(rs[0], obj, [choice]))}\n\n"
+            if rs[0].include_usage:
+                yield f"data: {json.dumps(envelope(rs[0], obj, [], usage=usage(rs)))}\n\n"
+            yield "data: [DONE]\n\n"
+            finished = True
+        finally:
+            if not finished:  # the client went away: free the rows at the next step
+                for r in rs:
+                    r.cancelled = True
 
-    return Handler
+    async def whole(rs: list[Choice]) -> dict:
+        text: list[list[str]] = [[] for _ in rs]
+        ids: list[list[int]] = [[] for _ in rs]
+        records: list[list] = [[] for _ in rs]
+        reason = ["stop"] * len(rs)
+        async for i, what, value, recs in events(rs):
+            if what == "done":
+                reason[i] = value
+                continue
+            text[i].append(value)
+            ids[i] += rs[i].job.ids if what == "echo" else [rec[0] for rec in recs]
+            records[i] += recs
+        choices = []
+        for i, r in enumerate(rs):
+            body, lps = "".join(text[i]), logprobs(r, records[i], ids[i])
+            if r.kind == "chat":
+                message = {"role": "assistant", "content": body}
+                choices.append({"index": i, "message": message, "logprobs": lps, "finish_reason": reason[i]})
+            else:
+                choices.append({"index": i, "text": body, "logprobs": lps, "finish_reason": reason[i]})
+        obj = "chat.completion" if rs[0].kind == "chat" else "text_completion"
+        return envelope(rs[0], obj, choices, usage=usage(rs))
+
+    return app
 
 
-def start_http(service: Service, host: str, port: int) -> ThreadingHTTPServer:
-    server = ThreadingHTTPServer((host, port), make_handler(service))
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="mpitp-http", daemon=True).start()
-    return server
+class HTTPServer:
+    """uvicorn serving ``make_app(service)`` from a thread of rank 0."""
+
+    def __init__(self, service: Service, host: str, port: int):
+        config = uvicorn.Config(
+            make_app(service), host=host, port=port, log_level="warning", lifespan="off", timeout_graceful_shutdown=2
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="mpitp-http", daemon=True)
+        self.thread.start()
+        while not self.server.started and self.thread.is_alive():
+            time.sleep(0.01)
+        if not self.server.started:
+            raise OSError(f"cannot serve at http://{host}:{port} (see the message above)")
+
+    def shutdown(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def start_http(service: Service, host: str, port: int) -> HTTPServer:
+    return HTTPServer(service, host, port)

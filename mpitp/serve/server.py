@@ -44,7 +44,7 @@ class Request:
     stream: bool
     stops: StopText
     deadline: float
-    events: queue.Queue = field(default_factory=queue.Queue)
+    events: Any = field(default_factory=queue.Queue)  # put((choice, kind, text, records)); http.Events
     index: int = 0  # which choice
     cancelled: bool = False
     made: int = 0
@@ -88,8 +88,9 @@ class Service:
             self.grammars = Grammars(self.tok, self.vocab, self.eos)
         return self.grammars.compile(response_format.as_dict())
 
-    def make(self, body, kind: str) -> list[Request]:
-        """The request's choices (``n`` of them, one row each), or :class:`BadRequest`."""
+    def make(self, body, kind: str, events=None) -> list[Request]:
+        """The request's choices (``n`` of them, one row each) sharing ``events`` (a new
+        queue.Queue when None), or :class:`BadRequest`."""
         req, unknown = protocol.parse(body, "chat" if kind == "chat" else "text")
         if unknown:
             get_logger("serve").warning(f"ignoring unknown field(s) {', '.join(map(repr, unknown))} of a request")
@@ -116,7 +117,7 @@ class Service:
                 echo = req.prompt if isinstance(req.prompt, str) else self.tok.decode(ids)  # type: ignore[attr-defined]
         if len(ids) + max_tokens > self.context:
             raise BadRequest(f"{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the context of {self.context}")
-        events: queue.Queue = queue.Queue()
+        events = queue.Queue() if events is None else events
         deadline = time.monotonic() + self.timeout
         out = []
         for i in range(req.n):
@@ -145,18 +146,25 @@ class Service:
 
 
 # ---------------------------------------------------------------------------- the loop
-def run(engine: Engine, service: Service | None) -> None:
+class Stop(threading.Event):
+    """Set by SIGTERM or SIGINT, naming the signal. Installed before the HTTP side starts,
+    so a signal that arrives as soon as /health answers still ends the server cleanly."""
+
+    def __init__(self):
+        super().__init__()
+        self.why = "a signal"
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on)
+
+    def _on(self, signum, _frame):
+        self.why = signal.Signals(signum).name
+        self.set()
+
+
+def run(engine: Engine, service: Service | None, stop: Stop | None = None) -> None:
     """Every rank: serve until SIGTERM/SIGINT (rank 0 decides; the others follow)."""
     rank0 = service is not None
-    stop = threading.Event()
-    got: list[str] = []
-
-    def on_signal(signum, _frame):
-        got.append(signal.Signals(signum).name)
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+    stop = stop or Stop()
     running: dict[int, Request] = {}  # rank 0: row -> request
     while True:
         control = None
@@ -214,8 +222,7 @@ def run(engine: Engine, service: Service | None) -> None:
             if service is not None:
                 service.stopping.set()
             if rank0:
-                why = got[0] if got else "a signal"
-                get_logger("serve").info(f"{why}: ending {len(running)} request(s) in flight with what they have")
+                get_logger("serve").info(f"{stop.why}: ending {len(running)} request(s) in flight with what they have")
             for row in list(running):
                 _finish(running.pop(row), "abort")
             return
