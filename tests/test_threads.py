@@ -1,5 +1,6 @@
 """BLAS threads per rank (mpitp.threads): set under a multi-rank launcher, left alone otherwise."""
 
+import ast
 import os
 import subprocess
 import sys
@@ -66,4 +67,6 @@ def test_each_rank_picks_its_own_gpu_under_mpiexec():
     )
     res = launch.run(3, [sys.executable, "-c", code], timeout=60)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "[0, 1, 2]", res.stdout
+    # each its own GPU; which rank gets which follows the launcher's local-rank numbering
+    # (Open MPI 5's need not follow world rank order)
+    assert sorted(ast.literal_eval(res.stdout.strip())) == [0, 1, 2], res.stdout
