@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import threading
 import time
 
@@ -101,7 +102,7 @@ def make_app(service: Service) -> FastAPI:
         for i, r in enumerate(rs):
             try:
                 service.inbox.put_nowait(r)
-            except Exception:  # queue.Full
+            except queue.Full:
                 for q in rs[:i]:
                     q.cancelled = True  # the choices already queued never run
                 return error(503, "too many requests queued; try again", "server_error")

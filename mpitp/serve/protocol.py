@@ -51,13 +51,6 @@ class _Common(BaseModel):
     def _stops(cls, v):
         return [v] if isinstance(v, str) else v
 
-    @field_validator("prompt", check_fields=False)
-    @classmethod
-    def _prompt(cls, v):
-        if not v:
-            raise ValueError("the prompt must not be empty")
-        return v
-
 
 class CompletionRequest(_Common):
     prompt: str | list[int]  # text, or token ids (as lm-eval's local-completions sends)
@@ -65,6 +58,13 @@ class CompletionRequest(_Common):
     echo: bool = False
 
     NOT_SERVED: ClassVar[dict[str, Any]] = {**_Common.NOT_SERVED, "suffix": None, "best_of": 1}
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if not v:
+            raise ValueError("the prompt must not be empty")
+        return v
 
 
 class TextPart(BaseModel):
