@@ -3,7 +3,8 @@ and chat, streaming and not, equal to mpitp generate's greedy text; 8 concurrent
 a malformed request; a client that goes away mid-stream; a full queue; the API key;
 SIGTERM with requests in flight; log-probabilities (echo against transformers' logits,
 greedy chat against its own top entry, streamed equal to whole); parameters the server
-does not serve refused by name."""
+does not serve refused by name; packed, chunked prefill and the prefix cache against
+generate's text."""
 
 import http.client
 import json
@@ -217,7 +218,10 @@ def test_logprobs(n):
             model="mha", messages=msg, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2, stream=True
         )
         streamed = [x for ch in s for x in ((ch.choices[0].logprobs.content or []) if ch.choices[0].logprobs else [])]
-        assert [(x.token, x.logprob) for x in streamed] == [(x.token, x.logprob) for x in content]
+        # the second request reuses the first's prompt blocks (prefix cache): the same
+        # numbers up to summation order
+        assert [x.token for x in streamed] == [x.token for x in content]
+        assert np.abs(np.array([x.logprob for x in streamed]) - [x.logprob for x in content]).max() <= 1e-5
         plain = c.chat.completions.create(model="mha", messages=msg, max_tokens=6, temperature=0)
         assert plain.choices[0].logprobs is None
         assert plain.choices[0].message.content == whole.choices[0].message.content
@@ -365,6 +369,47 @@ def test_metrics_count_what_was_sent():
         assert m[("mpitp:e2e_request_latency_seconds_count", ())] == 6
         assert m[("mpitp:inter_token_latency_seconds_count", ())] == made - 6
         assert m[("mpitp:num_requests_running", ())] == 0 and m[("mpitp:num_requests_waiting", ())] == 0
+    finally:
+        assert srv.stop() == 0
+
+
+SHARED = "the quick brown fox jumps over the lazy dog, again: "  # about a token a character
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3])
+def test_prefix_cache_and_packed_chunked_prefill_equal_generate(tp):
+    """Prompts sharing a long start, sent together to a server that packs prompts into one
+    forward 16 tokens at a time (chunks) and keeps prompt blocks: each text equals mpitp
+    generate's for its prompt alone; asked again, the shared blocks come from the cache."""
+    prompts = [SHARED + p for p in PROMPTS[:3]]
+    want = {}
+    for p in prompts:
+        res = launch.run(1, [sys.executable, "-m", "mpitp.cli.main", "generate", "--model", str(FIX), "--prompt", p,
+                             "--max-new-tokens", "8"], timeout=120)  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        want[p] = res.stdout[len(p) :].rstrip("\n")
+    srv = Server(tp, "--max-num-batched-tokens", "16")
+    try:
+        c, got = srv.client, {}
+
+        def ask(p):
+            got[p] = c.completions.create(model="mha", prompt=p, max_tokens=8, temperature=0).choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert got == want
+        first = scrape(srv.url)
+        again = [c.completions.create(model="mha", prompt=p, max_tokens=8, temperature=0) for p in prompts]
+        assert [r.choices[0].text for r in again] == [want[p] for p in prompts]
+        m = scrape(srv.url)
+        asked = sum(r.usage.prompt_tokens for r in again)
+        assert m[("mpitp:prefix_cache_queries_total", ())] - first[("mpitp:prefix_cache_queries_total", ())] == asked
+        hits = m[("mpitp:prefix_cache_hits_total", ())] - first[("mpitp:prefix_cache_hits_total", ())]
+        # every full block but the one holding the last token was cached by the first round
+        assert hits == sum((r.usage.prompt_tokens - 1) // 16 * 16 for r in again) > 0
     finally:
         assert srv.stop() == 0
 

@@ -15,13 +15,11 @@ FIX = Path(__file__).resolve().parent / "fixtures"
 def decode(engine: Engine, row: int, first_logits, n: int) -> list[int]:
     """Greedy tokens of the request in ``row`` (the only one fed), ``n`` of them."""
     out = [int(np.argmax(first_logits))]
-    s = engine.slots[row]
-    assert s is not None
-    s.last = out[0]
+    engine.took(row, out[0])
     for _ in range(n - 1):
         logits = engine.step()
         out.append(int(np.argmax(logits[row])))
-        s.last, s.pos = out[-1], s.pos
+        engine.took(row, out[-1])
     return out
 
 
@@ -47,3 +45,90 @@ def test_timeline_restarts_and_compacts_without_changing_answers():
     before = e.cache.length
     assert decode(e, 0, short, 6) == alone
     assert e.cache.length < before  # compacted
+
+
+def _alone(model, ids):
+    """Every position's logits of ``ids`` prefilled alone, the reference."""
+    return np.asarray(model([ids]))[0]
+
+
+def _close(a, b):
+    scale = np.abs(b).max()
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * scale)
+
+
+def test_packed_chunked_prefill_equals_each_prompt_alone():
+    """Prompts of different lengths packed into one forward, under a budget that cuts the
+    long ones into chunks across iterations: each prompt's logits equal its own forward."""
+    model = LlamaForCausalLM.from_pretrained(FIX / "gqa")
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(3, 250, n)) for n in (5, 70, 1, 33, 17)]
+    e = Engine(model, max_batch=8, max_len=512, budget=24)
+    for i, p in enumerate(prompts):
+        e.add(Job(i, [int(t) for t in p], 4, echo=(i == 1), logprobs=(0 if i == 1 else None)))
+    out, rounds = {}, 0
+    while e.waiting:
+        for row, lg in e.prefill().items():
+            out[e.slots[row].job.id] = lg
+        rounds += 1
+    assert rounds == -(-sum(map(len, prompts)) // 24)  # every iteration filled its budget
+    for i, p in enumerate(prompts):
+        ref = _alone(model, p)
+        _close(out[i], ref if i == 1 else ref[-1])  # job 1 kept every position (echo)
+    # and decoding on from the packed prefill gives each prompt's own greedy text
+    for row, s in enumerate(e.slots):
+        if s is not None:
+            e.took(row, int(np.argmax(out[s.job.id] if s.job.id != 1 else out[1][-1])))
+    logits = e.step()
+    for row, s in enumerate(e.slots):
+        if s is not None:
+            ids = prompts[s.job.id] + [s.last]
+            _close(logits[row], _alone(model, ids)[-1])
+
+
+def test_prefix_cache_reuses_prompt_and_conversation_blocks():
+    model = LlamaForCausalLM.from_pretrained(FIX / "gqa")
+    e = Engine(model, max_batch=2, max_len=512, prefix_bytes=1 << 22)
+    system = [7 + i % 200 for i in range(40)]  # a shared system turn: 2 full blocks and 8 tokens
+    a = system + [11, 12, 13]
+    _close(e.admit(Job(1, a, 3)), _alone(model, a)[-1])
+    assert e.prefix.hits == 0 and len(e.prefix) == 2  # 43 tokens: 2 full blocks kept
+    b = system + [21, 22, 23, 24, 25]
+    _close(e.admit(Job(2, b, 3)), _alone(model, b)[-1])
+    assert e.prefix.hits == 32  # the system turn's 2 blocks were not prefilled again
+    e.release(1)
+    e.release(0)
+    # a conversation: a request ends after 6 tokens; its next turn starts with all of it
+    reply = decode(e, 0, e.admit(Job(3, a, 6)), 6)
+    e.release(0)
+    nxt = a + reply[:5] + [30, 31, 32]  # the fed tokens (the sixth was never fed) + a new turn
+    hits = e.prefix.hits
+    _close(e.admit(Job(4, nxt, 3)), _alone(model, nxt)[-1])
+    assert e.prefix.hits - hits == 48  # 43 + 5 = 48 tokens were kept as 3 blocks, all reused
+    # a prompt that asks for its own log-probabilities prefills all of it
+    hits = e.prefix.hits
+    every = e.admit(Job(5, b, 3, logprobs=0, echo=True))
+    assert e.prefix.hits == hits
+    _close(every, _alone(model, b))
+
+
+def test_prefix_cache_evicts_least_recently_used_within_its_budget():
+    model = LlamaForCausalLM.from_pretrained(FIX / "gqa")
+    assert Engine(model, max_batch=1, max_len=512).prefix.capacity == 0  # off unless given memory
+    e = Engine(model, max_batch=1, max_len=512, prefix_bytes=3 * _block_bytes(model))
+    assert e.prefix.capacity == 3
+    x, y = [5] * 32 + [1], [6] * 32 + [1]  # 2 blocks each
+    for job, ids in enumerate((x, y, x), 1):
+        e.admit(Job(job, ids, 1))
+        e.release(0)
+    # x (2 blocks), then y (2): y's second block evicts x's first, so x misses when it comes
+    # back; keeping x again evicts the two oldest, x's second (it is re-added) and y's first
+    assert e.prefix.hits == 0 and len(e.prefix) == 3
+    before = e.prefix.hits
+    e.admit(Job(4, x, 1))
+    assert e.prefix.hits - before == 32  # x is the most recent: both of its blocks are there
+
+
+def _block_bytes(model) -> int:
+    a = model.layers[0].self_attn
+    return 2 * len(model.layers) * 16 * a.nkv * model.config.head_dim * np.dtype(model.dtype).itemsize

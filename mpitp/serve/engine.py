@@ -4,19 +4,26 @@ One KV cache of ``max_batch`` rows shares a timeline of columns; each running re
 owns a row. Every iteration rank 0 broadcasts what changed (new requests, cancellations,
 shutdown), then every rank runs the same model steps::
 
-    iteration:   admit new requests into free rows   (prefill each alone, B = 1, then
-                                                      copy its keys/values into its row,
-                                                      right-aligned at the current column)
-                 one decode step for all rows         (inactive rows compute, unused)
+    iteration:   prefill: up to ``budget`` prompt tokens of the waiting requests, packed
+                          into one row of one forward (each sees only its own columns);
+                          a prompt past the budget goes on in the next iteration's chunk
+                 a prompt that is complete moves into a free row, right-aligned at the
+                          current column
+                 one decode step for all rows         (rows without a token compute, unused)
                  rank 0 samples, broadcasts the tokens and which requests finished
+
+    packed prefill row:  [a a a b b b b | A A B B B]     a, b: keys/values of earlier chunks
+                                          ^ this chunk    or prefix-cache hits; A, B: new
 
     columns:     row 0  . . . [p p p p g g g]        p = prompt, g = generated, . = masked
                  row 1  . . . . . . [p p g g]         a request that joined later
                                             ^ the next column, written by every row
 
-A request's positions are its own (RoPE), so where its columns sit in the shared
-timeline does not matter; the mask hides everything else. A prompt longer than the
-timeline so far shifts the running rows right; a full timeline is compacted left.
+A request's positions are its own (RoPE), so where its columns sit does not matter; the
+mask hides everything else. A prompt longer than the timeline so far shifts the running
+rows right; a full timeline is compacted left. Full 16-token blocks of prompts (and of
+finished requests' text) go into the prefix cache (prefix.py); a later prompt that starts
+with them prefills only the rest.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..models.generate import sample
+from .prefix import BLOCK, PrefixCache
 
 
 @dataclass
@@ -58,15 +66,32 @@ class Slot:
     last: int  # the token to feed next
     made: int = 0
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
+    tokens: list[int] = field(default_factory=list)  # what was picked (every rank)
+
+
+@dataclass
+class Prefill:
+    """A prompt on its way in: the keys and values of its first ``done`` tokens, per layer
+    [P, kv heads, head_dim] (prefix-cache hits, then each chunk's)."""
+
+    job: Job
+    done: int
+    k: list
+    v: list
+    logits: list = field(default_factory=list)  # echo with logprobs: every position's, chunk by chunk
 
 
 class Engine:
-    def __init__(self, model, max_batch: int, max_len: int | None = None):
+    def __init__(self, model, max_batch: int, max_len: int | None = None, budget: int = 256, prefix_bytes: int = 0):
         self.model, self.comm = model, model.comm
         self.B = max_batch
         self.max_len = max_len or min(model.config.max_position_embeddings, 4096)
+        self.budget = max(1, budget)  # prompt tokens prefilled per iteration
         self.cache = model.new_cache(self.B, self.max_len)
         self.slots: list[Slot | None] = [None] * self.B
+        self.waiting: list[Prefill] = []
+        a = model.layers[0].self_attn
+        self.prefix = PrefixCache(len(model.layers), a.nkv, model.config.head_dim, model.dtype, prefix_bytes, model.xp)
 
     # ------------------------------------------------------------------ lockstep control
     def exchange(self, message):
@@ -91,37 +116,128 @@ class Engine:
 
     @property
     def free(self) -> int:
-        return sum(s is None for s in self.slots)
+        """Rows not taken by a running request or one being prefilled."""
+        return self.B - self.running - len(self.waiting)
 
     @property
     def busy(self) -> bool:
-        return any(s is not None for s in self.slots)
+        return self.running > 0 or bool(self.waiting)
 
     # ------------------------------------------------------------------ model steps
-    def admit(self, job: Job) -> np.ndarray:
-        """Prefill ``job`` into a free row; returns its next-token logits [V] — or, when the
-        job asks for its prompt's log-probabilities, every position's [P, V] (the last row
-        is the next token's)."""
-        m, c = self.model, self.cache
+    def add(self, job: Job) -> None:
+        """Queue ``job``'s prompt for prefill, starting after its longest cached prefix (a job
+        that wants its prompt's log-probabilities prefills all of it; at least the last
+        token is always computed, for its logits)."""
         P = len(job.ids)
+        m, xp = self.model, self.model.xp
+        hits = [] if job.prompt_logits else self.prefix.match(job.ids, limit=P - 1)
+        h = len(hits) * BLOCK
+        a = m.layers[0].self_attn
+        shape = (P, a.nkv, m.config.head_dim)
+        pf = Prefill(job, h, [xp.empty(shape, m.dtype) for _ in m.layers], [xp.empty(shape, m.dtype) for _ in m.layers])
+        for layer in range(len(m.layers) if h else 0):
+            pf.k[layer][:h], pf.v[layer][:h] = self.prefix.read(hits, layer)
+        self.waiting.append(pf)
+
+    def prefill(self) -> dict[int, np.ndarray]:
+        """One packed forward over the next ``budget`` prompt tokens of the waiting jobs (in
+        arrival order). Returns, for each job whose prompt is now complete, its row and its
+        next-token logits [V] — or, when it asks for its prompt's log-probabilities, every
+        position's [P, V] (the last row is the next token's)."""
+        if not self.waiting:
+            return {}
+        m, xp = self.model, self.model.xp
+        chunks, left = [], self.budget
+        for pf in self.waiting:
+            if left <= 0:
+                break
+            n = min(len(pf.job.ids) - pf.done, left)
+            chunks.append((pf, n))
+            left -= n
+        D = sum(pf.done for pf, _ in chunks)
+        T = sum(n for _, n in chunks)
+        row = m.new_cache(1, D + T)
+        row.valid[:] = True
+        owner = np.empty(D + T, np.int64)
+        ids, pos, at, new = np.empty(T, np.int64), np.empty(T, np.int64), 0, D
+        keep: list[int] = []  # the positions whose logits are wanted
+        for i, (pf, n) in enumerate(chunks):
+            d = pf.done
+            for layer in range(len(m.layers) if d else 0):
+                row.k[layer][0, at : at + d] = pf.k[layer][:d]
+                row.v[layer][0, at : at + d] = pf.v[layer][:d]
+            owner[at : at + d] = i
+            owner[new : new + n] = i
+            ids[new - D : new - D + n] = pf.job.ids[d : d + n]
+            pos[new - D : new - D + n] = np.arange(d, d + n)
+            if pf.job.prompt_logits:
+                keep.extend(range(new - D, new - D + n))
+            elif d + n == len(pf.job.ids):
+                keep.append(new - D + n - 1)
+            at, new = at + d, new + n
+        row.length, row.owner = D, xp.asarray(owner)
+        logits = m.forward(xp.asarray(ids[None]), xp.asarray(pos[None]), row, keep=xp.asarray(np.array(keep, np.int64)))
+        logits, out, j, new = _host(logits[0]), {}, 0, D
+        for pf, n in chunks:
+            d = pf.done
+            for layer in range(len(m.layers)):
+                pf.k[layer][d : d + n] = row.k[layer][0, new : new + n]
+                pf.v[layer][d : d + n] = row.v[layer][0, new : new + n]
+            pf.done, new = d + n, new + n
+            if pf.job.prompt_logits:
+                pf.logits.append(logits[j : j + n])
+                j += n
+            if pf.done < len(pf.job.ids):
+                continue
+            if not pf.job.prompt_logits:
+                pf.logits.append(logits[j : j + 1])
+                j += 1
+            self.waiting.remove(pf)
+            self.prefix.store(pf.job.ids, lambda layer, lo, hi, pf=pf: (pf.k[layer][lo:hi], pf.v[layer][lo:hi]))
+            r = self._place(pf)
+            every = np.concatenate(pf.logits)
+            out[r] = every if pf.job.prompt_logits else every[-1]
+        return out
+
+    def admit(self, job: Job) -> np.ndarray:
+        """Prefill ``job`` whole (one request alone) and return what :meth:`prefill` gives it."""
+        self.add(job)
+        budget, self.budget = self.budget, 1 << 30
+        try:
+            out = self.prefill()
+        finally:
+            self.budget = budget
+        (logits,) = out.values()
+        return logits
+
+    def _place(self, pf: Prefill) -> int:
+        """Move a complete prompt's keys and values into the first free row, right-aligned
+        at the current column."""
+        c, job, P = self.cache, pf.job, len(pf.job.ids)
         if P > c.length:  # P <= max_len: checked when the request came in
             self._shift(P - c.length)
         r = self.running  # the first free row: running requests hold rows 0 … k-1
-        one = m.new_cache(1, P)
-        one.valid[:, :P] = True
-        xp = m.xp
-        every = job.prompt_logits
-        logits = m.forward(xp.asarray(np.array([job.ids])), xp.asarray(np.arange(P)[None]), one, last_only=not every)
         L = c.length
         for layer in range(len(c.k)):
-            c.k[layer][r, L - P : L] = one.k[layer][0, :P]
-            c.v[layer][r, L - P : L] = one.v[layer][0, :P]
+            c.k[layer][r, L - P : L] = pf.k[layer]
+            c.v[layer][r, L - P : L] = pf.v[layer]
         c.valid[r, :] = False
         c.valid[r, L - P : L] = True
-        self.slots[r] = Slot(
-            job, pos=P, last=-1, rng=np.random.default_rng(job.seed if job.seed is not None else job.id)
-        )
-        return _host(logits[0]) if every else _host(logits[:, -1])[0]
+        seed = job.seed if job.seed is not None else job.id
+        self.slots[r] = Slot(job, pos=P, last=-1, rng=np.random.default_rng(seed))
+        return r
+
+    def cancel(self, job_ids) -> list[int]:
+        """Drop the jobs ``job_ids``, prefilling or running; returns the rows they held."""
+        gone = set(job_ids)
+        self.waiting = [pf for pf in self.waiting if pf.job.id not in gone]
+        rows = [r for r, s in enumerate(self.slots) if s is not None and s.job.id in gone]
+        for r in sorted(rows, reverse=True):
+            self.release(r)
+        return rows
+
+    def row_of(self, job_id: int) -> int | None:
+        return next((r for r, s in enumerate(self.slots) if s is not None and s.job.id == job_id), None)
 
     def step(self) -> np.ndarray:
         """One decode step for the rows that have a token to feed; returns logits for rows
@@ -167,6 +283,9 @@ class Engine:
         so running requests stay in rows 0 … k-1. Returns the row that moved, or None.
         Release several rows in descending order."""
         c = self.cache
+        s = self.slots[row]
+        if s is not None and self.prefix.capacity:
+            self._keep(row, s)
         last = self.running - 1
         moved = None
         if row != last:
@@ -182,6 +301,23 @@ class Engine:
         if last == 0:  # nothing runs: the timeline starts again at column 0
             c.length = 0
         return moved
+
+    def took(self, row: int, token: int) -> None:
+        """Every rank: ``token`` was picked for ``row``; it is fed at the next step."""
+        s = self.slots[row]
+        assert s is not None
+        s.last, s.made = token, s.made + 1
+        s.tokens.append(token)
+
+    def _keep(self, row: int, s: Slot) -> None:
+        """Put the full blocks of a finished request's text (prompt and the tokens fed) into
+        the prefix cache: the next turn of a conversation starts with them."""
+        c, xp = self.cache, self.model.xp
+        tokens = list(s.job.ids) + s.tokens[: s.pos - len(s.job.ids)]
+        cols = xp.flatnonzero(c.valid[row, : c.length])
+        if len(cols) != len(tokens):  # every fed token holds one column; anything else: keep nothing
+            return
+        self.prefix.store(tokens, lambda layer, lo, hi: (c.k[layer][row, cols[lo:hi]], c.v[layer][row, cols[lo:hi]]))
 
     def _unused(self) -> int:
         """Leading columns of the timeline that no running request attends to."""

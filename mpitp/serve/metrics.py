@@ -11,6 +11,7 @@ every request.
     mpitp:inter_token_latency_seconds             histogram, between a request's tokens
     mpitp:e2e_request_latency_seconds             histogram, from arrival to the end
     mpitp:kv_cache_usage_perc                     gauge, the share of cache rows x columns in use
+    mpitp:prefix_cache_queries_total, _hits_total prompt tokens looked up in the prefix cache, found
 """
 
 from __future__ import annotations
@@ -41,8 +42,12 @@ class Metrics:
         self.itl = Histogram("mpitp:inter_token_latency_seconds", "Between a request's tokens.", **hist)
         self.e2e = Histogram("mpitp:e2e_request_latency_seconds", "Arrival to the end.", **hist)
         self.kv = Gauge("mpitp:kv_cache_usage_perc", "KV-cache rows x columns in use (0-1).", registry=r, **label)
+        self.queries = Counter("mpitp:prefix_cache_queries", "Prompt tokens looked up.", registry=r, **label)
+        self.hits = Counter("mpitp:prefix_cache_hits", "Prompt tokens found cached.", registry=r, **label)
+        self.seen = (0, 0)  # the engine's running totals at the last update
         self.name = model_name
-        for m in (self.running, self.waiting, self.prompt, self.generated, self.ttft, self.itl, self.e2e, self.kv):
+        every = (self.running, self.waiting, self.prompt, self.generated, self.ttft, self.itl, self.e2e, self.kv)
+        for m in every + (self.queries, self.hits):
             m.labels(model_name)  # every series from the first scrape on, at 0
         for reason in ("stop", "length", "abort", "cancelled"):
             self.success.labels(model_name, reason)
@@ -72,6 +77,13 @@ class Metrics:
 
     def kv_used(self, share: float) -> None:
         self.kv.labels(self.name).set(share)
+
+    def prefix(self, queries: int, hits: int) -> None:
+        """The prefix cache's running totals (tokens looked up, found)."""
+        q0, h0 = self.seen
+        self.queries.labels(self.name).inc(queries - q0)
+        self.hits.labels(self.name).inc(hits - h0)
+        self.seen = (queries, hits)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

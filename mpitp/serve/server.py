@@ -165,13 +165,14 @@ def run(engine: Engine, service: Service | None, stop: Stop | None = None) -> No
     """Every rank: serve until SIGTERM/SIGINT (rank 0 decides; the others follow)."""
     rank0 = service is not None
     stop = stop or Stop()
-    running: dict[int, Request] = {}  # rank 0: row -> request
+    requests: dict[int, Request] = {}  # rank 0: job id -> request, prefilling or running
     while True:
         control = None
         if rank0:
             assert service is not None
+            now = time.monotonic()
+            cancels = [i for i, r in requests.items() if r.cancelled or now > r.deadline]
             jobs: list[Job] = []
-            admitted: list[Request] = []
             while len(jobs) < engine.free:
                 try:
                     wait = 0.05 if not engine.busy and not jobs and not stop.is_set() else 0.0
@@ -182,49 +183,47 @@ def run(engine: Engine, service: Service | None, stop: Stop | None = None) -> No
                     service.metrics.finished(req, "cancelled")
                     continue
                 jobs.append(req.job)
-                admitted.append(req)
-            now = time.monotonic()
-            cancels = [row for row, r in running.items() if r.cancelled or now > r.deadline]
+                requests[req.job.id] = req
+                service.metrics.admitted(req)
             control = (jobs, cancels, stop.is_set())
-            pending = admitted
         jobs, cancels, shutdown = engine.exchange(control)
-        for row in sorted(cancels, reverse=True):
-            if rank0:
-                r = running.pop(row)
-                _finish(r, "length" if time.monotonic() > r.deadline else "cancelled")
-            _moved(running, engine.release(row), row)
-        fresh = {}
+        engine.cancel(cancels)
+        for i in cancels if rank0 else ():
+            r = requests.pop(i)
+            _finish(r, "length" if time.monotonic() > r.deadline else "cancelled")
         for job in jobs:
-            row = engine.running
-            fresh[row] = engine.admit(job)
-            if rank0:
-                running[row] = pending[len(fresh) - 1]
-                service.metrics.admitted(running[row])  # type: ignore[union-attr]
+            engine.add(job)
+        fresh = engine.prefill()
         if service is not None:
             service.metrics.kv_used(engine.kv_usage())
+            service.metrics.prefix(engine.prefix.queries, engine.prefix.hits)
         picks = None
-        if engine.busy:
-            logits = engine.step() if any(s and s.last >= 0 for s in engine.slots) else None
+        if engine.running:
+            fed = any(s and s.last >= 0 for s in engine.slots)
+            logits = engine.step() if fed else None
             if rank0:
                 picks = {}
-                for row, r in running.items():
-                    lg = fresh[row] if row in fresh else logits[row]  # type: ignore[index]  # fed rows have logits
+                for row, slot in enumerate(engine.slots):
+                    if slot is None or (row not in fresh and slot.last < 0):
+                        continue  # (cannot happen: a row without a token was just prefilled)
+                    r = requests[slot.job.id]
+                    lg = fresh[row] if row in fresh else logits[row]  # type: ignore[index]
                     token, record = _pick(engine, service, row, r, lg)
                     picks[row] = (token, _emit(r, token, record))
             picks = engine.exchange(picks)
             for row, (token, _) in picks.items():
-                s = engine.slots[row]
-                s.last, s.made = token, s.made + 1
-            for row in sorted((row for row, (_, done) in picks.items() if done), reverse=True):
-                running.pop(row, None)
-                _moved(running, engine.release(row), row)
+                engine.took(row, token)
+            done = [engine.slots[row].job.id for row, (_, end) in picks.items() if end]
+            engine.cancel(done)
+            for i in done if rank0 else ():
+                requests.pop(i, None)
         if shutdown:
             if service is not None:
                 service.stopping.set()
             if rank0:
-                get_logger("serve").info(f"{stop.why}: ending {len(running)} request(s) in flight with what they have")
-            for row in list(running):
-                _finish(running.pop(row), "abort")
+                get_logger("serve").info(f"{stop.why}: ending {len(requests)} request(s) in flight with what they have")
+            for i in list(requests):
+                _finish(requests.pop(i), "abort")
             return
 
 
@@ -241,12 +240,6 @@ def _pick(engine: Engine, service: Service | None, row: int, r: Request, lg) -> 
         get_logger("serve").error(f"request {r.job.id}: grammar: {error}; unconstrained from here")
         r.matcher = None
     return token, None if k is None else lp.record(lg, token, k)
-
-
-def _moved(running: dict, src: int | None, dst: int) -> None:
-    """Rank 0's row map after ``engine.release`` moved row ``src`` into ``dst``."""
-    if src is not None and src in running:
-        running[dst] = running.pop(src)
 
 
 def _emit(r: Request, token: int, record=None) -> str | None:
