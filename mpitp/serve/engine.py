@@ -88,6 +88,8 @@ class Engine:
         self.max_len = max_len or min(model.config.max_position_embeddings, 4096)
         self.budget = max(1, budget)  # prompt tokens prefilled per iteration
         self.cache = model.new_cache(self.B, self.max_len)
+        for a in self.cache.k + self.cache.v:  # allocated now, as vLLM does: a first request in a
+            a.fill(0)  # row would otherwise fault in its (huge) pages, ~0.2 s per row on a VM
         self.slots: list[Slot | None] = [None] * self.B
         self.waiting: list[Prefill] = []
         a = model.layers[0].self_attn
@@ -113,6 +115,10 @@ class Engine:
         buf = bytearray(data) if comm.rank == 0 else bytearray(int(size[0]))
         mpi.Bcast(buf, root=0)
         return message if comm.rank == 0 else pickle.loads(bytes(buf))
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(a.nbytes for a in self.cache.k + self.cache.v)
 
     @property
     def free(self) -> int:
