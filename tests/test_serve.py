@@ -250,6 +250,13 @@ def test_n_choices(tp, reference):
             for x in ch.choices:
                 parts[x.index] += x.text
         assert [parts[i] for i in range(3)] == [ch.text for ch in a.choices]
+        # several prompts in one request (as lm-eval batches them): n choices per prompt, in order
+        q = PROMPTS[1]
+        r = c.completions.create(model="mha", prompt=[p, q], max_tokens=10, temperature=0, n=2)
+        assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+        assert [ch.text for ch in r.choices] == [reference[(p, False)]] * 2 + [reference[(q, False)]] * 2
+        alone = [c.completions.create(model="mha", prompt=x, max_tokens=10, temperature=0) for x in (p, q)]
+        assert r.usage.prompt_tokens == sum(x.usage.prompt_tokens for x in alone)  # each prompt once
     finally:
         assert srv.stop() == 0
 

@@ -128,7 +128,7 @@ def make_app(service: Service) -> FastAPI:
         return {**head, "choices": choices, **extra}
 
     def usage(rs: list[Choice]) -> dict:
-        prompt, made = len(rs[0].job.ids), sum(r.made for r in rs)
+        prompt, made = sum(len(r.job.ids) for r in rs if r.first), sum(r.made for r in rs)
         return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
 
     async def events(rs: list[Choice]):

@@ -53,7 +53,9 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int]  # text, or token ids (as lm-eval's local-completions sends)
+    # text or token ids, or a list of either: several prompts, n choices each (lm-eval's
+    # local-completions sends a batch of token-id lists)
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
@@ -62,9 +64,15 @@ class CompletionRequest(_Common):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v):
-        if not v:
+        if not v or (isinstance(v[0], (str, list)) and not all(v)):
             raise ValueError("the prompt must not be empty")
         return v
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a text or a list of token ids."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
 
 
 class TextPart(BaseModel):

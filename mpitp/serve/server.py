@@ -59,6 +59,7 @@ class Request:
     arrived: float = field(default_factory=time.monotonic)
     last_token_at: float = 0.0
     admitted: bool = False  # took a batch row (metrics: running)
+    first: bool = True  # the first choice of its prompt (usage counts each prompt once)
 
 
 @dataclass
@@ -89,56 +90,63 @@ class Service:
         return self.grammars.compile(response_format.as_dict())
 
     def make(self, body, kind: str, events=None) -> list[Request]:
-        """The request's choices (``n`` of them, one row each) sharing ``events`` (a new
-        queue.Queue when None), or :class:`BadRequest`."""
+        """The request's choices (``n`` per prompt, one row each; a text completion may send
+        several prompts) sharing ``events`` (a new queue.Queue when None), or
+        :class:`BadRequest`."""
         req, unknown = protocol.parse(body, "chat" if kind == "chat" else "text")
         if unknown:
             get_logger("serve").warning(f"ignoring unknown field(s) {', '.join(map(repr, unknown))} of a request")
-        echo = ""
+        prompts: list[tuple[list[int], str]] = []  # (token ids, the text echo sends back)
         if isinstance(req, protocol.ChatRequest):
             messages = [m.model_dump() for m in req.messages]
             text = chat.render(self.template, messages, add_generation_prompt=True, **self.special)
-            ids = self.tok.encode(text, add_special_tokens=False).ids  # type: ignore[attr-defined]
+            prompts.append((self.tok.encode(text, add_special_tokens=False).ids, ""))  # type: ignore[attr-defined]
             max_tokens = req.max_completion_tokens or req.max_tokens or 256
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
             matcher = self._matcher(req.response_format)
         else:
-            if isinstance(req.prompt, str):
-                ids = self.tok.encode(req.prompt).ids  # type: ignore[attr-defined]
-            else:
-                ids = list(req.prompt)
-                bad = [t for t in ids if not 0 <= t < self.vocab]
-                if bad:
-                    raise BadRequest(f"prompt token id {bad[0]} lies outside the vocabulary of {self.vocab}")
+            for p in req.prompts:
+                if isinstance(p, str):
+                    ids = self.tok.encode(p).ids  # type: ignore[attr-defined]
+                else:
+                    ids = list(p)
+                    bad = [t for t in ids if not 0 <= t < self.vocab]
+                    if bad:
+                        raise BadRequest(f"prompt token id {bad[0]} lies outside the vocabulary of {self.vocab}")
+                echo = (p if isinstance(p, str) else self.tok.decode(ids)) if req.echo else ""  # type: ignore[attr-defined]
+                prompts.append((ids, echo))
             max_tokens = req.max_tokens or 16
             logprobs = req.logprobs
             matcher = None
-            if req.echo:
-                echo = req.prompt if isinstance(req.prompt, str) else self.tok.decode(ids)  # type: ignore[attr-defined]
-        if len(ids) + max_tokens > self.context:
-            raise BadRequest(f"{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the context of {self.context}")
+        for ids, _ in prompts:
+            if len(ids) + max_tokens > self.context:
+                raise BadRequest(
+                    f"{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the context of {self.context}"
+                )
         events = queue.Queue() if events is None else events
         deadline = time.monotonic() + self.timeout
-        out = []
-        for i in range(req.n):
-            job = Job(
-                id=next(_ids),
-                ids=ids,
-                max_tokens=max_tokens,
-                temperature=0.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=max(0, req.top_k or 0),
-                seed=None if req.seed is None else req.seed + i,  # choice i: seed + i, reproducible
-                stop_ids=tuple(self.eos),
-                logprobs=logprobs,
-                echo=bool(echo),
-            )
-            r = Request(job, kind, req.stream, StopText(self.tok, req.stop or []), deadline, events, index=i)
-            r.echo = echo
-            r.matcher = None if matcher is None else matcher.deep_copy()
-            r.metrics = self.metrics
-            r.include_usage = bool((req.stream_options or {}).get("include_usage"))
-            out.append(r)
+        out: list[Request] = []
+        for ids, echo in prompts:
+            for i in range(req.n):
+                job = Job(
+                    id=next(_ids),
+                    ids=ids,
+                    max_tokens=max_tokens,
+                    temperature=0.0 if req.temperature is None else req.temperature,
+                    top_p=1.0 if req.top_p is None else req.top_p,
+                    top_k=max(0, req.top_k or 0),
+                    seed=None if req.seed is None else req.seed + i,  # choice i: seed + i, reproducible
+                    stop_ids=tuple(self.eos),
+                    logprobs=logprobs,
+                    echo=bool(echo),
+                )
+                stops = StopText(self.tok, req.stop or [])
+                r = Request(job, kind, req.stream, stops, deadline, events, index=len(out))
+                r.echo, r.first = echo, i == 0
+                r.matcher = None if matcher is None else matcher.deep_copy()
+                r.metrics = self.metrics
+                r.include_usage = bool((req.stream_options or {}).get("include_usage"))
+                out.append(r)
         return out
 
     eos: tuple = ()
