@@ -421,6 +421,40 @@ def test_prefix_cache_and_packed_chunked_prefill_equal_generate(tp):
         assert srv.stop() == 0
 
 
+def test_prefix_cache_agrees_across_ranks_with_uneven_kv_heads():
+    """The default model has 3 KV heads: at TP 2 rank 0 holds 2, rank 1 holds 1. The cache has
+    room for 3 blocks (by the rank with 2 heads); each prompt fills it (49 tokens: 3 blocks
+    looked up), so asking A, B, A again misses A on every rank. A rank that sized its cache by
+    its own heads would keep 6 blocks, hit A alone, and its forward would differ from the
+    other's (a hang or a wrong answer). Each text equals mpitp generate's for that prompt."""
+    model = slow_model()
+    prompts = [
+        "Once upon a time, in a small village by the sea, there lived an old fisherman who went out every morning "
+        "before dawn. He knew every rock and every current of the bay, and the children of the village loved to hear "
+        "his stories about",
+        "The three laws of thermodynamics describe how energy moves between systems. The first law says that energy "
+        "is conserved, the second that entropy never decreases in an isolated system, and the third that as the "
+        "temperature of a perfect crystal approaches absolute zero, its entropy",
+    ]
+    want = {}
+    for p in prompts:
+        res = launch.run(1, [sys.executable, "-m", "mpitp.cli.main", "generate", "--model", model, "--prompt", p,
+                             "--max-new-tokens", "6"], timeout=180)  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        want[p] = res.stdout[len(p) :].rstrip("\n")
+    block = 2 * 30 * 16 * 2 * 64 * 4  # bytes of a 16-token block on the rank with 2 of the 3 KV heads
+    srv = Server(2, "--prefix-cache-mib", str(3 * block / 2**20), "--max-model-len", "512", model=model)
+    try:
+        c = srv.client
+        order = [prompts[0], prompts[1], prompts[0]]
+        got = [c.completions.create(model="m", prompt=p, max_tokens=6, temperature=0) for p in order]
+        assert [r.usage.prompt_tokens for r in got] == [49] * 3  # 3 blocks looked up, a partial one computed
+        assert [r.choices[0].text for r in got] == [want[p] for p in order]
+        assert scrape(srv.url)[("mpitp:prefix_cache_hits_total", ())] == 0  # A was evicted by B
+    finally:
+        assert srv.stop() == 0
+
+
 def test_parameters_not_served_are_refused_by_name():
     srv = Server(1)
     try:

@@ -63,8 +63,9 @@ def run(args) -> int:
     from ..models.resolve import resolve
     from ..serve.engine import Engine
     from ..serve.http import start_http
-    from ..serve.server import Service, Stop
-    from ..serve.server import run as serve_loop
+    from ..serve.requests import Service
+    from ..serve.scheduler import Stop
+    from ..serve.scheduler import run as serve_loop
 
     if args.max_batch < 1 or args.max_queue < 1 or args.max_num_batched_tokens < 1:
         raise SystemExit("mpitp serve: --max-batch, --max-queue and --max-num-batched-tokens must be at least 1")

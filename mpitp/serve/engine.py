@@ -36,6 +36,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..models.generate import sample
+from ..tp import partition
 from .prefix import BLOCK, PrefixCache
 
 
@@ -92,8 +93,10 @@ class Engine:
             a.fill(0)  # row would otherwise fault in its (huge) pages, ~0.2 s per row on a VM
         self.slots: list[Slot | None] = [None] * self.B
         self.waiting: list[Prefill] = []
-        a = model.layers[0].self_attn
-        self.prefix = PrefixCache(len(model.layers), a.nkv, model.config.head_dim, model.dtype, prefix_bytes, model.xp)
+        a, cfg = model.layers[0].self_attn, model.config
+        size = self.comm.size if self.comm is not None else 1
+        most = max(partition.attention(cfg.num_attention_heads, cfg.num_key_value_heads, size).kv)
+        self.prefix = PrefixCache(len(model.layers), a.nkv, cfg.head_dim, model.dtype, prefix_bytes, model.xp, most)
 
     # ------------------------------------------------------------------ lockstep control
     def exchange(self, message):

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP side, on rank 0: FastAPI on uvicorn, as vLLM's server
-(the loop every rank runs: server.py).
+(the loop every rank runs: scheduler.py; what a request holds: requests.py).
 
     POST /v1/chat/completions   messages -> the model's chat template -> completion
     POST /v1/completions        prompt (text or token ids) -> completion
@@ -31,8 +31,8 @@ from starlette.exceptions import HTTPException
 from ..models import chat
 from . import logprobs as lp
 from . import metrics
-from .server import BadRequest, Service
-from .server import Request as Choice
+from .requests import BadRequest, Service
+from .requests import Request as Choice
 
 
 class Events:

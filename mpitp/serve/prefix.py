@@ -41,8 +41,11 @@ class PrefixCache:
     """Up to ``budget`` bytes of blocks; ``queries`` and ``hits`` count prompt tokens looked
     up and found (vLLM's prefix_cache_queries / prefix_cache_hits)."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, budget: int, xp=np):
-        per_block = 2 * layers * BLOCK * kv_heads * head_dim * np.dtype(dtype).itemsize
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, budget: int, xp=np, most_heads: int = 0):
+        """``most_heads``: the most KV heads any rank holds. The number of blocks follows from
+        it, so that every rank keeps (and evicts) the same blocks even where the heads do not
+        divide evenly; a rank with fewer heads uses less than ``budget``."""
+        per_block = 2 * layers * BLOCK * max(kv_heads, most_heads) * head_dim * np.dtype(dtype).itemsize
         self.capacity = max(0, int(budget) // per_block)
         shape = (self.capacity, BLOCK, kv_heads, head_dim)
         self.k = [xp.zeros(shape, dtype) for _ in range(layers)] if self.capacity else []

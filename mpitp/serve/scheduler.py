@@ -1,0 +1,155 @@
+"""The lockstep loop every rank runs (requests.py: what rank 0 holds; engine.py: the
+model runner).
+
+Each iteration rank 0 takes queued requests into free rows and finds the cancelled and
+timed-out ones; every rank gets that from rank 0, prefills (packed, under the token
+budget), decodes one step; rank 0 samples (grammar masks, log-probabilities), streams the
+text as tokens complete (stop strings never shown), and tells every rank which requests
+finished. SIGTERM (or SIGINT) ends the requests in flight with what they have
+(finish_reason "abort", vLLM's word for a request the server ended) and ends every rank.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import threading
+import time
+from typing import Any
+
+from ..log import get_logger
+from . import logprobs as lp
+from .engine import Engine, Job
+from .requests import Request, Service
+
+
+class Stop(threading.Event):
+    """Set by SIGTERM or SIGINT, naming the signal. Installed before the HTTP side starts,
+    so a signal that arrives as soon as /health answers still ends the server cleanly."""
+
+    def __init__(self):
+        super().__init__()
+        self.why = "a signal"
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on)
+
+    def _on(self, signum, _frame):
+        self.why = signal.Signals(signum).name
+        self.set()
+
+
+def run(engine: Engine, service: Service | None, stop: Stop | None = None) -> None:
+    """Every rank: serve until SIGTERM/SIGINT (rank 0 decides; the others follow)."""
+    rank0 = service is not None
+    stop = stop or Stop()
+    requests: dict[int, Request] = {}  # rank 0: job id -> request, prefilling or running
+    while True:
+        control = None
+        if rank0:
+            assert service is not None
+            now = time.monotonic()
+            cancels = [i for i, r in requests.items() if r.cancelled or now > r.deadline]
+            jobs: list[Job] = []
+            while len(jobs) < engine.free:
+                try:
+                    wait = 0.05 if not engine.busy and not jobs and not stop.is_set() else 0.0
+                    req = service.inbox.get(timeout=wait) if wait else service.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if req.cancelled:
+                    service.metrics.finished(req, "cancelled")
+                    continue
+                jobs.append(req.job)
+                requests[req.job.id] = req
+                service.metrics.admitted(req)
+            control = (jobs, cancels, stop.is_set())
+        jobs, cancels, shutdown = engine.exchange(control)
+        engine.cancel(cancels)
+        for i in cancels if rank0 else ():
+            r = requests.pop(i)
+            _finish(r, "length" if time.monotonic() > r.deadline else "cancelled")
+        for job in jobs:
+            engine.add(job)
+        fresh = engine.prefill()
+        if service is not None:
+            service.metrics.kv_used(engine.kv_usage())
+            service.metrics.prefix(engine.prefix.queries, engine.prefix.hits)
+        picks = None
+        if engine.running:
+            fed = any(s and s.last >= 0 for s in engine.slots)
+            logits = engine.step() if fed else None
+            if rank0:
+                picks = {}
+                for row, slot in enumerate(engine.slots):
+                    if slot is None or (row not in fresh and slot.last < 0):
+                        continue  # (cannot happen: a row without a token was just prefilled)
+                    r = requests[slot.job.id]
+                    lg = fresh[row] if row in fresh else logits[row]  # type: ignore[index]
+                    token, record = _pick(engine, service, row, r, lg)
+                    picks[row] = (token, _emit(r, token, record))
+            picks = engine.exchange(picks)
+            for row, (token, _) in picks.items():
+                engine.took(row, token)
+            done = [engine.slots[row].job.id for row, (_, end) in picks.items() if end]
+            engine.cancel(done)
+            for i in done if rank0 else ():
+                requests.pop(i, None)
+        if shutdown:
+            if service is not None:
+                service.stopping.set()
+            if rank0:
+                get_logger("serve").info(f"{stop.why}: ending {len(requests)} request(s) in flight with what they have")
+            for i in list(requests):
+                _finish(requests.pop(i), "abort")
+            return
+
+
+def _pick(engine: Engine, service: Service | None, row: int, r: Request, lg) -> tuple[int, Any]:
+    """Rank 0: the next token of ``r`` from its logits (masked by its grammar, if any),
+    and its log-probability record (from the model's own logits) when asked."""
+    k = r.job.logprobs
+    if lg.ndim == 2:  # a prefill that kept every position: the prompt's records
+        r.prompt_records = lp.prompt_records(lg, r.job.ids, k or 0)
+        lg = lg[-1]
+    g = service.grammars if service is not None and r.matcher is not None else None
+    token = engine.pick(row, lg if g is None else g.mask(r.matcher, lg))
+    if g is not None and token not in r.job.stop_ids and (error := g.advance(r.matcher, token)) is not None:
+        get_logger("serve").error(f"request {r.job.id}: grammar: {error}; unconstrained from here")
+        r.matcher = None
+    return token, None if k is None else lp.record(lg, token, k)
+
+
+def _emit(r: Request, token: int, record=None) -> str | None:
+    """Rank 0: one new token of ``r`` (and its log-probability record): stream its text;
+    the finish reason once it ends. Records travel with the next text sent."""
+    if r.made == 0 and r.echo:
+        r.events.put((r.index, "echo", r.echo, r.prompt_records or []))
+    r.made += 1
+    if r.metrics is not None:
+        r.metrics.token(r)
+    if token in r.job.stop_ids:
+        _finish(r, "stop")
+        return "stop"
+    if record is not None:
+        r.pending.append(record)
+    piece = r.stops.push(token)
+    if piece:
+        r.events.put((r.index, "delta", piece, r.pending))
+        r.pending = []
+    if r.stops.stopped:
+        _finish(r, "stop")
+        return "stop"
+    if r.made >= r.job.max_tokens:
+        _finish(r, "length")
+        return "length"
+    return None
+
+
+def _finish(r: Request, reason: str) -> None:
+    rest = "" if r.stops.stopped else r.stops.flush()
+    if rest or r.pending:
+        r.events.put((r.index, "delta", rest, r.pending))
+        r.pending = []
+    if r.metrics is not None:  # counted before the client hears of it: a scrape after sees it
+        r.metrics.finished(r, reason)
+    r.events.put((r.index, "done", reason, []))
