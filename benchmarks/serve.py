@@ -1,6 +1,8 @@
 """mpitp serve under load: N concurrent streaming clients (1, 4, 8, 16) against the same
 prompts one at a time, in one run: time to first token, inter-token latency, output
-tokens/s. Starts the server itself (the embedded model by default).
+tokens/s; then the time to first token of a question after a long document an earlier
+request sent, with the prefix cache and with it off. Starts the server itself (the
+embedded model by default).
 
     python benchmarks/serve.py --tp 2 --max-tokens 48
 """
@@ -57,34 +59,15 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--clients", default="1,4,8,16")
-    args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = [
-        sys.executable,
-        "-m",
-        "mpitp.cli.main",
-        "serve",
-        "--port",
-        str(port),
-        "--max-batch",
-        "16",
-        "--max-queue",
-        "64",
-    ] + (["--model", args.model] if args.model else [])
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        launch.command(args.tp, argv, timeout=3600), env=launch.environment(env, timeout=3600), start_new_session=True
+    ap.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=80,
+        help="sentences (~14 tokens each) of a document two questions share; 0 skips it (default 80)",
     )
+    args = ap.parse_args()
+    proc, client = start(args.tp, args.model)
     try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.2)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=600)
         one(client, PROMPTS[0], 4)  # warm
         print(f"# mpitp serve, TP={args.tp}, {args.max_tokens} new tokens per request, greedy")
         print(f"{'clients':>8} {'TTFT ms':>9} {'ITL ms':>8} {'output tok/s':>13} {'vs 1 client':>12}")
@@ -112,15 +95,69 @@ def main() -> int:
         gen = [sys.executable, "-m", "mpitp.cli.main", "generate", "--max-new-tokens", str(args.max_tokens), "--chat"]
         gen += ["--model", args.model] if args.model else []
         t0 = time.perf_counter()
+        env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
         out = launch.run(args.tp, gen + sum((["--prompt", p] for p in PROMPTS), []), timeout=3600, env=env)
         print(
             f"# mpitp generate, the {len(PROMPTS)} prompts as one batch (process start and load included): "
             f"{time.perf_counter() - t0:.1f} s; {out.stderr.strip().splitlines()[-1] if out.stderr else ''}"
         )
+        if args.shared_prefix:
+            shared_prefix(client, args)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+        stop(proc)
     return 0
+
+
+def start(tp: int, model: str | None, *extra: str):
+    """``mpitp serve`` on a free port (16 rows, a queue of 64), once /health answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "mpitp.cli.main", "serve", "--port", str(port), "--max-batch", "16"]
+    argv += ["--max-queue", "64", *extra] + (["--model", model] if model else [])
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        launch.command(tp, argv, timeout=3600), env=launch.environment(env, timeout=3600), start_new_session=True
+    )
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            break
+        except OSError:
+            time.sleep(0.2)
+    return proc, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=600)
+
+
+def stop(proc) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=60)
+
+
+def shared_prefix(client, args) -> None:
+    """A question after a long shared document: time to first token when an earlier request
+    with the same document left its blocks in the prefix cache, against a server with the
+    cache off (same prompt, same run)."""
+    doc = " ".join(f"Register r{i} holds {i * 37 % 101} and feeds unit {i % 7}." for i in range(args.shared_prefix))
+    ask = lambda q: [{"role": "user", "content": f"{doc}\n\nQuestion: {q}"}]  # noqa: E731
+
+    def ttft(c, q) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        r = c.chat.completions.create(model="m", messages=ask(q), max_tokens=1, temperature=0)
+        return time.perf_counter() - t0, r.usage.prompt_tokens
+
+    cold, n = ttft(client, "Which register holds 5?")  # computes the whole prompt, fills the cache
+    hit, _ = ttft(client, "Which unit does r3 feed?")  # shares the document
+    proc, off = start(args.tp, args.model, "--prefix-cache-mib", "0")
+    try:
+        ttft(off, "warm up")
+        miss, _ = ttft(off, "Which unit does r3 feed?")
+    finally:
+        stop(proc)
+    print(
+        f"# shared prefix: {n} prompt tokens; first token (max_tokens 1) of a second question on the same document: "
+        f"{hit * 1e3:.0f} ms with the prefix cache, {miss * 1e3:.0f} ms with it off ({hit / miss:.2f}x); "
+        f"the first question {cold * 1e3:.0f} ms"
+    )
 
 
 if __name__ == "__main__":
