@@ -28,13 +28,14 @@ import mpitp
 from mpitp.bench.collectives import human, parse_size
 from mpitp.comm.algorithms import ring
 from mpitp.comm.algorithms.tuning import library_version
+from mpitp.split import chunk_counts, offsets
 
 
 def floor_work(r: int, N: int, x, y, left_x, left_y, seg: int):
     """The ring's memory work on rank r: N-1 reduce steps (copy the left neighbour's part
     of a chunk in, add this rank's part), then N-1 copies of reduced chunks."""
-    counts = ring.chunk_counts(x.size, N)
-    offs = ring.offsets(counts)
+    counts = chunk_counts(x.size, N)
+    offs = offsets(counts)
 
     def run():
         for s in range(N - 1):

@@ -205,7 +205,7 @@ def test_plan_tp_counts_block_weights_as_the_model_holds_them():
 def test_the_runtime_cut_is_numpy_array_split(n, parts):
     """The chunk sizes the ring, the plans and the FSDP shards share are numpy.array_split's
     (so the plan-vs-counter tests that use them rest on NumPy's cut, not on themselves)."""
-    from mpitp.comm.algorithms.ring import chunk_counts, offsets
+    from mpitp.split import chunk_counts, offsets
 
     pieces = np.array_split(np.arange(n), parts)
     assert chunk_counts(n, parts) == [len(p) for p in pieces]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import backend
+from .. import backend, split
 from .algorithms import mpi_collectives, ring, select
 from .base import CommunicatorBase
 from .handle import Steps
@@ -129,7 +129,7 @@ class Gathers(CommunicatorBase):
         meta = (tuple(src.shape), src.dtype.str, staged) if self.rank == root else None
         shape, dtype, staged_root = self.mpi.bcast(meta, root=root)
         dtype = np.dtype(dtype)
-        counts = ring.chunk_counts(shape[0], self.size)
+        counts = split.chunk_counts(shape[0], self.size)
         row = int(np.prod(shape[1:], dtype=np.int64))
         like = x if (self.rank == root and not staged) else None
         dst = (

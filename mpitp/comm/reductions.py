@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .. import backend
+from .. import backend, split
 from .algorithms import hierarchical, mpi_collectives, ring, select
 from .algorithms.select import NEVER
 from .base import CommunicatorBase, _value
@@ -266,7 +266,7 @@ class Reductions(CommunicatorBase):
         o, a, alg = self._prepare(label, sig, ("collective", "dtype", "shape", "op", "algorithm"), prep)
         staged = self._via_host(a)
         src = self._to_host(a) if staged else a
-        rows = ring.chunk_counts(src.shape[0], self.size)
+        rows = split.chunk_counts(src.shape[0], self.size)
         row = int(np.prod(src.shape[1:], dtype=np.int64))
         elems = [c * row for c in rows]
         shape = (rows[self.rank],) + tuple(src.shape[1:])

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..comm.algorithms.hierarchical import pieces
-from ..comm.algorithms.ring import chunk_counts
+from ..split import chunk_counts
 from .profiles import Profile
 
 ALGORITHMS = ("naive", "ring", "hierarchical", "hierarchical_leader", "hierarchical_sharp")

@@ -25,8 +25,8 @@ alpha-beta model with no overlap: a ring is paced by its slowest link.
 
 from __future__ import annotations
 
-from ..comm.algorithms.ring import chunk_counts
 from ..models.config import LlamaConfig
+from ..split import chunk_counts
 from ..train.layout import llama_units
 from ..train.tp_layout import TPCut
 from .fsdp import fp32_memory, train_step_bytes

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..comm.algorithms.ring import chunk_counts, offsets
 from ..errors import MpitpError
+from ..split import even, offsets
 
 PAD = 64  # vocabulary rows per block
 
@@ -29,13 +29,7 @@ class ShardingError(MpitpError, ValueError):
     """A layer cannot be cut over this many ranks, or a tensor has the wrong shape."""
 
 
-def even(n: int, p: int, block: int = 1) -> list[int]:
-    """``n`` (a multiple of ``block``) in ``p`` parts that differ by at most one block
-    (the ring's chunking, in blocks)."""
-    return [c * block for c in chunk_counts(n // block, p)]
-
-
-starts = offsets  # where each rank's part begins
+starts = offsets  # where each rank's part begins (mpitp.split)
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..comm.algorithms.ring import chunk_counts, offsets
 from ..errors import MpitpError
+from ..split import chunk_counts, offsets
 
 LLMC_MAGIC = 20240520  # llm.c's .bin header: 256 int32, magic, version, token count
 

@@ -27,9 +27,9 @@ import dataclasses
 
 import numpy as np
 
-from ..comm.algorithms.ring import chunk_counts, offsets
 from ..errors import MpitpError
 from ..models.config import LlamaConfig
+from ..split import chunk_counts, offsets
 from ..tp.partition import attention
 from .layout import UnitLayout
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
+from ... import split
 from ..handle import Handle, Steps
 from . import ring
 
@@ -67,7 +68,7 @@ def pieces(n: int, itemsize: int) -> list[int]:
     """Element counts of the pieces a sharded two-level all-reduce of ``n`` elements runs
     as a pipeline (one piece below ``2 * PIECE_BYTES``). :mod:`mpitp.plan.allreduce`
     counts bytes with the same cut."""
-    return ring.chunk_counts(n, max(1, min(MAX_PIECES, n * itemsize // PIECE_BYTES)))
+    return split.chunk_counts(n, max(1, min(MAX_PIECES, n * itemsize // PIECE_BYTES)))
 
 
 def scratch_slots(slots: int) -> int:
@@ -104,8 +105,8 @@ def all_reduce(
     slots = tmp.size // (IN_FLIGHT + 2)
     tmp = tmp[:slots]
     L, lr = nc.intra.size, nc.intra.rank  # ranks on this node, local rank
-    counts = ring.chunk_counts(dst.size, L)
-    offs = ring.offsets(counts)
+    counts = split.chunk_counts(dst.size, L)
+    offs = split.offsets(counts)
     intra_send = _mapped(on_send, nc.intra_ranks)
     # 1. reduce-scatter inside the node: local rank lr owns shard lr of the node's sum
     yield from ring.reduce_scatter(link, src, dst, counts, reduce, tmp, on_send=intra_send, tag=tag, **kw)
@@ -138,7 +139,7 @@ def _sharded(nc: NodeComms, link, src, dst, reduce, tmp, *, tag: int, on_send, t
     inter_send = _mapped(on_send, nc.inter_ranks)
     slots = tmp.size // (IN_FLIGHT + 2)
     cut = pieces(dst.size, kw["itemsize"])
-    starts = ring.offsets(cut)
+    starts = split.offsets(cut)
     inflight: dict[int, Handle] = {}
     started: dict[int, float] = {}
 
@@ -152,7 +153,7 @@ def _sharded(nc: NodeComms, link, src, dst, reduce, tmp, *, tag: int, on_send, t
 
     def piece(p: int):
         lo = starts[p]
-        return src[lo : lo + cut[p]], dst[lo : lo + cut[p]], ring.chunk_counts(cut[p], L)
+        return src[lo : lo + cut[p]], dst[lo : lo + cut[p]], split.chunk_counts(cut[p], L)
 
     if not isinstance(link, MPI.Comm):
         link.progress = poll  # the channel calls it while it waits
@@ -166,7 +167,7 @@ def _sharded(nc: NodeComms, link, src, dst, reduce, tmp, *, tag: int, on_send, t
                 )
                 mark(f"piece {k} reduce-scatter in node", t)
                 started[k] = trace.now() if trace is not None else 0.0
-                lo = ring.offsets(counts)[lr]
+                lo = split.offsets(counts)[lr]
                 shard = d[lo : lo + counts[lr]]
                 scratch = tmp[slots * (1 + k % (IN_FLIGHT + 1)) :][:slots]
                 steps = ring.all_reduce(

@@ -31,25 +31,12 @@ from typing import Any
 
 from mpi4py import MPI
 
+from ...split import chunk_counts, offsets
 from ..handle import Steps
 
 Reduce = Callable[[Any, Any, Any], Any]  # reduce(a, b, out)
 OnSend = Callable[[int, int], None]  # on_send(nbytes, peer)
 OnStep = Callable[[int], None]  # on_step(step): the step's last segment has arrived (timeline)
-
-
-def chunk_counts(n: int, parts: int) -> list[int]:
-    """``numpy.array_split`` sizes: the first ``n % parts`` chunks get one extra element."""
-    q, rem = divmod(n, parts)
-    return [q + (1 if i < rem else 0) for i in range(parts)]
-
-
-def offsets(counts: list[int]) -> list[int]:
-    out, acc = [], 0
-    for c in counts:
-        out.append(acc)
-        acc += c
-    return out
 
 
 def _segments(count: int, seg: int):
