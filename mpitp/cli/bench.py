@@ -208,7 +208,7 @@ def run(args) -> int:
     xp = _xp(args.device)
     sz = bc.sizes(lo, hi, args.factor)
     memcpy = bc.memcpy_bandwidth(min(max(hi, 1 << 20), 64 << 20), comm=comm.mpi)
-    memcpy = float(np.mean(comm.mpi.allgather(memcpy)))
+    memcpy = float(np.mean(comm.allgather_object(memcpy)))
     lib = library_version()
     say(f"# mpitp bench {args.collective}: {comm.size} rank(s), {args.dtype}, {lib}")
     say(f"# single-core memcpy bandwidth (same run, all ranks copying): {memcpy:.2f} GB/s  <- ceiling")
@@ -292,6 +292,6 @@ def run(args) -> int:
         nodes = comm.topology.num_nodes if args.collective == "allreduce" else 1
         path = tuning.write_crossover(args.tune_file, args.collective, comm.size, rows, nodes) if r0 else None
         say(f"# tuning written to {path}")
-    bad = comm.mpi.allreduce(sum(r.wrong or 0 for r in rows))
+    bad = comm.allreduce_object(sum(r.wrong or 0 for r in rows))
     comm.free()
     return 1 if bad else 0

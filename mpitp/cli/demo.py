@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
 
 
 def _table(comm, title: str, before, after) -> None:
-    rows = comm.mpi.gather((_fmt(before), _fmt(after)), root=0)
+    rows = comm.gather_object((_fmt(before), _fmt(after)))
     if comm.rank == 0:
         print(f"\n== {title}")
         print(f"   {'rank':<5} {'before':<28} after")
@@ -58,7 +58,7 @@ def run(args) -> int:
     _table(comm, "reduce_scatter(x, 'sum')      the sum, cut into one piece per rank", x, comm.reduce_scatter(x))
     _table(comm, "alltoall(x)                   element j of rank i goes to rank j", x, comm.alltoall(x))
     t = comm.traffic
-    totals = comm.mpi.gather(t.total, root=0)
+    totals = comm.gather_object(t.total)
     if r == 0:
         print(f"\nbytes handed to MPI per rank: {totals}   (comm.traffic has the breakdown)")
     comm.free()

@@ -194,12 +194,12 @@ def run(args) -> int:
                 print(rest, end="", flush=True)
             texts.append(w.text)
     s = model.last_stats
-    per_rank = comm.mpi.gather(model.weight_bytes(), root=0) or []  # the list on rank 0
+    per_rank = comm.gather_object(model.weight_bytes()) or []  # the list on rank 0
     from ..bench.collectives import memcpy_bandwidth
 
     # the ceiling: every rank copying at once, as every rank streams its weights at once
-    ceiling = comm.mpi.allreduce(memcpy_bandwidth(32 << 20, 5, comm.mpi), op=__import__("mpi4py").MPI.MIN)
-    streamed = comm.mpi.allreduce(model.streamed_bytes(), op=__import__("mpi4py").MPI.MAX)
+    ceiling = comm.allreduce_object(memcpy_bandwidth(32 << 20, 5, comm.mpi), op="min")
+    streamed = comm.allreduce_object(model.streamed_bytes(), op="max")
     if r0:
         if single:
             print()

@@ -53,7 +53,6 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from mpi4py import MPI
     from tokenizers import Tokenizer
 
     from ..comm import Communicator
@@ -107,7 +106,7 @@ def run(args) -> int:
         stop = Stop()  # from here on, SIGTERM/SIGINT end the server cleanly
         # every rank has its handler before rank 0 answers /health (a bcast lets the root
         # run ahead while a slower rank still loads: a signal then would kill that rank)
-        ok = comm.mpi.allreduce(True, op=MPI.LAND)
+        ok = comm.all_true(True)
         server = None
         if comm.rank == 0 and ok:
             assert service is not None

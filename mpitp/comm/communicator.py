@@ -19,13 +19,16 @@ CUDA-aware and through host copies otherwise (:mod:`mpitp.backend`).
 from __future__ import annotations
 
 from .gathers import Gathers
+from .objects import ObjectCollectives
 from .p2p import PointToPoint
 from .reductions import Reductions
 
 
-class Communicator(Reductions, Gathers, PointToPoint):
+class Communicator(Reductions, Gathers, PointToPoint, ObjectCollectives):
     """A duplicated MPI communicator with array collectives, algorithms and counters.
 
     >>> comm = Communicator()                      # Dup of MPI.COMM_WORLD
     >>> y = comm.allreduce(x, op="sum")            # new array on every rank
+    >>> cfg = comm.on_root(read_config)            # rank 0 reads; every rank gets it (or its error)
+    >>> with Communicator() as comm: ...           # freed at the end of the block
     """

@@ -16,20 +16,10 @@ from .loader import CheckpointError
 
 
 def resolve(name: str, comm=None) -> Path:
-    rank = comm.rank if comm is not None else 0
-    found: str | None = None
-    error: str | None = None
-    gguf: Path | None = None
-    if rank == 0:
-        try:
-            found, gguf = _resolve(name)
-        except CheckpointError as e:
-            error = str(e)
-    if comm is not None and comm.size > 1:
-        found, gguf_name, error = comm.mpi.bcast((found, str(gguf) if gguf else None, error), root=0)
-        gguf = Path(gguf_name) if gguf_name else None
-    if error:
-        raise CheckpointError(error)
+    """The model directory ``name`` names (rank 0 looks; every rank gets its answer or its
+    error); a .gguf file is imported first."""
+    find = lambda: _resolve(name)  # noqa: E731
+    found, gguf = find() if comm is None else comm.on_root(find, errors=(CheckpointError,))
     if gguf is not None:  # an import is collective: every rank waits for rank 0's
         from .default import import_gguf
 

@@ -28,8 +28,6 @@ with them prefills only the rest.
 
 from __future__ import annotations
 
-import pickle
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -104,20 +102,7 @@ class Engine:
         in MPI (the message is due within a step; a sleep would add up to its length to
         every step); an idle server's ranks poll with sleeps instead of spinning, leaving
         the cores to rank 0's HTTP threads."""
-        comm = self.comm
-        if comm is None or comm.size == 1:
-            return message
-        mpi = comm.mpi
-        data = pickle.dumps(message) if comm.rank == 0 else b""
-        size = np.array([len(data)], np.int64)
-        req = mpi.Ibcast(size, root=0)
-        if self.busy:  # every rank knows: the slots change only by what was exchanged
-            req.Wait()
-        while not req.Test():
-            time.sleep(0.0005)
-        buf = bytearray(data) if comm.rank == 0 else bytearray(int(size[0]))
-        mpi.Bcast(buf, root=0)
-        return message if comm.rank == 0 else pickle.loads(bytes(buf))
+        return message if self.comm is None else self.comm.poll_bcast(message, busy=self.busy)
 
     @property
     def cache_bytes(self) -> int:

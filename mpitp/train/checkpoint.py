@@ -56,13 +56,11 @@ def _fsync_dir(path: Path) -> None:
 
 
 def agree(comm, err: Exception | None, what: str) -> None:
-    """Raise the same error on every rank if any rank failed."""
-    msgs = [str(err) if err else ""] if comm is None else comm.mpi.allgather(str(err) if err else "")
-    bad = [(r, m) for r, m in enumerate(msgs) if m]
-    if len(bad) == 1 and len(msgs) == 1:
-        raise CheckpointError(f"{what}: {bad[0][1]}")
-    if bad:
-        raise CheckpointError(f"{what}: " + "; ".join(f"rank {r}: {m}" for r, m in bad))
+    """Raise the same error on every rank if any rank failed (``Communicator.agree``)."""
+    if comm is not None:
+        comm.agree(err, what, CheckpointError)
+    elif err is not None:
+        raise CheckpointError(f"{what}: {err}")
 
 
 def save(
@@ -102,7 +100,7 @@ def save(
     except OSError as e:
         err = e
     agree(comm, err, f"saving {tmp / fname}")
-    every = [(fname, digest, ranges)] if comm is None else comm.mpi.gather((fname, digest, ranges), root=0)
+    every = [(fname, digest, ranges)] if comm is None else comm.gather_object((fname, digest, ranges))
     final = out / name
     if rank == 0:
         try:

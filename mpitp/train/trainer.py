@@ -68,21 +68,6 @@ class Options:
     progress: bool = True
 
 
-def _on_root(comm, fn):
-    """Run ``fn`` on rank 0 and broadcast its result (or its error, raised everywhere)."""
-    res, err = None, None
-    if comm is None or comm.rank == 0:
-        try:
-            res = fn()
-        except (MpitpError, OSError, ValueError) as e:
-            err = e
-    if comm is not None and comm.size > 1:
-        res, err = comm.mpi.bcast((res, err), root=0)
-    if err is not None:
-        raise err
-    return res
-
-
 class Trainer:
     def __init__(self, opts: Options, comm=None):
         self.o, self.comm = opts, comm
@@ -209,7 +194,7 @@ class Trainer:
                 )
             return ids, (str(self.tokenizer) if self.tokenizer else None)
 
-        ids, tok = _on_root(self.comm, load)
+        ids, tok = load() if self.comm is None else self.comm.on_root(load)
         self.tokenizer = Path(tok) if tok else None
         return ids
 
