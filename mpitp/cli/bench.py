@@ -153,10 +153,10 @@ def _transports(comm) -> str:
     node = comm.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
     try:
         ok = cma.works(node)[0] if node.size > 1 else True
-        one_node = comm.mpi.allreduce(node.size, op=MPI.MIN) == comm.size
+        one_node = comm.allreduce_object(node.size, op="min") == comm.size
     finally:
         node.Free()
-    ok = comm.mpi.allreduce(ok, op=MPI.LAND)
+    ok = comm.all_true(ok)
     where = "one node" if one_node else "within a node"
     small = f"shared memory up to {bc.human(comm.shm_max_bytes)}" if comm.shm else "MPI point-to-point"
     if not comm.cma:
@@ -181,9 +181,14 @@ def _xp(device: str):
 
 def run(args) -> int:
     from ..comm import Communicator
+
+    with Communicator() as comm:  # freed however the command ends
+        return _bench(args, comm)
+
+
+def _bench(args, comm) -> int:
     from ..comm.algorithms.tuning import library_version
 
-    comm = Communicator()
     r0 = comm.rank == 0
     say = (lambda *a, **k: print(*a, **k, flush=True)) if r0 else (lambda *a, **k: None)
     lo, hi = args.min_bytes, args.max_bytes
@@ -196,7 +201,6 @@ def run(args) -> int:
         )
     except ValueError as e:
         say(f"mpitp bench: {e}", file=sys.stderr)
-        comm.free()
         return 2
     if args.tune and args.collective not in TUNABLE:
         say(f"mpitp bench: --tune applies to {' and '.join(TUNABLE)} (where auto chooses by size)", file=sys.stderr)
@@ -293,5 +297,4 @@ def run(args) -> int:
         path = tuning.write_crossover(args.tune_file, args.collective, comm.size, rows, nodes) if r0 else None
         say(f"# tuning written to {path}")
     bad = comm.allreduce_object(sum(r.wrong or 0 for r in rows))
-    comm.free()
     return 1 if bad else 0

@@ -36,7 +36,11 @@ def _fmt(a) -> str:
 def run(args) -> int:
     from ..comm import Communicator
 
-    comm = Communicator()
+    with Communicator() as comm:  # freed however the command ends
+        return _demo(args, comm)
+
+
+def _demo(args, comm) -> int:
     r, n = comm.rank, comm.size
     x = np.arange(1, n + 1, dtype=np.int64) + 10 * r  # n elements, tagged by rank
     if r == 0:
@@ -61,5 +65,4 @@ def run(args) -> int:
     totals = comm.gather_object(t.total)
     if r == 0:
         print(f"\nbytes handed to MPI per rank: {totals}   (comm.traffic has the breakdown)")
-    comm.free()
     return 0

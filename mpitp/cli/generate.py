@@ -94,7 +94,11 @@ def run(args) -> int:
     from ..comm import Communicator
     from ..models.llama import LlamaForCausalLM
 
-    comm = Communicator()
+    with Communicator() as comm:  # freed however the command ends
+        return _generate(args, comm, Tokenizer, LlamaForCausalLM)
+
+
+def _generate(args, comm, Tokenizer, LlamaForCausalLM) -> int:
     r0 = comm.rank == 0
     chat = args.chat
     if not args.model:
@@ -103,11 +107,7 @@ def run(args) -> int:
     else:
         from ..models.resolve import resolve
 
-        try:
-            args.model = str(resolve(args.model, comm))
-        except Exception:
-            comm.free()
-            raise
+        args.model = str(resolve(args.model, comm))
     from ..models import prompts as prompt_io
     from ..models.generate import GenerationError, check_prompts, check_sampling
     from ..models.loader import CheckpointError
@@ -131,27 +131,19 @@ def run(args) -> int:
         opts["min_p"],
     )  # before loading anything
     if args.max_batch < 1:
-        comm.free()
         raise GenerationError(f"--max-batch must be at least 1, got {args.max_batch}")
     if not Path(args.model).is_dir():
-        comm.free()
         raise CheckpointError(f"--model {args.model}: no such directory")
     tok_file = Path(args.model) / "tokenizer.json"
     if not tok_file.exists():
-        comm.free()
         raise CheckpointError(f"no tokenizer.json in {args.model}")
     try:
         tok = Tokenizer.from_file(str(tok_file))
     except Exception as e:
-        comm.free()
         raise CheckpointError(f"{tok_file}: not a readable tokenizer ({e})") from None
-    try:
-        model = LlamaForCausalLM.from_pretrained(
-            args.model, comm=comm, dtype=args.dtype, device=args.device, weights=args.weights
-        )
-    except Exception:
-        comm.free()
-        raise
+    model = LlamaForCausalLM.from_pretrained(
+        args.model, comm=comm, dtype=args.dtype, device=args.device, weights=args.weights
+    )
     if tok.get_vocab_size(with_added_tokens=True) > model.config.vocab_size:
         from ..log import get_logger
 
@@ -159,14 +151,10 @@ def run(args) -> int:
             f"{tok_file} has {tok.get_vocab_size(with_added_tokens=True)} tokens but the model's vocabulary is "
             f"{model.config.vocab_size}: a prompt that uses the extra ones will be refused"
         )
-    try:
-        prompts = list(args.prompt or []) + (prompt_io.read_prompt_file(args.prompt_file) if args.prompt_file else [])
-        prompts = prompts or ["Hello"]
-        ids = prompt_io.encode(tok, prompts, args.model, bool(chat), args.system)
-        check_prompts(model, ids, args.max_new_tokens)
-    except Exception:
-        comm.free()
-        raise
+    prompts = list(args.prompt or []) + (prompt_io.read_prompt_file(args.prompt_file) if args.prompt_file else [])
+    prompts = prompts or ["Hello"]
+    ids = prompt_io.encode(tok, prompts, args.model, bool(chat), args.system)
+    check_prompts(model, ids, args.max_new_tokens)
     from ..models.stops import StopText
 
     stops = stop_ids or sorted(set(model.config.eos_token_id) | set(gen.get("eos_token_id", [])))
@@ -215,5 +203,4 @@ def run(args) -> int:
             f"({ceiling:.1f} GB/s per rank, all ranks copying)",
             file=sys.stderr,
         )
-    comm.free()
     return 0

@@ -72,7 +72,11 @@ def mpi_library_path() -> tuple[str | None, str]:
 def run(args) -> int:
     from ..comm import Communicator
 
-    comm = Communicator()
+    with Communicator() as comm:  # freed however the command ends
+        return _info(args, comm)
+
+
+def _info(args, comm) -> int:
     data = collect(comm)
     if comm.rank == 0:
         if args.json:
@@ -88,5 +92,4 @@ def run(args) -> int:
             print(f"CUDA-aware MPI: {aware}")
             print(f"numpy {data['numpy']}, cupy {data['cupy'] or 'not installed'}")
             print("layout:         " + comm.topology.describe().replace("\n", "\n                "))
-    comm.free()
     return 0

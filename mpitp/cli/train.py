@@ -137,15 +137,12 @@ def run(args) -> int:
         progress=not args.no_progress,
         log=args.log or (str(Path(args.out) / "log.jsonl") if args.out else None),
     )
-    comm = Communicator()
-    try:
+    with Communicator() as comm:  # freed however the command ends
         t = Trainer(opts, comm)
         try:
             return _loop(t, comm)
         finally:
             t.close()
-    finally:
-        comm.free()
 
 
 def _loop(t, comm) -> int:
