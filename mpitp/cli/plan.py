@@ -9,6 +9,7 @@ from ..plan import allreduce as par
 from ..plan import fsdp as pfsdp
 from ..plan import profiles
 from ..plan import tp as ptp
+from ..train.sharding import MODES
 from ..units import parse_size
 
 
@@ -86,7 +87,7 @@ def add_parser(sub) -> None:
     tr.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (inside a node)")
     tr.add_argument("--dp", type=int, default=2, help="data-parallel ranks (across nodes)")
     tr.add_argument("--nodes", type=int, default=2)
-    tr.add_argument("--mode", choices=("ddp", "zero1", "zero2", "fsdp"), default="fsdp")
+    tr.add_argument("--mode", choices=MODES, default="fsdp")
     tr.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
     tr.add_argument("--seq", type=int, default=128)
     tr.add_argument("--dtype", default="fp32", choices=sorted(ptp.DTYPE_BYTES))

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..log import get_logger
+from ..train.sharding import MODES
 from ..train.trainer import Options
 
 log = get_logger("train")
@@ -62,9 +63,7 @@ def add_parser(sub) -> None:
     d.add_argument("--eval-every", type=int, default=0, help="eval loss on the held-out tail every K steps")
     d.add_argument("--eval-fraction", type=float, default=0.05, help="held-out tail of the data (default 0.05)")
     o = p.add_argument_group("optimization")
-    o.add_argument(
-        "--mode", default="fsdp", choices=["ddp", "zero1", "zero2", "fsdp"], help="across the dp groups (default fsdp)"
-    )
+    o.add_argument("--mode", default="fsdp", choices=MODES, help="across the dp groups (default fsdp)")
     o.add_argument(
         "--tp",
         type=int,

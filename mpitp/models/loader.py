@@ -26,7 +26,8 @@ IGNORED = ("rotary_emb.inv_freq",)
 
 
 class CheckpointError(MpitpError, ValueError):
-    """The checkpoint does not match the model it claims to be."""
+    """A checkpoint (Hugging Face, GGUF or mpitp training) is missing, incomplete or corrupt,
+    or does not match the model it claims to be."""
 
 
 def checkpoint_files(path: Path) -> list[Path]:

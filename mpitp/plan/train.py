@@ -32,8 +32,6 @@ from ..train.tp_layout import TPCut
 from .fsdp import fp32_memory, train_step_bytes
 from .profiles import Profile
 
-MODES = ("ddp", "zero1", "zero2", "fsdp")
-
 
 def _ring_allreduce(p: int, n: int, rank: int) -> int:
     """Elements rank ``rank`` sends in a ring all-reduce of ``p`` elements over ``n``."""

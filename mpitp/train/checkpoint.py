@@ -28,15 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import MpitpError
 from ..models.config import LlamaConfig
+from ..models.loader import CheckpointError  # one error for every checkpoint, read or written
 from .layout import UnitLayout
 
 FORMAT = "mpitp-train-1"
-
-
-class CheckpointError(MpitpError, ValueError):
-    """A training checkpoint is missing, incomplete or corrupt."""
 
 
 def sha256(path: Path) -> str:

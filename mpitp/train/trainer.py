@@ -25,7 +25,7 @@ from .engine import Engine
 from .init import HFReader, fresh_range, preset_config
 from .layout import llama_units
 from .optim import AdamW, clip_coefficient, learning_rate
-from .sharding import Sharding
+from .sharding import MODES, Sharding
 from .tp_layout import TPCut, TPError, gather_whole, runs
 
 
@@ -75,8 +75,8 @@ class Trainer:
         self.world: int = comm.size if comm is not None else 1
         if o.tp < 1 or self.world % o.tp:
             raise TrainError(f"--tp {o.tp} must divide the {self.world} rank(s)")
-        if o.mode not in ("ddp", "zero1", "zero2", "fsdp"):
-            raise TrainError(f"--mode {o.mode!r}: choose ddp, zero1, zero2 or fsdp")
+        if o.mode not in MODES:
+            raise TrainError(f"--mode {o.mode!r}: choose {', '.join(MODES)}")
         for name in ("steps", "batch", "seq", "grad_accum"):
             if getattr(o, name) < 1:
                 raise TrainError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(o, name)}")
