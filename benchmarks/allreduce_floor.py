@@ -25,10 +25,11 @@ import time
 import numpy as np
 
 import mpitp
-from mpitp.bench.collectives import human, parse_size
+from mpitp.bench.collectives import human
 from mpitp.comm.algorithms import ring
 from mpitp.comm.algorithms.tuning import library_version
 from mpitp.split import chunk_counts, offsets
+from mpitp.units import size_list
 
 
 def floor_work(r: int, N: int, x, y, left_x, left_y, seg: int):
@@ -53,7 +54,9 @@ def floor_work(r: int, N: int, x, y, left_x, left_y, seg: int):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="4M,16M,64M", help="bytes per rank, comma separated (4M, 64M ...)")
+    ap.add_argument(
+        "--sizes", type=size_list, default="4M,16M,64M", help="bytes per rank, comma separated (4M, 64M ...)"
+    )
     ap.add_argument("--trials", type=int, default=9, help="interleaved trials; medians count (default 9)")
     args = ap.parse_args()
     comm = mpitp.Communicator()
@@ -64,7 +67,7 @@ def main() -> int:
         f"# {'size':>8} {'MPI ms':>8} {'ring ms':>8} {'floor ms':>9} {'MPI/ring':>9} {'MPI/floor':>10} "
         f"{'ring/floor':>11}"
     )
-    for nbytes in (parse_size(s) for s in args.sizes.split(",")):
+    for nbytes in args.sizes:
         n = nbytes // 4
         x = np.ones(n, np.float32)
         y = np.empty_like(x)

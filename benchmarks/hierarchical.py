@@ -28,12 +28,15 @@ from mpi4py import MPI
 import mpitp
 from mpitp.plan import allreduce as par
 from mpitp.plan import profiles
+from mpitp.units import size_list
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks-per-node", type=int, help="simulate nodes of this many ranks (default: real nodes)")
-    ap.add_argument("--sizes", default="65536,1048576,8388608", help="bytes per rank, comma separated")
+    ap.add_argument(
+        "--sizes", type=size_list, default="64K,1M,8M", help="bytes per rank, comma separated (64K, 4M, ...)"
+    )
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--link", help="each node's link rate (1gbit, 10gbit): adds the link floor column")
     ap.add_argument("--json", help="write the rows here (rank 0)")
@@ -60,7 +63,7 @@ def main() -> int:
 
     oversub = max(1.0, comm.size / (os.cpu_count() or 1))  # every simulated node shares this machine's cores
     bad = 0
-    for nbytes in (int(s) for s in args.sizes.split(",")):
+    for nbytes in args.sizes:
         x = np.ones(nbytes // 4, np.float32)
         out = np.empty_like(x)
         algs = (

@@ -37,6 +37,17 @@ def parse_size(text: str, what: str = "size") -> int:
     return int(value)
 
 
+def size_list(text: str) -> list[int]:
+    """Comma-separated sizes, as an argparse ``type``: "64K,1M,8MiB" -> bytes each; a bad
+    one is a usage error that says what was expected."""
+    import argparse
+
+    try:
+        return [parse_size(s, "size") for s in str(text).split(",")]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def human(n: float) -> str:
     """Bytes in the largest binary unit that keeps the number at least 1."""
     for unit, mult in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):

@@ -118,3 +118,18 @@ def test_settings_fuzz(var, raw):
 )
 def test_one_size_convention(text, want):
     assert parse_size(text) == want
+
+
+def test_size_lists_for_the_benchmarks():
+    """benchmarks/ take comma-separated sizes the way the CLI takes one (64K, 4M, ...);
+    a bad one is argparse's usage error naming it."""
+    import argparse
+
+    from mpitp.units import size_list
+
+    assert size_list("4100,64K,4M,8MB") == [4100, 65536, 4 << 20, 8_000_000]
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", type=size_list, default="64K,1M")
+    assert ap.parse_args([]).sizes == [65536, 1 << 20]
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--sizes", "4M,4Q"])
