@@ -63,7 +63,6 @@ class Slot:
     job: Job
     pos: int  # the position of the next token
     last: int  # the token to feed next
-    made: int = 0
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
     tokens: list[int] = field(default_factory=list)  # what was picked (every rank)
 
@@ -221,17 +220,13 @@ class Engine:
         self.slots[r] = Slot(job, pos=P, last=-1, rng=np.random.default_rng(seed))
         return r
 
-    def cancel(self, job_ids) -> list[int]:
-        """Drop the jobs ``job_ids``, prefilling or running; returns the rows they held."""
+    def cancel(self, job_ids) -> None:
+        """Drop the jobs ``job_ids``, prefilling or running (finished ones too)."""
         gone = set(job_ids)
         self.waiting = [pf for pf in self.waiting if pf.job.id not in gone]
         rows = [r for r, s in enumerate(self.slots) if s is not None and s.job.id in gone]
         for r in sorted(rows, reverse=True):
             self.release(r)
-        return rows
-
-    def row_of(self, job_id: int) -> int | None:
-        return next((r for r, s in enumerate(self.slots) if s is not None and s.job.id == job_id), None)
 
     def step(self) -> np.ndarray:
         """One decode step for the rows that have a token to feed; returns logits for rows
@@ -300,7 +295,7 @@ class Engine:
         """Every rank: ``token`` was picked for ``row``; it is fed at the next step."""
         s = self.slots[row]
         assert s is not None
-        s.last, s.made = token, s.made + 1
+        s.last = token
         s.tokens.append(token)
 
     def _keep(self, row: int, s: Slot) -> None:
