@@ -11,9 +11,9 @@ from mpi4py import MPI
 from .. import backend, settings
 from ..errors import MpitpError
 from . import timeline, transport, validate
-from .algorithms import hierarchical, tuning
+from .algorithms import hierarchical, ring, tuning
 from .handle import Handle, Steps, Watchdog, drive
-from .ops import check_dtype
+from .ops import check_dtype, mpi_datatype
 from .topology import Topology
 from .traffic import Traffic
 from .transport import cma, shm
@@ -244,6 +244,16 @@ class CommunicatorBase:
 
     def _segment(self, dtype) -> int:
         return max(1, self.segment_bytes // np.dtype(dtype).itemsize)
+
+    def _wire(self, dtype, seq: int, name: str) -> ring.Wire:
+        """How call ``seq`` (collective ``name``) sends ``dtype`` elements around a ring."""
+        return ring.Wire(
+            dtype=mpi_datatype(dtype),
+            itemsize=np.dtype(dtype).itemsize,
+            seg=self._segment(dtype),
+            tag=seq & 0x7FFF,
+            on_send=self._on_send(name),
+        )
 
     def _ring_transport(self, a, nbytes: int, nonblocking: bool, label: str, scope: str = "flat"):
         """The MPI communicator or the channel a ring over ``scope`` (``"flat"``: all ranks,

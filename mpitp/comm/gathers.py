@@ -82,7 +82,7 @@ class Gathers(CommunicatorBase):
         elems = [c * row for c in counts]
         dt = mpi_datatype(a.dtype)
         if alg == "ring" and self.size > 1:
-            steps = self._ring_allgather(src, dst, elems, dt, seq, nonblocking)
+            steps = self._ring_allgather(src, dst, elems, seq, nonblocking)
         else:
             self._record_mpi("allgather", src.nbytes if self.size > 1 else 0)
             steps = mpi_collectives.allgatherv(self.mpi, src, dst, elems, dt, self._call_blocking(nonblocking))
@@ -91,21 +91,12 @@ class Gathers(CommunicatorBase):
         res = self._run(steps, f"{label} ({alg})", nonblocking, alg, dst.nbytes)
         return res if nonblocking or staged else self._finish(res, out)
 
-    def _ring_allgather(self, src, dst, elems, dt, seq, nonblocking: bool) -> Steps:
+    def _ring_allgather(self, src, dst, elems, seq, nonblocking: bool) -> Steps:
         flat = dst.reshape(-1)
         lo = sum(elems[: self.rank])
         flat[lo : lo + elems[self.rank]] = src.reshape(-1)
         link = self._ring_transport(src, dst.nbytes, nonblocking, f"allgather #{seq}")
-        yield from ring.all_gather(
-            link,
-            flat,
-            elems,
-            dtype=dt,
-            itemsize=src.dtype.itemsize,
-            seg=self._segment(src.dtype),
-            tag=seq & 0x7FFF,
-            on_send=self._on_send("allgather"),
-        )
+        yield from ring.all_gather(link, flat, elems, self._wire(src.dtype, seq, "allgather"))
         return dst
 
     def scatter(self, x, root: int = 0, *, nonblocking: bool = False):

@@ -118,22 +118,15 @@ class Reductions(CommunicatorBase):
             )
         fn = ufunc(op, backend.xp_of(a))
         reduce = lambda p, q, r: fn(p, q, out=r)  # noqa: E731
-        kw = dict(
-            dtype=dt,
-            itemsize=a.dtype.itemsize,
-            seg=self._segment(a.dtype),
-            tag=seq & 0x7FFF,
-            on_send=self._on_send("allreduce"),
-        )
+        wire = self._wire(a.dtype, seq, "allreduce")
         slots = self._slots(a.size, a.dtype)
         if alg != "ring":
             slots = hierarchical.scratch_slots(slots)
         with self._workspace.borrow(slots, a.dtype, a) as tmp:
             if alg == "ring":
                 link = self._ring_transport(a, a.nbytes, nonblocking, f"allreduce #{seq}")
-                yield from ring.all_reduce(
-                    link, a.reshape(-1), dst.reshape(-1), reduce, tmp, on_step=self._step_marks(self.size), **kw
-                )
+                marks = wire.but(on_step=self._step_marks(self.size))
+                yield from ring.all_reduce(link, a.reshape(-1), dst.reshape(-1), reduce, tmp, marks)
             else:  # two-level; uneven nodes have no common shard layout: leader variant
                 sharded = alg == "hierarchical" and self.topology.uniform
                 intra = self._ring_transport(a, a.nbytes, nonblocking, f"allreduce #{seq}", scope="intra")
@@ -143,10 +136,10 @@ class Reductions(CommunicatorBase):
                     dst.reshape(-1),
                     reduce,
                     tmp,
+                    wire,
                     sharded=sharded,
                     intra=intra,
                     trace=self._timeline,
-                    **kw,
                 )
         return dst
 
@@ -276,7 +269,7 @@ class Reductions(CommunicatorBase):
             dst[...] = src
             steps = _value(dst)
         elif alg == "ring":
-            steps = self._ring_reduce_scatter(src, dst, elems, o, dt, seq, nonblocking)
+            steps = self._ring_reduce_scatter(src, dst, elems, o, seq, nonblocking)
         else:
             self._record_mpi("reduce_scatter", src.nbytes - elems[self.rank] * a.dtype.itemsize)
             steps = mpi_collectives.reduce_scatter(
@@ -288,7 +281,7 @@ class Reductions(CommunicatorBase):
             steps = self._back_to_device(steps, x, None)
         return self._run(steps, f"{label} ({alg})", nonblocking, alg, a.nbytes)
 
-    def _ring_reduce_scatter(self, src, dst, elems, op, dt, seq, nonblocking: bool) -> Steps:
+    def _ring_reduce_scatter(self, src, dst, elems, op, seq, nonblocking: bool) -> Steps:
         fn = ufunc(op, backend.xp_of(src))
         lo = sum(elems[: self.rank])
         with (
@@ -296,19 +289,9 @@ class Reductions(CommunicatorBase):
             self._workspace.borrow(self._slots(max(elems), src.dtype), src.dtype, src) as tmp,
         ):
             link = self._ring_transport(src, src.nbytes, nonblocking, f"reduce_scatter #{seq}")
-            yield from ring.reduce_scatter(
-                link,
-                src.reshape(-1),
-                full,
-                elems,
-                lambda p, q, r: fn(p, q, out=r),
-                tmp,
-                dtype=dt,
-                itemsize=src.dtype.itemsize,
-                seg=self._segment(src.dtype),
-                tag=seq & 0x7FFF,
-                on_send=self._on_send("reduce_scatter"),
-            )
+            wire = self._wire(src.dtype, seq, "reduce_scatter")
+            reduce = lambda p, q, r: fn(p, q, out=r)  # noqa: E731
+            yield from ring.reduce_scatter(link, src.reshape(-1), full, elems, reduce, tmp, wire)
             dst.reshape(-1)[...] = full[lo : lo + elems[self.rank]]
         return dst
 

@@ -78,51 +78,37 @@ def scratch_slots(slots: int) -> int:
 
 
 def all_reduce(
-    nc: NodeComms,
-    src,
-    dst,
-    reduce,
-    tmp,
-    *,
-    sharded: bool,
-    dtype,
-    itemsize: int,
-    seg: int,
-    tag: int,
-    on_send,
-    intra=None,
-    trace=None,
+    nc: NodeComms, src, dst, reduce, tmp, wire: ring.Wire, *, sharded: bool, intra=None, trace=None
 ) -> Steps:
     """Two-level all-reduce of flat ``src`` into flat ``dst`` (may be the same buffer).
     ``intra``: what the node's rings run over (its shared-memory channel), default
     ``nc.intra``; the leader variant's shard moves stay on ``nc.intra``. ``tmp`` holds
     :func:`scratch_slots` elements; ``trace`` (a :class:`~mpitp.comm.timeline.Timeline`)
-    records the sharded variant's pieces."""
+    records the sharded variant's pieces. ``wire.on_send`` sees ranks of the whole
+    communicator: each level's wire maps its own peers back to them."""
     link = nc.intra if intra is None else intra
-    kw = dict(dtype=dtype, itemsize=itemsize, seg=seg)
     if sharded:
-        return (yield from _sharded(nc, link, src, dst, reduce, tmp, tag=tag, on_send=on_send, trace=trace, **kw))
+        return (yield from _sharded(nc, link, src, dst, reduce, tmp, wire, trace=trace))
     slots = tmp.size // (IN_FLIGHT + 2)
     tmp = tmp[:slots]
     L, lr = nc.intra.size, nc.intra.rank  # ranks on this node, local rank
     counts = split.chunk_counts(dst.size, L)
     offs = split.offsets(counts)
-    intra_send = _mapped(on_send, nc.intra_ranks)
+    node = wire.but(on_send=_mapped(wire.on_send, nc.intra_ranks))
     # 1. reduce-scatter inside the node: local rank lr owns shard lr of the node's sum
-    yield from ring.reduce_scatter(link, src, dst, counts, reduce, tmp, on_send=intra_send, tag=tag, **kw)
+    yield from ring.reduce_scatter(link, src, dst, counts, reduce, tmp, node)
     # 2a. shards to the leader; 2b. leaders all-reduce everything; 2c. shards back
-    yield from _to_leader(nc.intra, dst, counts, offs, dtype, itemsize, tag, intra_send)
+    yield from _to_leader(nc.intra, dst, counts, offs, node)
     if lr == 0:
-        yield from ring.all_reduce(
-            nc.leaders, dst, dst, reduce, tmp, on_send=_mapped(on_send, nc.leader_ranks), tag=tag, **kw
-        )
-    yield from _from_leader(nc.intra, dst, counts, offs, dtype, itemsize, tag, intra_send)
+        leaders = wire.but(on_send=_mapped(wire.on_send, nc.leader_ranks))
+        yield from ring.all_reduce(nc.leaders, dst, dst, reduce, tmp, leaders)
+    yield from _from_leader(nc.intra, dst, counts, offs, node)
     # 3. all-gather inside the node
-    yield from ring.all_gather(link, dst, counts, on_send=intra_send, tag=tag, **kw)
+    yield from ring.all_gather(link, dst, counts, node)
     return dst
 
 
-def _sharded(nc: NodeComms, link, src, dst, reduce, tmp, *, tag: int, on_send, trace=None, **kw) -> Steps:
+def _sharded(nc: NodeComms, link, src, dst, reduce, tmp, wire: ring.Wire, trace=None) -> Steps:
     """The sharded variant as a pipeline over pieces of the buffer::
 
         step k:  intra reduce-scatter of piece k   (inside the node, while ...)
@@ -135,10 +121,10 @@ def _sharded(nc: NodeComms, link, src, dst, reduce, tmp, *, tag: int, on_send, t
     at once, each with its own tag and scratch. While a rank waits inside the node, its
     shared-memory channel polls the pieces in flight, so they keep moving."""
     L, lr = nc.intra.size, nc.intra.rank
-    intra_send = _mapped(on_send, nc.intra_ranks)
-    inter_send = _mapped(on_send, nc.inter_ranks)
+    node = wire.but(on_send=_mapped(wire.on_send, nc.intra_ranks))
+    across = wire.but(on_send=_mapped(wire.on_send, nc.inter_ranks))
     slots = tmp.size // (IN_FLIGHT + 2)
-    cut = pieces(dst.size, kw["itemsize"])
+    cut = pieces(dst.size, wire.itemsize)
     starts = split.offsets(cut)
     inflight: dict[int, Handle] = {}
     started: dict[int, float] = {}
@@ -162,17 +148,14 @@ def _sharded(nc: NodeComms, link, src, dst, reduce, tmp, *, tag: int, on_send, t
             if k < len(cut):
                 s, d, counts = piece(k)
                 t = trace.now() if trace is not None else 0.0
-                yield from ring.reduce_scatter(
-                    link, s, d, counts, reduce, tmp[:slots], on_send=intra_send, tag=tag, **kw
-                )
+                yield from ring.reduce_scatter(link, s, d, counts, reduce, tmp[:slots], node)
                 mark(f"piece {k} reduce-scatter in node", t)
                 started[k] = trace.now() if trace is not None else 0.0
                 lo = split.offsets(counts)[lr]
                 shard = d[lo : lo + counts[lr]]
                 scratch = tmp[slots * (1 + k % (IN_FLIGHT + 1)) :][:slots]
-                steps = ring.all_reduce(
-                    nc.inter, shard, shard, reduce, scratch, on_send=inter_send, tag=(tag << 4 | k) & 0x7FFF, **kw
-                )
+                tagged = across.but(tag=(wire.tag << 4 | k) & 0x7FFF)
+                steps = ring.all_reduce(nc.inter, shard, shard, reduce, scratch, tagged)
                 inflight[k] = Handle(steps, None, f"piece {k} across nodes")  # type: ignore[arg-type]
             poll()
             j = k - IN_FLIGHT
@@ -183,7 +166,7 @@ def _sharded(nc: NodeComms, link, src, dst, reduce, tmp, *, tag: int, on_send, t
                 mark(f"piece {j} across nodes", started.pop(j), tid=3)
                 _, d, counts = piece(j)
                 t = trace.now() if trace is not None else 0.0
-                yield from ring.all_gather(link, d, counts, on_send=intra_send, tag=tag, **kw)
+                yield from ring.all_gather(link, d, counts, node)
                 mark(f"piece {j} all-gather in node", t)
     finally:
         if not isinstance(link, MPI.Comm):
@@ -191,8 +174,8 @@ def _sharded(nc: NodeComms, link, src, dst, reduce, tmp, *, tag: int, on_send, t
     return dst
 
 
-def _to_leader(comm, buf, counts, offs, dtype, itemsize, tag, on_send) -> Steps:
-    lr = comm.rank
+def _to_leader(comm, buf, counts, offs, wire: ring.Wire) -> Steps:
+    lr, dtype, tag = comm.rank, wire.dtype, wire.tag
     if lr == 0:
         yield [
             comm.Irecv([buf[offs[k] : offs[k] + counts[k]], dtype], source=k, tag=tag)
@@ -200,17 +183,17 @@ def _to_leader(comm, buf, counts, offs, dtype, itemsize, tag, on_send) -> Steps:
             if counts[k]
         ]
     elif counts[lr]:
-        on_send(counts[lr] * itemsize, 0)
+        wire.on_send(counts[lr] * wire.itemsize, 0)
         yield comm.Isend([buf[offs[lr] : offs[lr] + counts[lr]], dtype], dest=0, tag=tag)
 
 
-def _from_leader(comm, buf, counts, offs, dtype, itemsize, tag, on_send) -> Steps:
-    lr = comm.rank
+def _from_leader(comm, buf, counts, offs, wire: ring.Wire) -> Steps:
+    lr, dtype, tag = comm.rank, wire.dtype, wire.tag
     if lr == 0:
         reqs = []
         for k in range(1, comm.size):
             if counts[k]:
-                on_send(counts[k] * itemsize, k)
+                wire.on_send(counts[k] * wire.itemsize, k)
                 reqs.append(comm.Isend([buf[offs[k] : offs[k] + counts[k]], dtype], dest=k, tag=tag))
         yield reqs
     elif counts[lr]:

@@ -22,11 +22,17 @@ a :class:`~mpitp.comm.transport.shm.Channel` (ranks of one node, host arrays; sh
 memory or CMA): the same segments, in the same order, then go through it
 (:func:`_channel_pipeline`), with the same result to the bit. Each public function picks
 one of the two pipelines; :mod:`mpitp.comm.transport` picks the link.
+
+What stays the same through one call (the element's MPI type and size, the segment
+length, the tag, the byte counter and the step marker) travels as one :class:`Wire`,
+built once by the collective that starts the ring.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from mpi4py import MPI
@@ -37,6 +43,24 @@ from ..handle import Steps
 Reduce = Callable[[Any, Any, Any], Any]  # reduce(a, b, out)
 OnSend = Callable[[int, int], None]  # on_send(nbytes, peer)
 OnStep = Callable[[int], None]  # on_step(step): the step's last segment has arrived (timeline)
+
+
+@dataclass(frozen=True)
+class Wire:
+    """How one collective call's segments travel: ``dtype`` (MPI's type of an element) and
+    ``itemsize``, ``seg`` elements per message, the MPI ``tag``, ``on_send(nbytes, peer)``
+    counting what leaves, and ``on_step(step)`` marking finished steps for the timeline."""
+
+    dtype: MPI.Datatype
+    itemsize: int
+    seg: int
+    tag: int
+    on_send: OnSend
+    on_step: OnStep | None = None
+
+    def but(self, **changes) -> Wire:
+        """The same wire with some fields changed (another tag, another byte counter)."""
+        return dataclasses.replace(self, **changes)
 
 
 def _segments(count: int, seg: int):
@@ -54,13 +78,11 @@ def send_chunk(N: int, r: int, s: int) -> int:
     return (r - s - 1) % N if s < N - 1 else (r - (s - N + 1)) % N
 
 
-def _channel_pipeline(
-    ch, src, dst, counts: list[int], reduce: Reduce | None, steps: range, *, seg: int, itemsize: int, on_send: OnSend
-) -> None:
+def _channel_pipeline(ch, src, dst, counts: list[int], reduce: Reduce | None, steps: range, wire: Wire) -> None:
     """The same steps over a shared-memory :class:`~mpitp.comm.transport.shm.Channel`: every
     segment, in the order the MPI pipeline sends and receives it, as buffer slices."""
     N, r = ch.size, ch.rank
-    seg = ch.segment(itemsize, seg)
+    seg = ch.segment(wire.itemsize, wire.seg)
     right, offs = (r + 1) % N, offsets(counts)
     c0 = send_chunk(N, r, steps.start)
     first_src = src if steps.start == 0 else dst
@@ -76,25 +98,12 @@ def _channel_pipeline(
             if s + 1 < steps.stop:
                 outgoing.append(part)  # forwarded once taken: send_chunk(s + 1) == c
     for part in outgoing:
-        on_send(part.size * itemsize, right)
+        wire.on_send(part.size * wire.itemsize, right)
     ch.run(src, dst, incoming, outgoing, first, reduce)
 
 
 def _pipeline(
-    comm: MPI.Comm,
-    src,
-    dst,
-    counts: list[int],
-    reduce: Reduce | None,
-    tmp,
-    steps: range,
-    *,
-    dtype: MPI.Datatype,
-    itemsize: int,
-    seg: int,
-    tag: int,
-    on_send: OnSend,
-    on_step: OnStep | None = None,
+    comm: MPI.Comm, src, dst, counts: list[int], reduce: Reduce | None, tmp, steps: range, wire: Wire
 ) -> Steps:
     """Steps ``steps`` of the 2(N-1)-step ring, pipelined segment by segment.
 
@@ -110,6 +119,7 @@ def _pipeline(
     posting the receive for it.)
     """
     N, r = comm.size, comm.rank
+    dtype, seg, tag = wire.dtype, wire.seg, wire.tag
     right, left = (r + 1) % N, (r - 1) % N
     offs = offsets(counts)
     rs = N - 1
@@ -130,7 +140,7 @@ def _pipeline(
         c = schunk(s)
         o = offs[c]
         req = comm.Isend([buf[o + lo : o + hi], dtype], dest=right, tag=tag)
-        on_send((hi - lo) * itemsize, right)
+        wire.on_send((hi - lo) * wire.itemsize, right)
         sends_of.setdefault((c, lo), []).append(req)
         all_sends.append(req)
 
@@ -160,160 +170,55 @@ def _pipeline(
             reduce(src[o + lo : o + hi], tmp[k : k + hi - lo], dst[o + lo : o + hi])  # type: ignore[misc]
         if s + 1 < steps.stop:
             send(s + 1, lo, hi, dst)  # schunk(s + 1) == c
-        if on_step is not None and (j + 1 == len(incoming) or incoming[j + 1][0] != s):
-            on_step(s)
+        if wire.on_step is not None and (j + 1 == len(incoming) or incoming[j + 1][0] != s):
+            wire.on_step(s)
     yield all_sends
 
 
-def _over(
-    link,
-    src,
-    dst,
-    counts: list[int],
-    reduce: Reduce | None,
-    tmp,
-    steps: range,
-    *,
-    dtype: MPI.Datatype,
-    itemsize: int,
-    seg: int,
-    tag: int,
-    on_send: OnSend,
-    on_step: OnStep | None = None,
-) -> Steps:
+def _over(link, src, dst, counts: list[int], reduce: Reduce | None, tmp, steps: range, wire: Wire) -> Steps:
     """Steps ``steps`` of the ring over ``link``: MPI point-to-point (an ``MPI.Comm``), or
     a shared-memory / CMA channel of one node (:mod:`mpitp.comm.transport`), which moves
     the same segments in the same order without MPI requests."""
     if isinstance(link, MPI.Comm):
-        yield from _pipeline(
-            link,
-            src,
-            dst,
-            counts,
-            reduce,
-            tmp,
-            steps,
-            dtype=dtype,
-            itemsize=itemsize,
-            seg=seg,
-            tag=tag,
-            on_send=on_send,
-            on_step=on_step,
-        )
+        yield from _pipeline(link, src, dst, counts, reduce, tmp, steps, wire)
     else:
-        _channel_pipeline(link, src, dst, counts, reduce, steps, seg=seg, itemsize=itemsize, on_send=on_send)
+        _channel_pipeline(link, src, dst, counts, reduce, steps, wire)
 
 
-def reduce_scatter(
-    comm: MPI.Comm,
-    src,
-    dst,
-    counts: list[int],
-    reduce: Reduce,
-    tmp,
-    *,
-    dtype: MPI.Datatype,
-    itemsize: int,
-    seg: int,
-    tag: int,
-    on_send: OnSend,
-) -> Steps:
+def reduce_scatter(link, src, dst, counts: list[int], reduce: Reduce, tmp, wire: Wire) -> Steps:
     """Ring reduce-scatter of flat ``src`` into flat ``dst`` (may be the same buffer).
 
     Afterwards ``dst[chunk rank]`` holds the reduction over all ranks; the other chunks of
     ``dst`` hold partial sums. ``tmp`` holds a few receive slots of ``seg`` elements (or
     the largest chunk, when that is smaller).
     """
-    if comm.size == 1:
+    if link.size == 1:
         if dst is not src:
             dst[:] = src
         return dst
-    yield from _over(
-        comm,
-        src,
-        dst,
-        counts,
-        reduce,
-        tmp,
-        range(0, comm.size - 1),
-        dtype=dtype,
-        itemsize=itemsize,
-        seg=seg,
-        tag=tag,
-        on_send=on_send,
-    )
+    yield from _over(link, src, dst, counts, reduce, tmp, range(0, link.size - 1), wire)
     return dst
 
 
-def all_gather(
-    comm: MPI.Comm,
-    buf,
-    counts: list[int],
-    *,
-    dtype: MPI.Datatype,
-    itemsize: int,
-    seg: int,
-    tag: int,
-    on_send: OnSend,
-) -> Steps:
+def all_gather(link, buf, counts: list[int], wire: Wire) -> Steps:
     """Ring all-gather, in place: on entry ``buf[chunk rank]`` is this rank's piece.
 
     Chunks travel in segments: one huge message is several times slower than the same
     bytes in cache-sized pieces on shared-memory transports."""
-    N = comm.size
+    N = link.size
     if N > 1:
-        yield from _over(
-            comm,
-            buf,
-            buf,
-            counts,
-            None,
-            None,
-            range(N - 1, 2 * N - 2),
-            dtype=dtype,
-            itemsize=itemsize,
-            seg=seg,
-            tag=tag,
-            on_send=on_send,
-        )
+        yield from _over(link, buf, buf, counts, None, None, range(N - 1, 2 * N - 2), wire)
     return buf
 
 
-def all_reduce(
-    comm: MPI.Comm,
-    src,
-    dst,
-    reduce: Reduce,
-    tmp,
-    *,
-    dtype: MPI.Datatype,
-    itemsize: int,
-    seg: int,
-    tag: int,
-    on_send: OnSend,
-    on_step: OnStep | None = None,
-) -> Steps:
+def all_reduce(link, src, dst, reduce: Reduce, tmp, wire: Wire) -> Steps:
     """Ring all-reduce of flat ``src`` into flat ``dst`` (``dst is src`` for in place).
-    ``on_step(s)`` (MPI transport) follows its 2(N-1) steps, for the timeline."""
-    N = comm.size
+    ``wire.on_step(s)`` (MPI transport) follows its 2(N-1) steps, for the timeline."""
+    N = link.size
     counts = chunk_counts(dst.size, N)
     if N == 1:
         if dst is not src:
             dst[:] = src
         return dst
-    yield from _over(
-        comm,
-        src,
-        dst,
-        counts,
-        reduce,
-        tmp,
-        range(0, 2 * N - 2),
-        dtype=dtype,
-        itemsize=itemsize,
-        seg=seg,
-        tag=tag,
-        on_send=on_send,
-        on_step=on_step,
-    )
+    yield from _over(link, src, dst, counts, reduce, tmp, range(0, 2 * N - 2), wire)
     return dst

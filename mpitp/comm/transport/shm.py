@@ -83,7 +83,7 @@ class Channel:
 
     def run(self, src, dst, incoming, outgoing, first: int, reduce):
         """Move the ring's segments. ``incoming``/``outgoing``: lists of (buffer slices)
-        in the order the ring takes and gives them — built by :func:`mpitp.comm.algorithms.ring._shm_pipeline`.
+        in the order the ring takes and gives them — built by :func:`mpitp.comm.algorithms.ring._channel_pipeline`.
 
         incoming[j] = (target slice of dst, source slice of src or None): reduce
         ``src_part + slot`` into the target (or copy the slot when there is no source).
