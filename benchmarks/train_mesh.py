@@ -26,7 +26,7 @@ import numpy as np
 import mpitp
 from mpitp.plan import profiles
 from mpitp.plan.train import layout as plan_layout
-from mpitp.train.init import preset_config
+from mpitp.train.presets import preset_config
 from mpitp.train.trainer import Options, Trainer
 
 

@@ -104,3 +104,23 @@ def test_kept_as_the_file_stores_it_equals_the_dequantized_model(model_dir):
     assert blocks.generate(ids, max_new_tokens=12, stop_tokens=[]) == floats.generate(
         ids, max_new_tokens=12, stop_tokens=[]
     )
+
+
+def test_fine_tuning_starts_from_the_files_weights(model_dir, tmp_path):
+    """``mpitp train --init default`` reads the GGUF file's blocks (dequantized) into the
+    training units: its loss on held-out text equals the inference model's cross-entropy
+    over the same tokens, computed by the separate inference path (float32 weights)."""
+    from mpitp.models.llama import LlamaForCausalLM
+    from mpitp.train.trainer import Options, Trainer
+
+    text = tmp_path / "notes.txt"
+    text.write_text("The capital of France is Paris. The capital of Italy is Rome. " * 8)
+    t = Trainer(Options(init="default", data=str(text), seq=24, batch=2, eval_fraction=0))
+    ids, targets = t.windows.batch(np.array([0, 1]))
+    got = t.engine.loss(ids, targets) / targets.size
+    logits = LlamaForCausalLM.from_pretrained(model_dir, weights="float32")(ids).astype(np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    want = -np.take_along_axis(logp, targets[..., None], -1).mean()
+    assert 0 < want < 5  # a trained model on plain English (a fresh one gives ln(49152) = 10.8)
+    assert abs(got - want) <= 1e-4 * want

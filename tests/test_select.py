@@ -4,7 +4,7 @@ over them, and the same answer for every rank-independent input."""
 import pytest
 
 from mpitp.comm.algorithms import select
-from mpitp.comm.ops import ReduceOp
+from mpitp.comm.mpi_types import ReduceOp
 from mpitp.errors import UnsupportedOperation
 
 KiB, MiB = 1 << 10, 1 << 20

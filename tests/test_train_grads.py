@@ -8,8 +8,8 @@ import pytest
 from mpitp.models import ops
 from mpitp.models.config import LlamaConfig
 from mpitp.models.rope import Rotary
-from mpitp.train import block, data, grads, layout
-from mpitp.train.engine import Engine
+from mpitp.train import backward, block, data, layout
+from mpitp.train.engine import TrainEngine
 from mpitp.train.optim import learning_rate
 from mpitp.train.sharding import Sharding
 
@@ -40,7 +40,7 @@ def test_rms_norm():
     x, w, dy = rng.standard_normal((2, 3, 8)), rng.standard_normal(8), rng.standard_normal((2, 3, 8))
     f = lambda: float((ops.rms_norm(x, w, 1e-5) * dy).sum())  # noqa: E731
     dw = np.zeros(8)
-    dx = grads.rms_norm_backward(dy, x, w, 1e-5, dw)
+    dx = backward.rms_norm_backward(dy, x, w, 1e-5, dw)
     assert rel(dx, numeric(f, x)) <= 1e-6 and rel(dw, numeric(f, w)) <= 1e-6
 
 
@@ -53,7 +53,7 @@ def test_linear_with_bias():
     )
     f = lambda: float(((x @ w.T + b) * dy).sum())  # noqa: E731
     dw, db = np.zeros_like(w), np.zeros_like(b)
-    dx = grads.linear_backward(dy, x, w, dw, db)
+    dx = backward.linear_backward(dy, x, w, dw, db)
     assert rel(dx, numeric(f, x)) <= 1e-6 and rel(dw, numeric(f, w)) <= 1e-6 and rel(db, numeric(f, b)) <= 1e-6
 
 
@@ -76,7 +76,7 @@ def test_rope(scaling):
     cos, sin = rot.tables(pos)
     x, dy = rng.standard_normal((2, 4, 3, 8)), rng.standard_normal((2, 4, 3, 8))
     f = lambda: float((rot.apply(x, cos, sin) * dy).sum())  # noqa: E731
-    assert rel(grads.rope_backward(rot, dy, cos, sin), numeric(f, x)) <= 1e-6
+    assert rel(backward.rope_backward(rot, dy, cos, sin), numeric(f, x)) <= 1e-6
 
 
 def test_attention_gqa_causal():
@@ -89,14 +89,14 @@ def test_attention_gqa_causal():
     mask, dout = ops.causal_mask(T), rng.standard_normal((B, kv, g, T, d))
     f = lambda: float((ops.attention(q, k, v, 0.5, mask)[0] * dout).sum())  # noqa: E731
     probs = ops.attention(q, k, v, 0.5, mask)[1]
-    dq, dk, dv = grads.attention_backward(dout, q, k, v, probs, 0.5)
+    dq, dk, dv = backward.attention_backward(dout, q, k, v, probs, 0.5)
     assert rel(dq, numeric(f, q)) <= 1e-6 and rel(dk, numeric(f, k)) <= 1e-6 and rel(dv, numeric(f, v)) <= 1e-6
 
 
 def test_swiglu():
     gate, up, dy = rng.standard_normal((3, 7)), rng.standard_normal((3, 7)), rng.standard_normal((3, 7))
     f = lambda: float((ops.swiglu(gate, up) * dy).sum())  # noqa: E731
-    dg, du = grads.swiglu_backward(dy, gate, up)
+    dg, du = backward.swiglu_backward(dy, gate, up)
     assert rel(dg, numeric(f, gate)) <= 1e-6 and rel(du, numeric(f, up)) <= 1e-6
 
 
@@ -104,14 +104,14 @@ def test_embedding_repeated_ids():
     w, ids, dy = rng.standard_normal((6, 4)), np.array([[1, 3, 1], [5, 1, 0]]), rng.standard_normal((2, 3, 4))
     f = lambda: float((w[ids] * dy).sum())  # noqa: E731
     dw = np.zeros_like(w)
-    grads.embedding_backward(dy, ids, dw)
+    backward.embedding_backward(dy, ids, dw)
     assert rel(dw, numeric(f, w)) <= 1e-6
 
 
 def test_cross_entropy():
     logits, t = rng.standard_normal((2, 3, 11)) * 3, rng.integers(0, 11, (2, 3))
-    f = lambda: grads.cross_entropy(logits, t)[0]  # noqa: E731
-    loss, d = grads.cross_entropy(logits, t)
+    f = lambda: backward.cross_entropy(logits, t)[0]  # noqa: E731
+    loss, d = backward.cross_entropy(logits, t)
     ref = -np.log(np.exp(logits) / np.exp(logits).sum(-1, keepdims=True))
     assert abs(loss - np.take_along_axis(ref, t[..., None], -1).sum()) <= 1e-12
     assert rel(d, numeric(f, logits)) <= 1e-6
@@ -167,7 +167,7 @@ def test_whole_model(tied, recompute):
     S = Sharding(None, lays, "fsdp", np.float64, keep=(len(lays) - 1,) + ((0,) if tied else ()))
     for i, lay in enumerate(lays):
         S.owned_params(i)[: lay.numel] = layout.init_unit(lay, i, std=0.3)
-    E = Engine(cfg, S, recompute=recompute)
+    E = TrainEngine(cfg, S, recompute=recompute)
     ids, tg = rng.integers(0, 37, (2, 6)), rng.integers(0, 37, (2, 6))
     S.zero_grads()
     E.micro_step(ids, tg, 1 / 12)

@@ -186,7 +186,7 @@ class MpiReference:
     column's reference."""
 
     def __init__(self, comm, nbytes: int, dtype, op: str):
-        from ..comm.ops import ReduceOp, mpi_datatype, mpi_op
+        from ..comm.mpi_types import ReduceOp, mpi_datatype, mpi_op
 
         dt = np.dtype(dtype)
         self.comm = comm

@@ -99,7 +99,7 @@ def add_parser(sub) -> None:
 def _dtype(text: str) -> str:
     from argparse import ArgumentTypeError
 
-    from ..comm.ops import SUPPORTED_DTYPES
+    from ..comm.mpi_types import SUPPORTED_DTYPES
 
     names = {str(d): str(d) for d in SUPPORTED_DTYPES}
     if text not in names:

@@ -89,28 +89,23 @@ def run(args) -> int:
     if not args.model and default.gguf_file() is None:
         print(HOW_TO_GET_A_MODEL, file=sys.stderr)
         return 2
-    from tokenizers import Tokenizer
-
     from ..comm import Communicator
     from ..models.llama import LlamaForCausalLM
 
     with Communicator() as comm:  # freed however the command ends
-        return _generate(args, comm, Tokenizer, LlamaForCausalLM)
+        return _generate(args, comm, LlamaForCausalLM)
 
 
-def _generate(args, comm, Tokenizer, LlamaForCausalLM) -> int:
+def _generate(args, comm, LlamaForCausalLM) -> int:
+    from ..models.resolve import model_dir, tokenizer
+
     r0 = comm.rank == 0
     chat = args.chat
     if not args.model:
-        args.model = str(default.ensure(comm))
         chat = True if chat is None else chat
-    else:
-        from ..models.resolve import resolve
-
-        args.model = str(resolve(args.model, comm))
+    args.model = str(model_dir(args.model or None, comm))
     from ..models import prompts as prompt_io
     from ..models.generate import GenerationError, check_prompts, check_sampling
-    from ..models.loader import CheckpointError
 
     gen = prompt_io.generation_defaults(args.model)
     opts = {  # the command line, else generation_config.json, else greedy and off
@@ -132,15 +127,7 @@ def _generate(args, comm, Tokenizer, LlamaForCausalLM) -> int:
     )  # before loading anything
     if args.max_batch < 1:
         raise GenerationError(f"--max-batch must be at least 1, got {args.max_batch}")
-    if not Path(args.model).is_dir():
-        raise CheckpointError(f"--model {args.model}: no such directory")
-    tok_file = Path(args.model) / "tokenizer.json"
-    if not tok_file.exists():
-        raise CheckpointError(f"no tokenizer.json in {args.model}")
-    try:
-        tok = Tokenizer.from_file(str(tok_file))
-    except Exception as e:
-        raise CheckpointError(f"{tok_file}: not a readable tokenizer ({e})") from None
+    tok = tokenizer(Path(args.model))
     model = LlamaForCausalLM.from_pretrained(
         args.model, comm=comm, dtype=args.dtype, device=args.device, weights=args.weights
     )
@@ -148,8 +135,8 @@ def _generate(args, comm, Tokenizer, LlamaForCausalLM) -> int:
         from ..log import get_logger
 
         get_logger("generate").warning(
-            f"{tok_file} has {tok.get_vocab_size(with_added_tokens=True)} tokens but the model's vocabulary is "
-            f"{model.config.vocab_size}: a prompt that uses the extra ones will be refused"
+            f"{args.model}/tokenizer.json has {tok.get_vocab_size(with_added_tokens=True)} tokens but the model's "
+            f"vocabulary is {model.config.vocab_size}: a prompt that uses the extra ones will be refused"
         )
     prompts = list(args.prompt or []) + (prompt_io.read_prompt_file(args.prompt_file) if args.prompt_file else [])
     prompts = prompts or ["Hello"]

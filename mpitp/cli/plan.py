@@ -197,7 +197,7 @@ def _fsdp(args):
 def _train_config(name: str):
     """A LlamaConfig from mpitp train's presets, a plan preset, or a config.json."""
     from ..models.config import LlamaConfig
-    from ..train.init import PRESETS, preset_config
+    from ..train.presets import PRESETS, preset_config
 
     if name in PRESETS:
         return preset_config(name)

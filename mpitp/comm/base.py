@@ -13,7 +13,7 @@ from ..errors import MpitpError
 from . import timeline, transport, validate
 from .algorithms import hierarchical, ring, tuning
 from .handle import Handle, Steps, Watchdog, drive
-from .ops import check_dtype, mpi_datatype
+from .mpi_types import check_dtype, mpi_datatype
 from .topology import Topology
 from .traffic import Traffic
 from .transport import cma, shm

@@ -9,7 +9,7 @@ from .. import backend, split
 from .algorithms import mpi_collectives, ring, select
 from .base import CommunicatorBase
 from .handle import Steps
-from .ops import mpi_datatype
+from .mpi_types import mpi_datatype
 
 
 class Gathers(CommunicatorBase):

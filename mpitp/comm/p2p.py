@@ -8,7 +8,7 @@ from mpi4py import MPI
 from .. import backend
 from .algorithms import mpi_collectives
 from .base import CommunicatorBase
-from .ops import mpi_datatype
+from .mpi_types import mpi_datatype
 
 
 class PointToPoint(CommunicatorBase):

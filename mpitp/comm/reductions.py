@@ -14,7 +14,7 @@ from .algorithms import hierarchical, mpi_collectives, ring, select
 from .algorithms.select import NEVER
 from .base import CommunicatorBase, _value
 from .handle import Steps
-from .ops import ReduceOp, average, check_reducible, inferred, mpi_datatype, mpi_op, ufunc
+from .mpi_types import ReduceOp, average, check_reducible, inferred, mpi_datatype, mpi_op, ufunc
 
 
 @dataclass(slots=True)

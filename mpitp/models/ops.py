@@ -1,7 +1,7 @@
 """The forward of each LLaMA op, one definition for inference and training.
 
 Inference (:mod:`mpitp.models.llama`) and training (:mod:`mpitp.train.block`) both call
-these; the backward of each lives in :mod:`mpitp.train.grads`. Shapes::
+these; the backward of each lives in :mod:`mpitp.train.backward`. Shapes::
 
     rms_norm    x [..., H], w [H]                       -> [..., H]
     swiglu      gate, up [..., I]                       -> silu(gate) * up

@@ -1,13 +1,16 @@
 """Training: backward of every LLaMA op, FSDP/ZeRO units, sharded AdamW, checkpoints.
 
 block.py       a decoder layer's training forward (the inference ops) and backward
-grads.py       the backward of each op
+backward.py    the backward of each op
 layout.py      units: each decoder layer (and embedding, head) as one flat padded buffer
 sharding.py    ddp · zero1 · zero2 · fsdp: who holds parameters, gradients, optimizer state
 optim.py       AdamW on the owned shards, global-norm clipping, learning-rate schedule
-engine.py      one training step: forward and backward through the units
+engine.py      TrainEngine: one micro-batch forward and backward through the units
 data.py        token streams, windows and global batches
-init.py        presets, fresh initialisation, reading a Hugging Face checkpoint's ranges
-checkpoint.py  sharded, atomic, reshardable checkpoints; Hugging Face export
-trainer.py     the loop behind ``mpitp train``
+presets.py     the model sizes --config knows by name
+sources.py     where parameters come from: fresh, a model directory, a checkpoint (one read)
+checkpoint.py  sharded, atomic, reshardable checkpoints (their whole format); Hugging Face export
+options.py     Options: every setting of a run; mpitp train's flags come from its fields
+trainer.py     Trainer: setup, a step, eval, save, and fit (the loop behind ``mpitp train``)
+plot.py        loss.png
 """

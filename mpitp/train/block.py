@@ -23,7 +23,7 @@ from ..backend import xp_of
 from ..models.config import LlamaConfig
 from ..models.ops import attention, causal_mask, rms_norm, swiglu
 from ..models.rope import Rotary
-from .grads import attention_backward, linear_backward, rms_norm_backward, rope_backward, swiglu_backward
+from .backward import attention_backward, linear_backward, rms_norm_backward, rope_backward, swiglu_backward
 from .tensor_parallel import column_backward, row_forward
 
 

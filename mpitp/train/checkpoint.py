@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,29 @@ from ..models.loader import CheckpointError  # one error for every checkpoint, r
 from .layout import UnitLayout
 
 FORMAT = "mpitp-train-1"
+KINDS = ("param", "exp_avg", "exp_avg_sq")  # what each rank's file holds of every unit
+
+
+def key(unit: int, kind: str) -> str:
+    """The safetensors name of a rank's values of ``kind`` of unit ``unit``."""
+    return f"u{unit}.{kind}"
+
+
+def describe(cfg: LlamaConfig, options, dp: int, step: int, adam_t: int) -> dict:
+    """meta.json's account of the run (:func:`save` adds the format, units and ranks):
+    ``options`` is the run's :class:`~mpitp.train.options.Options`."""
+    o = options
+    return {
+        "config": cfg.to_dict(),
+        "mode": o.mode,
+        "mesh": {"dp": dp, "tp": o.tp},
+        "dtype": o.dtype,
+        "optimizer": {"t": adam_t, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
+        "data": {"step": step, "batch": o.batch, "seq": o.seq, "shuffle": o.shuffle},
+        # nothing draws random numbers after initialisation: the seeds are the whole state
+        "rng": {"init_seed": o.seed, "shuffle_seed": o.shuffle},
+        "options": asdict(o),
+    }
 
 
 def sha256(path: Path) -> str:
@@ -65,13 +89,13 @@ def save(
     comm,
     layouts: list[UnitLayout],
     ranges: list[list[list[int]]],
-    tensors: dict[str, np.ndarray],
+    tensors: dict[tuple[int, str], np.ndarray],
     meta: dict,
     tokenizer: Path | None = None,
 ) -> Path:
     """Collective. ``ranges[i]`` are this rank's [start, end) runs of unit i (whole model,
-    unpadded); ``tensors`` maps ``u{i}.{kind}`` to this rank's values over those runs, in
-    order. ``layouts`` are the whole model's units."""
+    unpadded); ``tensors`` maps ``(i, kind)`` to this rank's values over those runs, in
+    order. ``layouts`` are the whole model's units; ``meta`` is :func:`describe`'s."""
     from safetensors.numpy import save_file
 
     rank, n = (comm.rank, comm.size) if comm is not None else (0, 1)
@@ -89,7 +113,7 @@ def save(
     fname = f"rank{rank:05d}.safetensors"
     digest = ""
     try:
-        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / fname))
+        save_file({key(*k): np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / fname))
         with open(tmp / fname, "rb+") as f:
             os.fsync(f.fileno())
         digest = sha256(tmp / fname)
@@ -160,6 +184,10 @@ class Reader:
         self.config = LlamaConfig.from_dict(self.meta["config"])
         self._verified: set[str] = set()
 
+    def progress(self) -> tuple[int, int]:
+        """(steps done, AdamW's step count) when it was saved."""
+        return int(self.meta["step"]), int(self.meta["optimizer"]["t"])
+
     def _open(self, rank_entry: dict):
         from safetensors import safe_open
 
@@ -176,7 +204,7 @@ class Reader:
             raise CheckpointError(f"{f}: unreadable safetensors ({e})") from None
 
     def read(self, unit: int, kind: str, lo: int, hi: int, dtype) -> np.ndarray:
-        """Values of ``u{unit}.{kind}`` over [lo, hi) of the unpadded flat buffer."""
+        """Values of ``kind`` of unit ``unit`` over [lo, hi) of the unpadded flat buffer."""
         out = np.zeros(max(hi - lo, 0), dtype)
         for entry in self.meta["ranks"]:
             rg = entry["ranges"][unit]
@@ -192,7 +220,7 @@ class Reader:
                 continue
             first, last = pieces[0][0], max(p + n for p, _, n in pieces)
             with self._open(entry) as h:
-                span = h.get_slice(f"u{unit}.{kind}")[first:last]
+                span = h.get_slice(key(unit, kind))[first:last]
             for p, o, n in pieces:
                 out[o : o + n] = span[p - first : p - first + n]
         return out

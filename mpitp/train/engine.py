@@ -21,13 +21,13 @@ from ..models.config import LlamaConfig
 from ..models.ops import rms_norm
 from ..models.rope import Rotary
 from . import block
-from .grads import cross_entropy, embedding_backward, rms_norm_backward
+from .backward import cross_entropy, embedding_backward, rms_norm_backward
 from .sharding import Sharding
 from .tensor_parallel import column_backward, vocab_cross_entropy, vocab_embedding_backward, vocab_embedding_forward
 from .tp_layout import TPCut
 
 
-class Engine:
+class TrainEngine:
     def __init__(
         self, cfg: LlamaConfig, sharding: Sharding, recompute: bool = False, cut: TPCut | None = None, tp=None
     ):

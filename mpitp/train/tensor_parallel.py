@@ -15,7 +15,7 @@ The vocabulary-parallel embedding and cross-entropy never gather the full vocabu
 each rank holds rows [v0, v1) of the table and its slice of the logits; the loss needs
 three all-reduces of one number per token (max, Σexp, the target's logit). RMSNorm over
 a sequence cut across ranks (sequence parallelism) sums its weight gradient over ranks.
-Weight gradients are *added* into the buffers given, as in :mod:`mpitp.train.grads`.
+Weight gradients are *added* into the buffers given, as in :mod:`mpitp.train.backward`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import xp_of
-from .grads import linear_backward, rms_norm_backward
+from .backward import linear_backward, rms_norm_backward
 
 
 def column_forward(x, w, b=None):

@@ -1,7 +1,7 @@
 """The training loop behind ``mpitp train``: data, units, AdamW, logging, checkpoints.
 
 Every rank runs the same loop (SPMD). Per step: each rank's piece of the global batch in
-``grad_accum`` micro-batches through :class:`~mpitp.train.engine.Engine`; the summed loss
+``grad_accum`` micro-batches through :class:`~mpitp.train.engine.TrainEngine`; the summed loss
 and the gradient norm are all-reduced; clipping; AdamW on the owned slices; zero1/zero2
 gather the updated parameters. Rank 0 shows progress and writes the log.
 
@@ -12,60 +12,27 @@ tensor (:mod:`.tp_layout`); ``--mode`` shards those slices over the dp group.
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import MpitpError
+from ..log import get_logger
 from . import checkpoint, data
-from .engine import Engine
-from .init import HFReader, fresh_range, preset_config
+from .engine import TrainEngine
 from .layout import llama_units
 from .optim import AdamW, clip_coefficient, learning_rate
-from .sharding import MODES, Sharding
+from .options import Options, TrainError
+from .sharding import Sharding
+from .sources import open_model
 from .tp_layout import TPCut, TPError, gather_whole, runs
 
-
-class TrainError(MpitpError, ValueError):
-    """The training arguments cannot work."""
-
-
-@dataclass
-class Options:
-    config: str | None = None  # tiny | small | config.json path
-    init: str | None = None  # Hugging Face directory, or "default"
-    data: str | None = None
-    data_default: bool = False
-    mode: str = "fsdp"
-    tp: int = 1  # tensor-parallel size: the mesh is (N / tp, tp)
-    steps: int = 100
-    batch: int = 8  # global batch, in sequences
-    seq: int = 128
-    lr: float = 3e-4
-    min_lr: float | None = None
-    weight_decay: float = 0.1
-    betas: tuple = (0.9, 0.95)
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    warmup: int = 0
-    schedule: str = "cosine"
-    grad_accum: int = 1
-    recompute: bool = False
-    out: str | None = None
-    resume: str | None = None
-    log: str | None = None
-    save_every: int = 0
-    eval_every: int = 0
-    eval_fraction: float = 0.05
-    eval_batches: int = 4
-    shuffle: int | None = None
-    seed: int = 0
-    dtype: str = "float32"
-    algorithm: str = "auto"
-    progress: bool = True
+__all__ = ["Options", "TrainError", "Trainer"]
+log = get_logger("train")
 
 
 class Trainer:
@@ -73,18 +40,10 @@ class Trainer:
         self.o, self.comm = opts, comm
         o = opts
         self.world: int = comm.size if comm is not None else 1
-        if o.tp < 1 or self.world % o.tp:
-            raise TrainError(f"--tp {o.tp} must divide the {self.world} rank(s)")
-        if o.mode not in MODES:
-            raise TrainError(f"--mode {o.mode!r}: choose {', '.join(MODES)}")
-        for name in ("steps", "batch", "seq", "grad_accum"):
-            if getattr(o, name) < 1:
-                raise TrainError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(o, name)}")
-        if o.dtype not in ("float32", "float64"):
-            raise TrainError(f"--dtype {o.dtype!r}: float32 or float64")
+        o.check(self.world)
         self.dtype = np.dtype(o.dtype)
-        self.ckpt = checkpoint.Reader(Path(o.resume)) if o.resume else None
-        self.cfg, self.tokenizer = self._model_source()
+        self.model = open_model(o.config, o.init, o.resume, comm)
+        self.cfg, self.tokenizer = self.model.cfg, self.model.tokenizer
         if o.seq > self.cfg.max_position_embeddings:
             raise TrainError(
                 f"--seq {o.seq} exceeds the model's max_position_embeddings {self.cfg.max_position_embeddings}"
@@ -110,7 +69,7 @@ class Trainer:
         self.local = self.cut.units  # this rank's slices (all of it at tp 1)
         keep = (len(self.local) - 1,) + ((0,) if self.cfg.tie_word_embeddings else ())
         self.S = Sharding(self.dp, self.local, o.mode, self.dtype, o.algorithm, keep=keep)
-        self.engine = Engine(self.cfg, self.S, recompute=o.recompute, cut=self.cut, tp=self.tp)
+        self.engine = TrainEngine(self.cfg, self.S, recompute=o.recompute, cut=self.cut, tp=self.tp)
         # replicated over tp: counted in the gradient norm and saved by tp rank 0 only
         self.skip = [[] if self.tp_rank == 0 else self.cut.replicated(i) for i in range(len(self.local))]
         ranges = [self.S.opt_range(i) for i in range(len(self.local))]
@@ -132,34 +91,6 @@ class Trainer:
         self.history: list[dict] = []
 
     # ---------------------------------------------------------------- setup
-    def _model_source(self):
-        o = self.o
-        self.init_dir = None
-        if self.ckpt is not None:
-            tok = self.ckpt.path / "tokenizer.json"
-            return self.ckpt.config, (tok if tok.exists() else None)
-        if o.init:
-            path = Path(o.init)
-            if o.init == "default":
-                from ..models import default
-
-                found = default.ensure(self.comm)
-                if found is None:
-                    raise TrainError(f"--init default needs the embedded model: {default.INSTALL}")
-                path = found
-            if not path.is_dir():
-                raise TrainError(f"--init {path}: no such directory")
-            from ..models.config import LlamaConfig
-
-            tok = path / "tokenizer.json"
-            self.init_dir = path
-            return LlamaConfig.from_path(path), (tok if tok.exists() else None)
-        if not o.config:
-            raise TrainError("say what to train: --config tiny|small|config.json, --init DIR|default, or --resume DIR")
-        if o.config not in ("tiny", "small") and not Path(o.config).exists():
-            raise TrainError(f"--config {o.config}: not a preset (tiny, small) and no such file")
-        return preset_config(o.config), None
-
     def _tokens(self) -> np.ndarray:
         o = self.o
 
@@ -198,36 +129,29 @@ class Trainer:
         self.tokenizer = Path(tok) if tok else None
         return ids
 
-    def _source(self, i: int, kind: str, dtype, hf: HFReader | None):
-        """``read(lo, hi)`` of unit i's whole flat buffer (``kind``: param, exp_avg,
-        exp_avg_sq), from the checkpoint, the Hugging Face files or a fresh init."""
-        whole = self.layouts[i]
-        if self.ckpt is not None:
-            ckpt = self.ckpt
-            return lambda lo, hi: ckpt.read(i, kind, lo, hi, dtype)
-        if hf is not None:
-            return lambda lo, hi: hf.read(whole, lo, hi, dtype)
-        return lambda lo, hi: fresh_range(whole, i, lo, hi, self.o.seed, dtype)
-
     def _load_state(self) -> None:
         """Fill this rank's parameters (and moments, when resuming): the elements of the
-        whole model's units that its slice and shard hold, read from wherever they lie."""
+        whole model's units that its slice and shard hold, read from wherever they lie
+        (:mod:`.sources`)."""
         fsdp = self.o.mode == "fsdp"
-        hf = HFReader(self.init_dir) if self.init_dir is not None else None
+        source = self.model.source(self.layouts, self.o.seed)
+
+        def reader(i: int, kind: str, dtype):
+            return lambda lo, hi: source.read(i, kind, lo, hi, dtype)
+
         for i, (lay, u) in enumerate(zip(self.local, self.S.units)):
             lo, hi = (u.lo, min(u.hi, lay.numel)) if fsdp else (0, lay.numel)
             dst = u.shard if fsdp else u.full
             if hi > lo:
-                dst[: hi - lo] = gather_whole(self._source(i, "param", self.dtype, hf), self.cut.index(i, lo, hi))
+                dst[: hi - lo] = gather_whole(reader(i, "param", self.dtype), self.cut.index(i, lo, hi))
             a, b = self.S.opt_range(i)
             b = min(b, lay.numel)
-            if self.ckpt is not None and b > a:
+            if source.has_moments and b > a:
                 idx = self.cut.index(i, a, b)
                 for kind, arr in (("exp_avg", self.opt.m[i]), ("exp_avg_sq", self.opt.v[i])):
-                    arr[: b - a] = gather_whole(self._source(i, kind, arr.dtype, None), idx)
-        if self.ckpt is not None:
-            self.step = int(self.ckpt.meta["step"])
-            self.opt.t = int(self.ckpt.meta["optimizer"]["t"])
+                    arr[: b - a] = gather_whole(reader(i, kind, arr.dtype), idx)
+        if self.model.checkpoint is not None:
+            self.step, self.opt.t = self.model.checkpoint.progress()
 
     # ---------------------------------------------------------------- the loop
     def lr_at(self, step: int) -> float:
@@ -301,7 +225,8 @@ class Trainer:
         o = self.o
         if not o.out:
             raise TrainError("saving a checkpoint needs an output directory (--out DIR)")
-        ranges, tensors = [], {}
+        ranges: list = []
+        tensors: dict[tuple[int, str], np.ndarray] = {}
         for i, (lay, u) in enumerate(zip(self.local, self.S.units)):
             lo, hi = u.lo, max(min(u.hi, lay.numel), u.lo)
             idx = self.cut.index(i, lo, hi)
@@ -311,21 +236,85 @@ class Trainer:
             ranges.append(runs(idx[keep]))
             params = u.shard if o.mode == "fsdp" else u.full[u.lo : u.hi]
             a = self.S.opt_range(i)[0]
-            tensors[f"u{i}.param"] = params[: hi - lo][keep]
-            tensors[f"u{i}.exp_avg"] = self.opt.m[i][lo - a : hi - a][keep]
-            tensors[f"u{i}.exp_avg_sq"] = self.opt.v[i][lo - a : hi - a][keep]
-        meta = {
-            "config": self.cfg.to_dict(),
-            "mode": o.mode,
-            "mesh": {"dp": self.n, "tp": o.tp},
-            "dtype": o.dtype,
-            "optimizer": {"t": self.opt.t, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
-            "data": {"step": self.step, "batch": o.batch, "seq": o.seq, "shuffle": o.shuffle},
-            # nothing draws random numbers after initialisation: the seeds are the whole state
-            "rng": {"init_seed": o.seed, "shuffle_seed": o.shuffle},
-            "options": asdict(o),
-        }
+            tensors[i, "param"] = params[: hi - lo][keep]
+            tensors[i, "exp_avg"] = self.opt.m[i][lo - a : hi - a][keep]
+            tensors[i, "exp_avg_sq"] = self.opt.v[i][lo - a : hi - a][keep]
+        meta = checkpoint.describe(self.cfg, o, self.n, self.step, self.opt.t)
         return checkpoint.save(Path(o.out), self.step, self.comm, self.layouts, ranges, tensors, meta, self.tokenizer)
+
+    # ---------------------------------------------------------------- a run
+    def fit(self) -> Path | None:
+        """Train up to ``steps``: progress bar and JSONL log on rank 0, eval and checkpoints
+        when asked, the final checkpoint and loss.png in ``out``. Returns the checkpoint."""
+        o, r0 = self.o, self.comm is None or self.comm.rank == 0
+        if self.step >= o.steps:
+            if r0:
+                print(
+                    f"mpitp train: the checkpoint is at step {self.step}, --steps is {o.steps}: nothing to do",
+                    file=sys.stderr,
+                )
+            return None
+        if r0:
+            log.info(self._summary())
+        jsonl, bar = None, None
+        if r0 and o.log:
+            Path(o.log).parent.mkdir(parents=True, exist_ok=True)
+            jsonl = open(o.log, "a" if o.resume else "w")
+        if r0 and o.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=o.steps, initial=self.step, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+        try:
+            while self.step < o.steps:
+                rec = self.train_step()
+                if o.eval_every and (self.step % o.eval_every == 0 or self.step == o.steps):
+                    rec["eval_loss"] = self.eval_loss()
+                self.history.append(rec)
+                if jsonl:
+                    jsonl.write(json.dumps(rec) + "\n")
+                    jsonl.flush()
+                if bar is not None:
+                    bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
+                    bar.update(1)
+                if o.out and o.save_every and self.step % o.save_every == 0 and self.step < o.steps:
+                    self.save()
+        finally:
+            if bar is not None:
+                bar.close()
+            if jsonl:
+                jsonl.close()
+        final_eval = self.eval_loss()
+        where = None
+        if o.out:
+            where = self.save()
+            if r0:
+                from .plot import plot_loss
+
+                history = self.history
+                if o.log and Path(o.log).exists():  # after a resume: the whole run
+                    history = [json.loads(line) for line in open(o.log) if line.strip()]
+                plot_loss(history, Path(o.out) / "loss.png")
+        if r0:
+            last = self.history[-1]
+            tps = sorted(h["tokens_per_s"] for h in self.history[1:] or self.history)
+            log.info(
+                f"step {self.step}: train loss {last['loss']:.4f}"
+                + (f", eval loss {final_eval:.4f}" if final_eval is not None else "")
+                + f", median {tps[len(tps) // 2]:.0f} tokens/s"
+                + (f"; checkpoint {where}" if where else "")
+            )
+        return where
+
+    def _summary(self) -> str:
+        o, mem = self.o, self.memory()
+        return (
+            f"train {o.mode} on {self.world} rank(s)"
+            + (f" (mesh dp {self.n} x tp {o.tp})" if o.tp > 1 else "")
+            + f": {mem['psi'] / 1e6:.2f}M parameters, "
+            f"{self.windows.count} windows of {o.seq}+1 tokens, global batch {o.batch}, steps {self.step}->{o.steps}; "
+            f"held per rank {mem['total'] / 2**20:.1f} MiB (params {mem['params'] / 2**20:.1f}, "
+            f"grads {mem['grads'] / 2**20:.1f}, AdamW {mem['optimizer'] / 2**20:.1f})"
+        )
 
     def close(self) -> None:
         """Free the mesh's communicators (collective)."""

@@ -1,14 +1,14 @@
 """Tensor-parallel training ops (mpitp.train.tensor_parallel) against the single-process
 reference in float64: every rank's outputs, input gradients and weight gradients equal
 the full computation's, the weights' cut by chunk(p)[rank] (picotron's pattern). The
-reference backward (mpitp.train.grads) is itself checked against central differences."""
+reference backward (mpitp.train.backward) is itself checked against central differences."""
 
 import numpy as np
 import pytest
 from helpers import agree
 from mpi4py import MPI
 
-from mpitp.train import grads
+from mpitp.train import backward
 from mpitp.train import tensor_parallel as tpo
 
 N = MPI.COMM_WORLD.size
@@ -40,8 +40,8 @@ def test_column_then_row_mlp(comm):
     h = x @ W1.T + b1
     y = h @ W2.T + b2
     gW1, gb1, gW2, gb2 = np.zeros_like(W1), np.zeros_like(b1), np.zeros_like(W2), np.zeros_like(b2)
-    dh = grads.linear_backward(R, h, W2, gW2, gb2)
-    dx = grads.linear_backward(dh, x, W1, gW1, gb1)
+    dh = backward.linear_backward(R, h, W2, gW2, gb2)
+    dx = backward.linear_backward(dh, x, W1, gW1, gb1)
     # tensor parallel
     w1, bb1, w2 = cut(W1, 0), cut(b1, 0), cut(W2, 1)
     hl = tpo.column_forward(x, w1, bb1)
@@ -63,10 +63,10 @@ def test_vocab_parallel_embedding_and_cross_entropy(comm, V):
     Wh, D = rng.standard_normal((V, H)), rng.standard_normal((B, T, H))
     x = E[ids]
     logits = x @ Wh.T
-    loss, dlogits = grads.cross_entropy(logits, targets)
+    loss, dlogits = backward.cross_entropy(logits, targets)
     gE, gWh = np.zeros_like(E), np.zeros_like(Wh)
-    dx = grads.linear_backward(dlogits, x, Wh, gWh)
-    grads.embedding_backward(dx + D, ids, gE)
+    dx = backward.linear_backward(dlogits, x, Wh, gWh)
+    backward.embedding_backward(dx + D, ids, gE)
     v0 = first_row(V, comm.rank)
     el, whl = cut(E, 0), cut(Wh, 0)
     xl = tpo.vocab_embedding_forward(ids, el, v0, comm)
@@ -87,7 +87,7 @@ def test_sequence_parallel_rms_norm(comm):
     B, T, H = 2, 2 * N + 1, 6
     x, w, dy = rng.standard_normal((B, T, H)), rng.standard_normal(H), rng.standard_normal((B, T, H))
     gw = np.zeros(H)
-    dx = grads.rms_norm_backward(dy, x, w, 1e-6, gw)
+    dx = backward.rms_norm_backward(dy, x, w, 1e-6, gw)
     gwl = np.zeros(H)
     dxl = tpo.sequence_rms_norm_backward(cut(dy, 1), cut(x, 1), w, 1e-6, gwl, comm)
     agree(close(dxl, cut(dx, 1)) and close(gwl, gw), "sequence-parallel RMSNorm")

@@ -10,7 +10,7 @@ tuning file for the machine at hand, read from ``MPITP_TUNING``).
 from __future__ import annotations
 
 from ...errors import UnsupportedOperation
-from ..ops import ReduceOp
+from ..mpi_types import ReduceOp
 from . import tuning
 
 ALGORITHMS = {
