@@ -12,8 +12,9 @@ intra-node phases are hidden behind the network.
 Runs ring, hierarchical and hierarchical_leader for real, prints the bytes the traffic
 counters saw beside mpitp.plan's prediction (they must agree exactly; the script exits
 non-zero otherwise), and the measured time beside the alpha-beta model fitted to this
-machine by a ping-pong in the same run. On one machine every "node" shares the same
-memory, so intra and inter links are the same link here; the model says so too. The
+machine by a ping-pong in the same run: on real nodes one between two ranks of a node
+(intra) and one between two nodes (inter, across the link); on simulated nodes every
+"node" shares the same memory, so intra and inter are the same link, and the model says so. The
 model assumes a core per rank; the last column scales it by ranks per core, since
 oversubscribed ranks take turns on the CPUs.
 """
@@ -43,14 +44,14 @@ def main() -> int:
     args = ap.parse_args()
     comm = mpitp.Communicator(ranks_per_node=args.ranks_per_node)
     link_bps = _rate(args.link) if args.link else None
-    prof = profiles.fit(comm.mpi)
     topo = comm.topology
+    # on real nodes the inter-node link is fitted across them: the model predicts the floor
+    prof = profiles.fit(comm.mpi) if topo.simulated else profiles.fit_nodes(comm.mpi, topo.nodes)
     sizes_per_node = [len(r) for r in topo.nodes]
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     kind = "simulated" if topo.simulated else "real"
     say(
-        f"# {comm.size} ranks as {topo.num_nodes} {kind} node(s) {sizes_per_node}; fitted link: "
-        f"alpha {prof.intra.alpha * 1e6:.1f} us, beta {prof.intra.beta / 1e9:.2f} GB/s"
+        f"# {comm.size} ranks as {topo.num_nodes} {kind} node(s) {sizes_per_node}; {prof.note}"
         + (f"; inter-node link {args.link}" if args.link else "")
     )
     say(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .. import failfast
@@ -66,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         # argument, config and checkpoint errors: said once when every rank has the same;
         # a rank alone with its error aborts the job rather than leave the others waiting
         return failfast.usage_error(str(e), f"mpitp {args.command}")
+    except BrokenPipeError:  # `mpitp plan ... | head`: the reader left; stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

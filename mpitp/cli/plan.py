@@ -136,8 +136,9 @@ def _tp(args):
         return
     s, pre, dec = res["shards"], res["prefill"], res["decode_step"]
     print(
-        f"{m.name}: hidden {m.hidden}, {m.layers} layers, {m.heads} heads ({m.kv_heads} KV), "
-        f"intermediate {m.intermediate}, vocab {m.vocab}; {res['params'] / 1e9:.2f}B parameters"
+        f"{ptp.model_name(args.model)}: hidden {m.hidden_size}, {m.num_hidden_layers} layers, "
+        f"{m.num_attention_heads} heads ({m.num_key_value_heads} KV), "
+        f"intermediate {m.intermediate_size}, vocab {m.vocab_size}; {res['params'] / 1e9:.2f}B parameters"
     )
     print(
         f"TP={args.tp}, {args.dtype}, weights {res['weights']}; per-rank shard shapes [in, out] (HF stores [out, in]):"
@@ -168,7 +169,7 @@ def _tp(args):
         ("decode step", dec, f"batch {args.batch} x 1"),
     ):
         print(
-            f"{label} ({shape}): {c['allreduces']} all-reduces (2 per layer x {m.layers}) of "
+            f"{label} ({shape}): {c['allreduces']} all-reduces (2 per layer x {m.num_hidden_layers}) of "
             f"{c['bytes_each'] / 2**20:,.4g} MiB = {c['bytes_total'] / 2**30:,.4g} GiB; "
             f"{_time(c['time_volume_s'])} at {prof.intra.beta / 1e9:g} GB/s (volume/bandwidth), "
             f"{_time(c['time_ring_s'])} as {args.tp}-rank rings (alpha-beta)"
@@ -180,7 +181,7 @@ def _fsdp(args):
         params, name = args.params, f"{args.params:g} parameters"
     else:
         m = ptp.load_model(args.model or "llama2-7b")
-        params, name = m.params(), m.name
+        params, name = ptp.params(m), ptp.model_name(args.model or "llama2-7b")
     res = pfsdp.plan(params, args.ranks, args.k)
     if args.json:
         print(json.dumps(res, indent=2))
@@ -202,17 +203,7 @@ def _train_config(name: str):
     if name in PRESETS:
         return preset_config(name)
     if name in ptp.PRESETS:
-        m = ptp.PRESETS[name]
-        return LlamaConfig(
-            vocab_size=m.vocab,
-            hidden_size=m.hidden,
-            intermediate_size=m.intermediate,
-            num_hidden_layers=m.layers,
-            num_attention_heads=m.heads,
-            num_key_value_heads=m.kv_heads,
-            head_dim=m.head_dim,
-            tie_word_embeddings=m.tied,
-        )
+        return ptp.PRESETS[name]
     return LlamaConfig.from_path(ptp.config_path(name, [*PRESETS, *ptp.PRESETS]))
 
 

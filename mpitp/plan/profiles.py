@@ -106,13 +106,9 @@ def link_from_half_trips(half: dict[int, float]) -> Link:
     return Link(half[small], (large - small) / max(half[large] - half[small], 1e-9))
 
 
-def fit(comm, sizes=(8, 1 << 22), reps: int = 20) -> Profile:
-    """Fit alpha and beta from a ping-pong between ranks 0 and 1 of ``comm`` (a mpi4py comm).
-
-    alpha = half round trip of a tiny message; beta from the large message's half round
-    trip minus alpha. Ranks on one machine give the intra-node link; the same figures stand
-    in for 'inter' when nodes are only simulated.
-    """
+def half_trips(comm, a: int, b: int, sizes=(8, 1 << 22), reps: int = 20) -> dict[int, float]:
+    """The best half round trip of each message size between ranks ``a`` and ``b`` of
+    ``comm`` (a mpi4py comm; collective: every rank gets the figures)."""
     import time
 
     import numpy as np
@@ -125,20 +121,49 @@ def fit(comm, sizes=(8, 1 << 22), reps: int = 20) -> Profile:
         for _ in range(reps):
             comm.Barrier()
             t0 = time.perf_counter()
-            if r == 0:
-                comm.Send(buf, 1)
-                comm.Recv(buf, 1)
-            elif r == 1:
-                comm.Recv(buf, 0)
-                comm.Send(buf, 0)
+            if r == a:
+                comm.Send(buf, b)
+                comm.Recv(buf, b)
+            elif r == b:
+                comm.Recv(buf, a)
+                comm.Send(buf, a)
             best = min(best, (time.perf_counter() - t0) / 2)
-        half[n] = comm.bcast(best, root=0)
-    link = link_from_half_trips(half)
-    alpha, beta = link.alpha, link.beta
+        half[n] = comm.bcast(best, root=a)
+    return half
+
+
+def fit(comm, sizes=(8, 1 << 22), reps: int = 20) -> Profile:
+    """Fit alpha and beta from a ping-pong between ranks 0 and 1 of ``comm`` (a mpi4py comm).
+
+    alpha = half round trip of a tiny message; beta from the large message's half round
+    trip minus alpha. Ranks on one machine give the intra-node link; the same figures stand
+    in for 'inter' when nodes are only simulated.
+    """
+    link = link_from_half_trips(half_trips(comm, 0, 1, sizes, reps))
     return Profile(
         "local",
         link,
         link,
-        f"fitted by ping-pong on this machine (alpha {alpha * 1e6:.1f} us, "
-        f"beta {beta / 1e9:.2f} GB/s); inter = intra on simulated nodes",
+        f"fitted by ping-pong on this machine (alpha {link.alpha * 1e6:.1f} us, "
+        f"beta {link.beta / 1e9:.2f} GB/s); inter = intra on simulated nodes",
+    )
+
+
+def fit_nodes(comm, nodes: list[list[int]], sizes=(8, 1 << 22), reps: int = 20) -> Profile:
+    """Fit both links on real nodes (``nodes``: the ranks of each, as
+    :class:`~mpitp.comm.topology.Topology` lists them): 'intra' from a ping-pong between
+    two ranks of one node, 'inter' from one between the first ranks of the first two
+    nodes, so it crosses the network. With one node, or no node holding two ranks, the
+    one link measured stands for both."""
+    pair = next((ranks[:2] for ranks in nodes if len(ranks) >= 2), None)
+    intra = link_from_half_trips(half_trips(comm, pair[0], pair[1], sizes, reps)) if pair else None
+    inter = link_from_half_trips(half_trips(comm, nodes[0][0], nodes[1][0], sizes, reps)) if len(nodes) > 1 else None
+    intra, inter = intra or inter, inter or intra
+    assert intra is not None and inter is not None  # two ranks are needed to fit anything
+    return Profile(
+        "fitted",
+        intra,
+        inter,
+        f"fitted by ping-pong: intra alpha {intra.alpha * 1e6:.1f} us, beta {intra.beta / 1e9:.2f} GB/s; "
+        f"inter alpha {inter.alpha * 1e6:.1f} us, beta {inter.beta / 1e9:.3f} GB/s",
     )

@@ -14,10 +14,9 @@ Two all-reduces per decoder layer per forward, each of batch*seq*h*bytes.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
+from ..models.config import ConfigError, LlamaConfig
 from .profiles import Profile
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2, "int8": 1, "fp8": 1}
@@ -26,39 +25,39 @@ DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfl
 WEIGHT_BYTES = {"q8_0": (32 + 4) / 32, "q4_0": (16 + 8) / 32, "q4_1": (16 + 8) / 32}
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-    tied: bool = False
+def shape(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int, tied=False):
+    """A :class:`~mpitp.models.config.LlamaConfig` of just a model's shape (the presets)."""
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        tie_word_embeddings=tied,
+    )
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
 
-    def params(self) -> int:
-        h, d = self.hidden, self.head_dim
-        attn = h * self.heads * d * 2 + h * self.kv_heads * d * 2
-        mlp = 3 * h * self.intermediate
-        norms = 2 * h
-        emb = self.vocab * h * (1 if self.tied else 2)
-        return self.layers * (attn + mlp + norms) + emb + h
+def params(m: LlamaConfig) -> int:
+    """Weights of the model (norms included; biases, where a model has them, left out)."""
+    h, d = m.hidden_size, m.head_dim
+    attn = h * m.num_attention_heads * d * 2 + h * m.num_key_value_heads * d * 2
+    mlp = 3 * h * m.intermediate_size
+    norms = 2 * h
+    emb = m.vocab_size * h * (1 if m.tie_word_embeddings else 2)
+    return m.num_hidden_layers * (attn + mlp + norms) + emb + h
 
 
 PRESETS = {
-    "llama2-7b": ModelShape("llama2-7b", 4096, 32, 32, 32, 11008, 32000),
-    "llama2-13b": ModelShape("llama2-13b", 5120, 40, 40, 40, 13824, 32000),
-    "llama2-70b": ModelShape("llama2-70b", 8192, 80, 64, 8, 28672, 32000),
-    "llama3-8b": ModelShape("llama3-8b", 4096, 32, 32, 8, 14336, 128256),
-    "llama3-70b": ModelShape("llama3-70b", 8192, 80, 64, 8, 28672, 128256),
-    "tinyllama-1.1b": ModelShape("tinyllama-1.1b", 2048, 22, 32, 4, 5632, 32000),
-    "smollm2-135m": ModelShape("smollm2-135m", 576, 30, 9, 3, 1536, 49152, tied=True),
-    "qwen2-7b": ModelShape("qwen2-7b", 3584, 28, 28, 4, 18944, 152064),
+    "llama2-7b": shape(4096, 32, 32, 32, 11008, 32000),
+    "llama2-13b": shape(5120, 40, 40, 40, 13824, 32000),
+    "llama2-70b": shape(8192, 80, 64, 8, 28672, 32000),
+    "llama3-8b": shape(4096, 32, 32, 8, 14336, 128256),
+    "llama3-70b": shape(8192, 80, 64, 8, 28672, 128256),
+    "tinyllama-1.1b": shape(2048, 22, 32, 4, 5632, 32000),
+    "smollm2-135m": shape(576, 30, 9, 3, 1536, 49152, tied=True),
+    "qwen2-7b": shape(3584, 28, 28, 4, 18944, 152064),
 }
 
 
@@ -77,41 +76,40 @@ def config_path(name_or_path: str, presets=PRESETS) -> Path:
     return p
 
 
-def load_model(name_or_path: str) -> ModelShape:
-    """A preset name, or a Hugging Face ``config.json`` (or the directory holding it)."""
+def load_model(name_or_path: str) -> LlamaConfig:
+    """A preset name, or a Hugging Face ``config.json`` (or the directory holding it), read
+    by the same :class:`~mpitp.models.config.LlamaConfig` the model loads with."""
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
     p = config_path(name_or_path)
-    cfg = json.loads(p.read_text())
     try:
-        return ModelShape(
-            p.parent.name or "model",
-            cfg["hidden_size"],
-            cfg["num_hidden_layers"],
-            cfg["num_attention_heads"],
-            cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
-            cfg["intermediate_size"],
-            cfg["vocab_size"],
-            bool(cfg.get("tie_word_embeddings", False)),
-        )
-    except KeyError as e:
+        return LlamaConfig.from_path(p)
+    except ConfigError as e:
         from ..tp.partition import ShardingError
 
-        raise ShardingError(f"{p}: config has no {e.args[0]!r}; is it a LLaMA-family config?") from None
+        raise ShardingError(f"{p}: {e}; is it a LLaMA-family config?") from None
 
 
-def shard_shapes(m: ModelShape, p: int, block: int = 1) -> dict:
+def model_name(name_or_path: str) -> str:
+    """What the plan calls the model: the preset's name, or the checkpoint directory's."""
+    if name_or_path in PRESETS:
+        return name_or_path
+    p = Path(name_or_path)
+    return (p if p.is_dir() else p.parent).name or "model"
+
+
+def shard_shapes(m: LlamaConfig, p: int, block: int = 1) -> dict:
     """Per-rank weight shapes ([in, out] like the seed), cut by the TP layers' own rules
     (:mod:`mpitp.tp.partition`: uneven, GQA-aware, MLP balancing the bytes each rank
     streams). Top-level keys are rank 0's; ``per_rank`` has every rank's."""
     from ..tp import partition
 
-    att = partition.attention(m.heads, m.kv_heads, p)
-    if m.intermediate % block or m.intermediate // block < p:
+    att = partition.attention(m.num_attention_heads, m.num_key_value_heads, p)
+    if m.intermediate_size % block or m.intermediate_size // block < p:
         block = 1  # as the model does (LlamaForCausalLM's TPPlan.of)
-    inter = partition.mlp(m.intermediate, m.hidden, m.head_dim, att, block=block)
-    vocab_padded, vocab_rows = partition.vocab(m.vocab, p)
-    d, h = m.head_dim, m.hidden
+    inter = partition.mlp(m.intermediate_size, m.hidden_size, m.head_dim, att, block=block)
+    vocab_padded, vocab_rows = partition.vocab(m.vocab_size, p)
+    d, h = m.head_dim, m.hidden_size
     ranks = []
     for r in range(p):
         q, q0, kv, kv0 = att.rank(r)
@@ -123,8 +121,8 @@ def shard_shapes(m: ModelShape, p: int, block: int = 1) -> dict:
                 "kv_heads": [kv0, kv0 + kv],
                 "intermediate": inter[r],
                 "vocab_rows": vocab_rows[r],
-                "weights": m.layers * layer + vocab_rows[r] * h * (1 if m.tied else 2) + h,
-                "streamed": m.layers * layer + vocab_rows[r] * h + h,
+                "weights": m.num_hidden_layers * layer + vocab_rows[r] * h * (1 if m.tie_word_embeddings else 2) + h,
+                "streamed": m.num_hidden_layers * layer + vocab_rows[r] * h + h,
             }
         )
     q, kv, i0 = att.q[0] * d, att.kv[0] * d, inter[0]
@@ -140,7 +138,7 @@ def shard_shapes(m: ModelShape, p: int, block: int = 1) -> dict:
         "lm_head": [h, vocab_rows[0]],
         "vocab_padded": vocab_padded,
         "kv_heads_per_rank": att.kv[0],
-        "kv_replication": max(1, -(-p // m.kv_heads)) if p > m.kv_heads else 1,
+        "kv_replication": max(1, -(-p // m.num_key_value_heads)) if p > m.num_key_value_heads else 1,
         # merged qkv_proj: [Q_r | K_r | V_r]; merged gate_up_proj: [gate_r ; up_r]
         "qkv_local_offsets": {"q": 0, "k": q, "v": q + kv},
         "gate_up_local_offsets": {"gate": 0, "up": i0},
@@ -148,21 +146,21 @@ def shard_shapes(m: ModelShape, p: int, block: int = 1) -> dict:
     }
 
 
-def weight_bytes_per_rank(m: ModelShape, p: int, nbytes: float, block: int = 1) -> int:
+def weight_bytes_per_rank(m: LlamaConfig, p: int, nbytes: float, block: int = 1) -> int:
     """The most any rank holds (element counts from :func:`shard_shapes`)."""
     return round(max(r["weights"] for r in shard_shapes(m, p, block)["per_rank"]) * nbytes)
 
 
-def balance(m: ModelShape, p: int) -> float:
+def balance(m: LlamaConfig, p: int) -> float:
     """The most-loaded rank's streamed bytes per token over the average."""
     s = [r["streamed"] for r in shard_shapes(m, p)["per_rank"]]
     return max(s) * len(s) / sum(s)
 
 
-def comm_plan(m: ModelShape, p: int, batch: int, seq: int, nbytes: int, prof: Profile) -> dict:
+def comm_plan(m: LlamaConfig, p: int, batch: int, seq: int, nbytes: int, prof: Profile) -> dict:
     """All-reduces of one forward over ``seq`` tokens (prefill) on TP ranks inside a node."""
-    count = 2 * m.layers
-    each = batch * seq * m.hidden * nbytes
+    count = 2 * m.num_hidden_layers
+    each = batch * seq * m.hidden_size * nbytes
     link = prof.intra
     ring = 2 * (p - 1) * link.time(each / p) if p > 1 else 0.0
     return {
@@ -175,14 +173,14 @@ def comm_plan(m: ModelShape, p: int, batch: int, seq: int, nbytes: int, prof: Pr
     }
 
 
-def plan(m: ModelShape, p: int, batch: int, seq: int, dtype: str, prof: Profile, weights: str | None = None) -> dict:
+def plan(m: LlamaConfig, p: int, batch: int, seq: int, dtype: str, prof: Profile, weights: str | None = None) -> dict:
     """``dtype``: activations (and weights, unless ``weights`` names a block format of
     :data:`WEIGHT_BYTES`, as ``mpitp generate --weights`` / a GGUF file keeps them)."""
     nbytes = DTYPE_BYTES[dtype.lower()]
     wbytes = WEIGHT_BYTES[weights.lower()] if weights else nbytes
     block = 32 if weights else 1  # block weights: the MLP cut on whole blocks, as the model cuts it
     return {
-        "model": m.__dict__,
+        "model": m.to_dict(),
         "tp": p,
         "batch": batch,
         "seq": seq,
@@ -190,9 +188,9 @@ def plan(m: ModelShape, p: int, batch: int, seq: int, dtype: str, prof: Profile,
         "weights": weights or dtype,
         "weight_bytes_per_weight": wbytes,
         "profile": prof.to_dict(),
-        "params": m.params(),
+        "params": params(m),
         "shards": shard_shapes(m, p, block),
-        "weights_total_bytes": round(m.params() * wbytes),
+        "weights_total_bytes": round(params(m) * wbytes),
         "weights_per_rank_bytes": weight_bytes_per_rank(m, p, wbytes, block),
         "prefill": comm_plan(m, p, batch, seq, nbytes, prof),
         "decode_step": comm_plan(m, p, batch, 1, nbytes, prof),
