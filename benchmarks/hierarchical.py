@@ -24,7 +24,6 @@ import sys
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 import mpitp
 from mpitp.plan import allreduce as par
@@ -79,18 +78,19 @@ def main() -> int:
             if alg == "mpi":  # what MPI sends inside its own call is not visible to mpitp
                 meas = pred = [(0, 0)] * topo.num_nodes
             else:
-                sent = comm.mpi.allgather((comm.traffic.by_peer.get("intra", 0), comm.traffic.by_peer.get("inter", 0)))
+                by_peer = comm.traffic.by_peer
+                sent = comm.allgather_object((by_peer.get("intra", 0), by_peer.get("inter", 0)))
                 meas = [(sum(sent[r][0] for r in ranks), sum(sent[r][1] for r in ranks)) for ranks in topo.nodes]
                 pred = par.per_node_bytes(alg, sizes_per_node, nbytes, 4)
             ok = meas == pred
             bad += not ok
             trials = []
             for _ in range(3):  # the median of three timed trials of --iters calls each
-                comm.mpi.Barrier()
+                comm.barrier()
                 t0 = time.perf_counter()
                 for _ in range(args.iters):
                     comm.allreduce(x, out=out, algorithm=alg)
-                trials.append(comm.mpi.allreduce((time.perf_counter() - t0) / args.iters, op=MPI.MAX))
+                trials.append(comm.allreduce_object((time.perf_counter() - t0) / args.iters, op="max"))
             t = times[alg] = float(np.median(trials))
             model = par.predict_time(alg, topo.num_nodes, max(sizes_per_node), nbytes, prof)[0] if alg != "mpi" else 0
             floor = max(b for _, b in pred) * 8 / link_bps if link_bps and alg != "mpi" else None

@@ -167,7 +167,7 @@ def worker_steps(model: str | None) -> None:
     comm = Communicator()
     path = resolve(model, comm) if model else default.ensure(comm)
     m = LlamaForCausalLM.from_pretrained(path, comm=comm)
-    out: dict = {"streamed": comm.mpi.allreduce(m.streamed_bytes(), op=__import__("mpi4py").MPI.MAX)}
+    out: dict = {"streamed": comm.allreduce_object(m.streamed_bytes(), op="max")}
     for B in (1, 2, 4, 8, 16):
         cache = m.new_cache(B, 128)
         cache.valid[:, :32] = True
@@ -179,7 +179,7 @@ def worker_steps(model: str | None) -> None:
             comm.barrier()
             t = time.perf_counter()
             m.forward(ids, np.full((B, 1), cache.length), cache, last_only=True)
-            times.append(comm.mpi.allreduce(time.perf_counter() - t, op=__import__("mpi4py").MPI.MAX))
+            times.append(comm.allreduce_object(time.perf_counter() - t, op="max"))
         out[B] = float(np.median(times[5:]))
     if comm.rank == 0:
         print(json.dumps(out))

@@ -43,7 +43,7 @@ MPITP = textwrap.dedent("""
     comm = mpitp.Communicator()
     t = Trainer(Options(config="small", data=data, mode=mode, steps=steps, batch=batch, seq=seq, eval_fraction=0), comm)
     recs = [t.train_step() for _ in range(steps)][1:]
-    rss = comm.mpi.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, op=__import__("mpi4py").MPI.MAX)
+    rss = comm.allreduce_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, op="max")
     med = lambda k: float(np.median([r[k] for r in recs]))
     if comm.rank == 0:
         print("RESULT" + json.dumps(dict(tokens_per_s=batch * seq / med("step_s"), step_s=med("step_s"),

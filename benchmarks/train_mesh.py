@@ -110,12 +110,12 @@ def main() -> int:
             tx1 = tx_bytes() if real and node_leader else None
             times[t].append(float(np.median(steps)))
             mine = sum(c.traffic.by_peer.get("inter", 0) for c in groups) // (args.steps - 1)
-            per_node_bytes = comm.mpi.allgather(mine)
+            per_node_bytes = comm.allgather_object(mine)
             node_sum = max(sum(per_node_bytes[r] for r in ranks) for ranks in topo.nodes)
             inter[t] = node_sum
             if tx0 is not None and tx1 is not None:
                 wire[t].append((tx1 - tx0) / (args.steps - 1))
-    walls = {t: comm.mpi.allgather(wire[t][-1] if wire[t] else None) for t in sizes}
+    walls = {t: comm.allgather_object(wire[t][-1] if wire[t] else None) for t in sizes}
     prof = profiles.get("nvlink-ib200")  # bytes only: the profile does not change them
     ok = True
     rows = []

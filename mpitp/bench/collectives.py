@@ -246,13 +246,13 @@ def measure_size(
             keep = case.x.copy()
             bad = count_wrong(case, case())
             case.x[...] = keep
-            wrong[k] = int(comm.mpi.allreduce(bad))
+            wrong[k] = int(comm.allreduce_object(bad))
     n = iterations(nbytes, iters)
     times: list[list[float]] = [[] for _ in timed]
     for k in range(max(1, trials)):
         for j, contender in enumerate(timed):
             times[j].append(time_case(contender, n, warmup if k == 0 else 0))
-    per_rank = [comm.mpi.allgather(float(np.median(t))) for t in times]
+    per_rank = [comm.allgather_object(float(np.median(t))) for t in times]
     ref = float(np.mean(per_rank[refs["mpi"]])) if "mpi" in refs else None
     copy = nbytes / float(np.mean(per_rank[refs["memcpy"]])) / 1e9 if "memcpy" in refs else None
     rows = []

@@ -6,6 +6,8 @@ layout.py      units: each decoder layer (and embedding, head) as one flat padde
 sharding.py    ddp · zero1 · zero2 · fsdp: who holds parameters, gradients, optimizer state
 optim.py       AdamW on the owned shards, global-norm clipping, learning-rate schedule
 engine.py      TrainEngine: one micro-batch forward and backward through the units
+tp_layout.py   tensor parallelism, the cut: which slice of every tensor a tp rank holds (TPCut)
+tensor_parallel.py  tensor parallelism, the ops: column/row/vocab-parallel forward and backward
 data.py        token streams, windows and global batches
 presets.py     the model sizes --config knows by name
 sources.py     where parameters come from: fresh, a model directory, a checkpoint (one read)
