@@ -130,3 +130,49 @@ def test_k_quants_become_q8_0_within_half_a_step(t):
     assert (err <= amax / 127 * (0.5 + 127 * 2.0**-11) + 1e-7).all()
     x = rng.standard_normal((3, ref.shape[1])).astype(np.float32)
     close(mm.matmul(x, bw), x.astype(np.float64) @ got.T.astype(np.float64), x, bw)
+
+
+HALF = ["F16", "BF16"]
+
+
+def half_file(w, t):
+    """(the tensor's bytes as the gguf package writes them, its float32 values)."""
+    raw, deq = ggml(w, t)
+    return np.ascontiguousarray(raw).view(np.uint8).reshape(w.shape[0], -1), deq
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    t=st.sampled_from(HALF),
+    n=st.integers(1, 200),
+    k=st.integers(1, 700),  # any width: 16-bit weights have no blocks
+    m=st.one_of(st.integers(1, 16), st.integers(17, 40)),
+    seed=st.integers(0, 2**31),
+)
+def test_half_matmul_equals_the_float32_product(t, n, k, m, seed):
+    """F16/BF16 kept at 16 bits: widened exactly (subnormals too), the product within
+    float32 summation error of the float64 product of the file's values."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(1e-3, 3)
+    w.flat[: min(4, w.size)] = [0.0, -0.0, 3e-6, -6e-8][: min(4, w.size)]  # f16 subnormals, signed zero
+    raw, deq = half_file(w, t)
+    bw = formats.from_ggml(raw, t)
+    assert bw.shape == (n, k) and bw.nbytes == 2 * n * k
+    assert np.array_equal(bw.dequantize().view(np.uint32), deq.view(np.uint32))  # to the bit, -0.0 kept
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y = mm.matmul(x, bw)
+    bound = 2 * k * 2.0**-24 * (np.abs(x.astype(np.float64)) @ np.abs(deq.T.astype(np.float64))) + 1e-30
+    assert (np.abs(y - x.astype(np.float64) @ deq.T.astype(np.float64)) / bound).max() <= 1
+
+
+@pytest.mark.parametrize("t", HALF)
+def test_half_slices_and_take(t):
+    rng = np.random.default_rng(5)
+    raw, deq = half_file(rng.standard_normal((40, 70)).astype(np.float32), t)
+    bw = formats.from_ggml(raw, t)
+    assert np.array_equal(bw.rows(7, 31).dequantize(), deq[7:31])
+    assert np.array_equal(bw.cols(10, 61).dequantize(), deq[:, 10:61])  # no block boundary needed
+    assert np.array_equal(formats.concat_rows([bw.rows(0, 9), bw.rows(9, 40)]).dequantize(), deq)
+    out = mm.take(bw, np.array([3, -1, 39], np.int64))
+    assert np.array_equal(out[[0, 2]], deq[[3, 39]]) and not out[1].any()
+    assert not formats.empty(bw.kind, 2, 70, t).dequantize().any()

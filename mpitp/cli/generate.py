@@ -31,7 +31,8 @@ def add_weights_argument(p) -> None:
         default="auto",
         choices=["auto", "float32", "q8_0"],
         help="how matmul weights are kept: auto = as the file stores them (a GGUF file's Q4_0/Q4_1/Q8_0 "
-        "blocks as they are, K-quants as Q8_0; safetensors as --dtype), float32 = dequantized, "
+        "blocks as they are, K-quants as Q8_0; F16/BF16 of GGUF or safetensors at 16 bits; float32 as "
+        "float32), float32 = dequantized, "
         "q8_0 = quantized at load (default auto)",
     )
 

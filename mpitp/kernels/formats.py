@@ -16,6 +16,9 @@ file's: Q4_0 becomes the q4 case ``m = -8d`` (exact in float32). It costs 2 byte
 types the ``gguf`` package decodes are converted once at load to Q8_0, whose error
 (half a step of amax/127 per block of 32) is far below theirs.
 
+F16 and BF16 tensors stay 16-bit (kinds ``f16``/``bf16``: ``qs`` [N, K] uint16, the
+file's bits; no scales), widened to float32 inside the kernels (:mod:`.half`).
+
 Row slices are whole output rows (column-parallel cuts); column slices are whole blocks
 (row-parallel cuts on multiples of 32).
 """
@@ -27,28 +30,34 @@ from dataclasses import dataclass
 import numpy as np
 
 BLOCK = 32
+HALF = {"F16": "f16", "BF16": "bf16"}  # ggml type -> kind of the 16-bit floats kept as bits
 
 
 @dataclass
 class BlockWeight:
-    kind: str  # "q4" (Q4_0, Q4_1) or "q8" (Q8_0)
+    kind: str  # "q4" (Q4_0, Q4_1), "q8" (Q8_0), "f16" or "bf16" (16-bit floats)
     qs: np.ndarray
-    d: np.ndarray
+    d: np.ndarray | None  # None for f16/bf16
     m: np.ndarray | None
     source: str  # the file's type name (Q4_1, Q8_0, Q6_K->Q8_0, ...)
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.d is None:  # 16-bit floats: one weight per element
+            return self.qs.shape[0], self.qs.shape[1]
         return self.qs.shape[0], self.d.shape[1] * BLOCK
 
     @property
     def nbytes(self) -> int:
-        return self.qs.nbytes + self.d.nbytes + (self.m.nbytes if self.m is not None else 0)
+        return self.qs.nbytes + sum(a.nbytes for a in (self.d, self.m) if a is not None)
 
     def rows(self, a: int, b: int) -> BlockWeight:
-        return BlockWeight(self.kind, self.qs[a:b], self.d[a:b], None if self.m is None else self.m[a:b], self.source)
+        d, m = (None if f is None else f[a:b] for f in (self.d, self.m))
+        return BlockWeight(self.kind, self.qs[a:b], d, m, self.source)
 
     def cols(self, a: int, b: int) -> BlockWeight:
+        if self.d is None:
+            return BlockWeight(self.kind, self.qs[:, a:b], None, None, self.source)
         if a % BLOCK or b % BLOCK:
             raise ValueError(f"columns [{a}, {b}) are not on {BLOCK}-weight block boundaries")
         per = BLOCK // 2 if self.kind == "q4" else BLOCK
@@ -57,8 +66,8 @@ class BlockWeight:
         return BlockWeight(self.kind, self.qs[:, ba * per : bb * per], self.d[:, ba:bb], m, self.source)
 
     def contiguous(self) -> BlockWeight:
-        c = np.ascontiguousarray
-        return BlockWeight(self.kind, c(self.qs), c(self.d), None if self.m is None else c(self.m), self.source)
+        d, m = (None if f is None else np.ascontiguousarray(f) for f in (self.d, self.m))
+        return BlockWeight(self.kind, np.ascontiguousarray(self.qs), d, m, self.source)
 
     def dequantize(self) -> np.ndarray:
         from .matmul import dequantize_rows
@@ -69,6 +78,8 @@ class BlockWeight:
 def empty(kind: str, n: int, k: int, source: str) -> BlockWeight:
     """Zeros (value 0: d = 0, m = 0) of ``n`` rows, ``k`` columns."""
     nb = k // BLOCK
+    if kind in HALF.values():
+        return BlockWeight(kind, np.zeros((n, k), np.uint16), None, None, source)
     if kind == "q4":
         return BlockWeight(kind, np.zeros((n, nb * 16), np.uint8), np.zeros((n, nb), np.float32),
                            np.zeros((n, nb), np.float32), source)  # fmt: skip
@@ -80,16 +91,19 @@ def concat_rows(parts: list[BlockWeight]) -> BlockWeight:
     kinds = {p.kind for p in parts}
     if len(kinds) != 1 or len({p.shape[1] for p in parts}) != 1:
         raise ValueError("concat_rows: parts differ in kind or width")
+    d = None if parts[0].d is None else np.concatenate([p.d for p in parts])
     m = None if parts[0].m is None else np.concatenate([p.m for p in parts])
     sources = sorted({p.source for p in parts})
-    return BlockWeight(parts[0].kind, np.concatenate([p.qs for p in parts]), np.concatenate([p.d for p in parts]), m,
-                       "+".join(sources))  # fmt: skip
+    return BlockWeight(parts[0].kind, np.concatenate([p.qs for p in parts]), d, m, "+".join(sources))
 
 
 def from_ggml(raw: np.ndarray, type_name: str) -> BlockWeight:
     """A ggml tensor's bytes [N, row bytes] (uint8) as a planar weight. Native types keep
     their quants; any other type the ``gguf`` package decodes becomes Q8_0."""
     n = raw.shape[0]
+    if type_name in HALF:  # the reader may hand the tensor over as float16 or as bytes
+        bits = np.ascontiguousarray(raw).view(np.uint8).reshape(n, -1).view(np.uint16)
+        return BlockWeight(HALF[type_name], bits.copy(), None, None, type_name)
     if type_name == "Q8_0":
         blk = raw.reshape(n, -1, 34)
         d = blk[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float32)

@@ -14,7 +14,8 @@ running sum per output row over the whole row, the block's scale broadcast insid
 per-block sums of x. With 2-16 rows, each weight is decoded once in registers (d·q + m)
 and applied to four (or two) rows of x at a time. x stays float32: the result is the
 dequantized float32 product up to summation order. Prefill (more rows) dequantizes
-tiles of W and hands them to BLAS.
+tiles of W and hands them to BLAS. 16-bit float weights (F16, BF16) have their own
+kernels in :mod:`.half`, dispatched from here.
 """
 
 from __future__ import annotations
@@ -245,6 +246,15 @@ def q8_small(qs, d, x, y):
 def warm(kind: str) -> None:
     """Compile (or load from numba's cache) the kernels of one kind now, at load time,
     rather than inside the first forward."""
+    if kind in ("f16", "bf16"):
+        from . import half
+
+        h = np.zeros((1, 32), np.uint16)
+        for M in (1, 2):
+            half.half_small(h, kind == "bf16", np.zeros((M, 32), np.float32), np.empty((M, 1), np.float32))
+        half.half_dequantize(h, kind == "bf16", 0, 1, np.empty((1, 32), np.float32))
+        half.half_take(h, kind == "bf16", np.zeros(1, np.int64), np.empty((1, 32), np.float32))
+        return
     qs = np.zeros((1, 16 if kind == "q4" else 32), np.uint8 if kind == "q4" else np.int8)
     d = np.zeros((1, 1), np.float32)
     for M in (1, 2, 3, 4, 5):
@@ -261,7 +271,11 @@ def warm(kind: str) -> None:
 
 def dequantize_rows(w, r0: int, r1: int) -> np.ndarray:
     out = np.empty((r1 - r0, w.shape[1]), np.float32)
-    if w.kind == "q4":
+    if w.kind in ("f16", "bf16"):
+        from .half import half_dequantize
+
+        half_dequantize(w.qs, w.kind == "bf16", r0, r1, out)
+    elif w.kind == "q4":
         q4_dequantize(w.qs, w.d, w.m, r0, r1, out)
     else:
         q8_dequantize(w.qs, w.d, r0, r1, out)
@@ -271,7 +285,11 @@ def dequantize_rows(w, r0: int, r1: int) -> np.ndarray:
 def take(w, ids: np.ndarray) -> np.ndarray:
     """Rows ``ids`` (1-D int64; -1 for a zero row) of ``w`` as float32 [len(ids), K]."""
     out = np.empty((ids.shape[0], w.shape[1]), np.float32)
-    if w.kind == "q4":
+    if w.kind in ("f16", "bf16"):
+        from .half import half_take
+
+        half_take(w.qs, w.kind == "bf16", ids, out)
+    elif w.kind == "q4":
         q4_take(w.qs, w.d, w.m, ids, out)
     else:
         q8_take(w.qs, w.d, ids, out)
@@ -290,6 +308,10 @@ def matmul(x: np.ndarray, w) -> np.ndarray:
         for r0 in range(0, N, TILE):
             r1 = min(N, r0 + TILE)
             np.matmul(x2, dequantize_rows(w, r0, r1).T, out=y[:, r0:r1])
+    elif w.kind in ("f16", "bf16"):
+        from .half import half_small
+
+        half_small(w.qs, w.kind == "bf16", x2, y)
     elif w.kind == "q4":
         q4_small(w.qs, w.d, w.m, x2, y)
     else:

@@ -136,8 +136,8 @@ WEIGHTS = ("auto", "float32", "q8_0")
 
 
 def load_pretrained(cls, path, comm=None, dtype: str = "float32", device: str = "cpu", weights: str = "auto"):
-    """``weights``: ``auto`` keeps a GGUF file's block-quantized tensors as they are (float
-    checkpoints load as ``dtype``), ``float32`` dequantizes everything, ``q8_0`` quantizes
+    """``weights``: ``auto`` keeps the tensors as the files store them (GGUF block formats,
+    F16 and BF16 of GGUF or safetensors; float32 stays float32), ``float32`` widens everything, ``q8_0`` quantizes
     the matmul weights at load. On a GPU, weights are always ``dtype`` (quantized files
     dequantize)."""
     path = Path(path)
@@ -158,10 +158,9 @@ def load_pretrained(cls, path, comm=None, dtype: str = "float32", device: str = 
             raise ConfigError("device='cuda' needs CuPy: pip install 'mpitp[cuda12]'") from None
     elif device != "cpu":
         raise ConfigError(f"unknown device {device!r} (cpu or cuda)")
-    from .gguf_weights import is_gguf_dir
 
-    if device == "cuda" or np.dtype(dtype) != np.float32 or (weights == "auto" and not is_gguf_dir(path)):
-        weights = "float32"  # the array path: a float checkpoint as it is; on a GPU; float16
+    if device == "cuda" or np.dtype(dtype) != np.float32:
+        weights = "float32"  # the array path: on a GPU, or float16 weights asked for
     model = cls(cfg, comm=comm, dtype=dtype, xp=xp, weights=weights)
     model.load_info = load_weights(model, path)
     return model

@@ -22,7 +22,7 @@ from .profiles import Profile
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2, "int8": 1, "fp8": 1}
 # bytes per weight as mpitp holds a block format (mpitp.kernels.formats: quants, float32
 # scale per 32 weights, and a float32 minimum for the 4-bit ones; Q4_0 keeps m = -8d)
-WEIGHT_BYTES = {"q8_0": (32 + 4) / 32, "q4_0": (16 + 8) / 32, "q4_1": (16 + 8) / 32}
+WEIGHT_BYTES = {"q8_0": (32 + 4) / 32, "q4_0": (16 + 8) / 32, "q4_1": (16 + 8) / 32, "f16": 2, "bf16": 2}
 
 
 def shape(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int, tied=False):

@@ -70,7 +70,8 @@ class LinearBase:
         mode = self.weights
         if mode == "float32" or self.xp is not np or len(src.shape) != 2:
             return None
-        if cols is not None and (cols[0] % formats.BLOCK or cols[1] % formats.BLOCK):
+        half = mode == "auto" and getattr(src, "type_name", "") in formats.HALF  # 16-bit: any column cut
+        if cols is not None and not half and (cols[0] % formats.BLOCK or cols[1] % formats.BLOCK):
             self.fallback = f"input columns [{cols[0]}, {cols[1]}) are not on {formats.BLOCK}-weight block boundaries"
             return None
         if mode == "auto":

@@ -70,6 +70,28 @@ class SafetensorsSource:
     def cols(self, a: int, b: int) -> np.ndarray:
         return self._take(self._slice[:, a:b])
 
+    @property
+    def type_name(self) -> str:
+        """The stored type as ggml names it (F32, F16, BF16, ...)."""
+        return str(self._slice.get_dtype())
+
+    @property
+    def quantized(self) -> bool:
+        """16-bit floats are kept as they are stored (``block_rows``/``block_cols``)."""
+        return self.type_name in ("F16", "BF16")
+
+    def _bits(self, block):
+        from ..kernels.formats import from_ggml
+
+        self.bytes_read += block.nbytes
+        return from_ggml(np.asarray(block), self.type_name)
+
+    def block_rows(self, a: int, b: int):
+        return self._bits(self._slice[a:b])
+
+    def block_cols(self, a: int, b: int):
+        return self._bits(self._slice[:, a:b])
+
 
 class GGUFSource:
     """One tensor of a GGUF file, memory-mapped: ``raw`` is its bytes [rows, row bytes]
@@ -88,7 +110,8 @@ class GGUFSource:
 
     @property
     def quantized(self) -> bool:
-        return self.type_name not in ("F32", "F16", "BF16", "F64")
+        """Kept as the file stores it (block formats, 16-bit floats) rather than as float32."""
+        return self.type_name not in ("F32", "F64")
 
     def _raw_rows(self, a: int, b: int):
         raw = self._raw if len(self.shape) > 1 else self._raw.reshape(1, -1)
@@ -135,9 +158,11 @@ class GGUFSource:
         from ..kernels.formats import from_ggml
 
         per, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[self.type_name]]
+        raw = self._raw_rows(0, self.shape[0])
+        raw = raw.view(np.uint8).reshape(raw.shape[0], -1)  # bytes, whatever type the reader gave
         if a % per == 0 and b % per == 0:
-            raw = self._raw_rows(0, self.shape[0])[:, a // per * size : b // per * size]
+            raw = raw[:, a // per * size : b // per * size]
             return from_ggml(self._count(np.ascontiguousarray(raw)), self.type_name)
         lo, hi = a // per * per, -(-b // per) * per  # the super-blocks around [a, b)
-        raw = self._raw_rows(0, self.shape[0])[:, lo // per * size : hi // per * size]
+        raw = raw[:, lo // per * size : hi // per * size]
         return from_ggml(self._count(np.ascontiguousarray(raw)), self.type_name).cols(a - lo, b - lo)

@@ -1,4 +1,4 @@
-"""Weights kept in their GGUF block formats (Q4_0, Q4_1, Q8_0) at the launcher's world
+"""Weights kept in their GGUF formats (Q4_0, Q4_1, Q8_0, F16, BF16) at the launcher's world
 size: the logits equal those of the float32 model built from the same file, dequantized
 by the ``gguf`` package, within 1e-4 of their scale, and greedy tokens are identical;
 each rank reads only its own blocks. Where a row-parallel cut is not on a block boundary
@@ -23,6 +23,7 @@ from gguf_files import write  # noqa: E402
 N = MPI.COMM_WORLD.size
 FIX = Path(__file__).resolve().parent.parent / "fixtures"
 CASES = [("gqa", "Q4_0", None), ("gqa", "Q4_1", None), ("gqa", "Q8_0", None), ("tied", "Q4_1", "Q8_0")]
+CASES += [("gqa", "F16", None), ("tied", "BF16", "BF16")]  # 16-bit floats, kept at 16 bits
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,8 @@ def test_block_weights_equal_the_dequantized_model(tp, files, fix, q, embed):
         == floats.generate(prompts, max_new_tokens=8, stop_tokens=[]),
         f"{fix}-{q}: greedy tokens differ",
     )
-    agree(blocks.weight_bytes() < floats.weight_bytes() / 2, f"{blocks.weight_bytes()} vs {floats.weight_bytes()}")
+    share = 0.6 if q in ("F16", "BF16") else 0.5  # 2 bytes a weight (norms stay float32) or under 1.2
+    agree(blocks.weight_bytes() < floats.weight_bytes() * share, f"{blocks.weight_bytes()} vs {floats.weight_bytes()}")
 
 
 def test_q8_0_on_request_from_a_float_checkpoint(tp, files):
@@ -103,3 +105,17 @@ def test_each_rank_reads_only_its_blocks(tp, files):
     if N <= 2:
         agree(total == mats + N * norms, f"ranks read {total} bytes, the file has {mats} + {N} x {norms}")
     agree(mine <= 1.5 * mats / N + norms, f"rank read {mine} bytes of {mats} at {N} ranks")
+
+
+def test_bf16_safetensors_stay_16_bit(tp):
+    """A Hugging Face checkpoint stored in bfloat16 is held as its bfloat16 bits (half the
+    float32 bytes; the norms, whole on every rank, stay float32), and its logits equal
+    those of the float32-widened model."""
+    ref = np.load(FIX / "bf16" / "reference.npz")
+    kept = LlamaForCausalLM.from_pretrained(FIX / "bf16", comm=tp)
+    wide = LlamaForCausalLM.from_pretrained(FIX / "bf16", comm=tp, weights="float32")
+    agree(set(kept.weight_formats()) == {"BF16"}, f"held as {kept.weight_formats()}")
+    agree(kept.weight_bytes() < 0.6 * wide.weight_bytes(), f"{kept.weight_bytes()} vs {wide.weight_bytes()}")
+    a, b = kept(ref["input_ids"]), wide(ref["input_ids"])
+    rel = float(np.abs(a - b).max() / np.abs(b).max())
+    agree(rel <= 1e-4, f"bf16 kept vs widened at TP={N}: {rel:.2e}")
