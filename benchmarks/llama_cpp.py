@@ -36,9 +36,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-import numpy as np
-
 from mpitp import launch
+from mpitp.bench.decode import read_bandwidth
 
 sys.path.insert(0, str(Path(__file__).parent))
 from serve import PROMPTS  # noqa: E402  (the same 8 prompts as benchmarks/serve.py)
@@ -51,17 +50,6 @@ def find(tool: str, where: str | None) -> str | None:
         if d and (Path(d) / tool).exists():
             return str(Path(d) / tool)
     return shutil.which(tool)
-
-
-def read_bandwidth() -> float:
-    """GB/s of one core reading a 256 MiB array (an OR-reduction: no writes, little compute)."""
-    a = np.ones(32 * 2**20, np.uint64)
-    best = 0.0
-    for _ in range(5):
-        t = time.perf_counter()
-        np.bitwise_or.reduce(a)
-        best = max(best, a.nbytes / (time.perf_counter() - t) / 1e9)
-    return best
 
 
 def free_port() -> int:
@@ -159,6 +147,7 @@ def mpitp_steps(tp: int, model: str | None) -> dict:
 
 def worker_steps(model: str | None) -> None:
     """(under mpiexec) one decode step's time at batch 1-16, and the bytes a rank streams."""
+    from mpitp.bench.decode import step_times
     from mpitp.comm import Communicator
     from mpitp.models import default
     from mpitp.models.llama import LlamaForCausalLM
@@ -168,19 +157,7 @@ def worker_steps(model: str | None) -> None:
     path = resolve(model, comm) if model else default.ensure(comm)
     m = LlamaForCausalLM.from_pretrained(path, comm=comm)
     out: dict = {"streamed": comm.allreduce_object(m.streamed_bytes(), op="max")}
-    for B in (1, 2, 4, 8, 16):
-        cache = m.new_cache(B, 128)
-        cache.valid[:, :32] = True
-        cache.length = 32
-        ids = np.full((B, 1), 42)
-        times = []
-        for _ in range(30):
-            cache.valid[:, cache.length] = True
-            comm.barrier()
-            t = time.perf_counter()
-            m.forward(ids, np.full((B, 1), cache.length), cache, last_only=True)
-            times.append(comm.allreduce_object(time.perf_counter() - t, op="max"))
-        out[B] = float(np.median(times[5:]))
+    out.update(step_times(m, comm))
     if comm.rank == 0:
         print(json.dumps(out))
     comm.free()
@@ -204,7 +181,7 @@ def main() -> int:
         print(f"no model: pass --model FILE.gguf or {default.INSTALL}", file=sys.stderr)
         return 2
     tps = [int(t) for t in args.tp.split(",")]
-    bw = read_bandwidth()
+    bw = read_bandwidth()  # mpitp.bench.decode's, one process
     print(f"# {Path(gguf).name}, {os.cpu_count()} cores; single-core read bandwidth {bw:.1f} GB/s (the ceiling)")
     bench, server = find("llama-bench", args.llama_bin), find("llama-server", args.llama_bin)
     rows: list[tuple[str, str]] = []

@@ -3,13 +3,16 @@ tuning file written and read back. No timing assertions."""
 
 import json
 import os
+import re
 import sys
+from pathlib import Path
 
 import pytest
 
 from mpitp import launch
 
 MPITP = [sys.executable, "-m", "mpitp.cli.main"]
+FIXTURES = Path(__file__).parent / "fixtures"
 KEYS = {
     "collective",
     "algorithm",
@@ -143,3 +146,14 @@ def test_refuses_sizes_that_do_not_fit():
     res = launch.run(2, MPITP + ["bench", "allreduce", "--max-bytes", "1024G"], timeout=60)
     assert res.returncode == 2
     assert "lower --max-bytes" in res.stderr
+
+
+@pytest.mark.parametrize("n,weights,kind", [(1, "auto", "float32"), (2, "q8_0", "Q8_0")])
+def test_decode_rows_per_batch(n, weights, kind):
+    """mpitp bench decode: the model held as --weights says, one row per batch size with
+    its step time, ratio to batch 1 and share of the read bandwidth measured in the run."""
+    out = bench(n, "decode", "--model", str(FIXTURES / "gqa"), "--weights", weights).stdout
+    assert f"TP={n}, --weights {weights}" in out and f"(rank 0: {kind} " in out, out
+    rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)x\s+([\d.]+)\s+(\d+)%$", out, re.M)
+    assert [int(r[0]) for r in rows] == [1, 2, 4, 8, 16], out
+    assert rows[0][2] == "1.00" and all(float(r[1]) > 0 and float(r[3]) > 0 for r in rows), out

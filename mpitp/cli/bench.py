@@ -1,4 +1,5 @@
-"""``mpitp bench COLLECTIVE``: nccl-tests / OSU style rows for every algorithm, side by side."""
+"""``mpitp bench COLLECTIVE``: nccl-tests / OSU style rows for every algorithm, side by side;
+``mpitp bench decode``: a model's decode step at batch 1-16 against the bandwidth ceiling."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 import numpy as np
 
 from ..bench import collectives as bc
+from .generate import add_weights_argument
 
 EPILOG = """\
 columns: size and count of the buffer, dtype, reduction op, algorithm, time of one call
@@ -23,6 +25,12 @@ examples:
   mpiexec -n 2 mpitp bench allreduce --algorithms mpi,ring,auto --check
   mpiexec -n 4 mpitp bench allgather --min-bytes 1K --max-bytes 64M --json ag.json --plot ag.png
   mpiexec -n 2 mpitp bench allreduce --tune          # measure crossovers for algorithm='auto'
+  mpiexec -n 2 mpitp bench decode --weights auto     # the default model's decode step, batch 1-16
+
+decode: one decode step (every rank's forward of one token per row) at batch 1, 2, 4, 8
+and 16, the slowest rank's median; its ratio to batch 1, tokens/s, and the share of the
+memcpy ceiling (measured in the same run) that the bytes each step streams reach.
+--model and --weights as mpitp generate takes them.
 """
 
 
@@ -38,7 +46,7 @@ def add_parser(sub) -> None:
         epilog=EPILOG,
         formatter_class=__import__("argparse").RawDescriptionHelpFormatter,
     )
-    p.add_argument("collective", choices=bc.COLLECTIVES)
+    p.add_argument("collective", choices=(*bc.COLLECTIVES, "decode"), help="a collective, or decode (a model)")
     p.add_argument(
         "--min-bytes",
         default=4,
@@ -91,6 +99,8 @@ def add_parser(sub) -> None:
         help="allreduce, reduce_scatter: measure where the ring overtakes MPI and write the "
         "tuning file that algorithm='auto' reads",
     )
+    p.add_argument("--model", help="decode: as mpitp generate takes it (default: the embedded model)")
+    add_weights_argument(p)
     p.add_argument(
         "--tune-file", default=None, help="where --tune writes (default: MPITP_TUNING or ~/.config/mpitp/tuning.json)"
     )
@@ -183,6 +193,11 @@ def run(args) -> int:
     from ..comm import Communicator
 
     with Communicator() as comm:  # freed however the command ends
+        if args.collective == "decode":
+            from ..bench import decode
+
+            decode.run(comm, args.model, args.weights, say=print if comm.rank == 0 else (lambda *a, **k: None))
+            return 0
         return _bench(args, comm)
 
 

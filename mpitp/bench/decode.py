@@ -1,0 +1,76 @@
+"""``mpitp bench decode``: one decode step of a model at batch 1-16, against the memory
+read bandwidth measured in the same run (the ceiling).
+
+A decode step streams every weight a rank holds once (``streamed_bytes``), whatever the
+batch, so its time is bounded below by ``streamed / bandwidth``; the table gives each
+batch's step time, its ratio to batch 1 (flat is the goal: the kernels read a weight
+once for every row), the tokens/s it means and the share of the ceiling it reaches.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+BATCHES = (1, 2, 4, 8, 16)
+
+
+def read_bandwidth(nbytes: int = 256 << 20, reps: int = 5, comm=None) -> float:
+    """GB/s of one core reading ``nbytes`` (an OR-reduction: no writes, little compute),
+    best of ``reps``; with ``comm`` (a Communicator) every rank reads at once, as every
+    rank streams its weights at once. This, not a copy, is what a decode step does."""
+    a = np.ones(nbytes // 8, np.uint64)
+    best = 0.0
+    for _ in range(reps):
+        if comm is not None:
+            comm.barrier()
+        t = time.perf_counter()
+        np.bitwise_or.reduce(a)
+        best = max(best, a.nbytes / (time.perf_counter() - t) / 1e9)
+    return best if comm is None else comm.allreduce_object(best, op="min")
+
+
+def step_times(model, comm, batches=BATCHES, context: int = 32, reps: int = 30) -> dict[int, float]:
+    """Median seconds (slowest rank) of one decode step after ``context`` tokens, per batch."""
+    out = {}
+    for B in batches:
+        cache = model.new_cache(B, context + reps + 1)
+        cache.valid[:, :context] = True
+        cache.length = context
+        ids = np.full((B, 1), 42)
+        times = []
+        for _ in range(reps):
+            cache.valid[:, cache.length] = True
+            comm.barrier()
+            t = time.perf_counter()
+            model.forward(ids, np.full((B, 1), cache.length), cache, last_only=True)
+            times.append(comm.allreduce_object(time.perf_counter() - t, op="max"))
+        out[B] = float(np.median(times[min(5, reps // 2) :]))  # the first steps warm caches
+    return out
+
+
+def run(comm, model_name: str | None, weights: str, batches=BATCHES, say=print) -> dict:
+    """Load the model (``None``: the default one) with ``weights``, time the steps, print
+    the table on rank 0; returns the figures."""
+    from ..models.llama import LlamaForCausalLM
+    from ..models.resolve import model_dir
+
+    path = model_dir(model_name, comm)
+    model = LlamaForCausalLM.from_pretrained(str(path), comm=comm, weights=weights)
+    held = comm.allgather_object(model.weight_bytes())
+    streamed = comm.allreduce_object(model.streamed_bytes(), op="max")
+    kinds = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(model.weight_formats().items()))
+    ceiling = read_bandwidth(comm=comm)
+    steps = step_times(model, comm, batches)
+    say(f"# mpitp bench decode: {path.name}, TP={comm.size}, --weights {weights}")
+    say(f"# weights per rank: {', '.join(f'{b / 2**20:.1f}' for b in held)} MiB (rank 0: {kinds})")
+    say(
+        f"# streamed per step by the busiest rank {streamed / 2**20:.1f} MiB; read bandwidth {ceiling:.2f} GB/s "
+        f"per rank (same run, all ranks reading) -> floor {streamed / (ceiling * 1e9) * 1e3:.2f} ms a step"
+    )
+    say(f"# {'batch':>5} {'step ms':>9} {'vs b1':>7} {'tokens/s':>9} {'of ceiling':>11}")
+    for B, t in steps.items():
+        share = streamed / t / (ceiling * 1e9)
+        say(f"  {B:>5} {t * 1e3:>9.2f} {t / steps[batches[0]]:>6.2f}x {B / t:>9.1f} {share:>10.0%}")
+    return {"weights_per_rank": held, "streamed": streamed, "ceiling_gbs": ceiling, "steps": steps}
