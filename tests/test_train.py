@@ -183,3 +183,50 @@ def test_bad_arguments(ids, tmp_path, args, message):
     res = launch.run(2, argv, timeout=60)
     assert res.returncode == 2 and message in res.stderr, res.stderr[-2000:]
     assert "Traceback" not in res.stderr
+
+
+KILL_IN_SAVE = textwrap.dedent("""
+    import os, signal, sys
+    import mpitp.train.checkpoint as ck
+    real = ck._write
+    def write(tmp, rank, tensors):                       # runs in the background thread
+        if rank == 1 and tmp.name == ".step-000004.tmp":
+            (tmp / "rank00001.safetensors").write_bytes(b"half a file")
+            os.kill(os.getpid(), signal.SIGKILL)         # the rank dies in the middle of the write
+        return real(tmp, rank, tensors)
+    ck._write = write
+    from mpitp.cli.main import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_background_checkpoints_equal_synchronous_ones(ids, tmp_path):
+    """--save-every writes in a thread on each rank while training goes on: the files are
+    byte for byte those of --sync-save, and the run's losses are the same."""
+    common = ("--steps", 5, "--save-every", 2, "--dtype", "float64")
+    train(3, tmp_path / "bg", ids, *common)
+    train(3, tmp_path / "sync", ids, *common, "--sync-save")
+    assert losses(tmp_path / "bg") == losses(tmp_path / "sync")
+    for step in ("step-000002", "step-000004", "step-000005"):
+        a, b = (json.loads((tmp_path / r / step / "meta.json").read_text()) for r in ("bg", "sync"))
+        assert [r["sha256"] for r in a["ranks"]] == [r["sha256"] for r in b["ranks"]], step
+    assert not list((tmp_path / "bg").glob(".*.tmp"))  # every background write was completed
+
+
+def test_rank_killed_during_a_background_write_leaves_the_previous_checkpoint(ids, tmp_path):
+    """A rank killed while its thread writes checkpoint 4: the job ends, ``latest`` still
+    names checkpoint 2 (complete, checksums good), and a run resumed from it continues
+    exactly as an uninterrupted one."""
+    out = tmp_path / "run"
+    same = ("--dtype", "float64", "--schedule", "constant")  # the schedule does not depend on --steps
+    common = (*same, "--seq", 32, "--batch", 5, "--lr", "3e-3", "--warmup", 1, "--no-progress")  # as train() runs
+    argv = [sys.executable, "-c", KILL_IN_SAVE, "train", "--config", "tiny", "--data", str(ids), *map(str, common)]
+    res = launch.run(2, argv + ["--steps", "8", "--save-every", "2", "--out", str(out)], timeout=180)
+    assert res.returncode != 0, res.stdout[-2000:]
+    assert (out / "latest").read_text().strip() == "step-000002"
+    assert (out / ".step-000004.tmp" / "rank00001.safetensors").read_bytes() == b"half a file"
+    assert params(out).size  # every rank file of step 2 read back through its checksum
+    train(2, tmp_path / "whole", ids, "--steps", 4, *same)
+    train(2, out, ids, "--steps", 4, *same, "--resume", out)
+    assert rel(losses(out)[-2:], losses(tmp_path / "whole")[2:]) <= 1e-10
+    assert rel(params(out), params(tmp_path / "whole")) <= 1e-10

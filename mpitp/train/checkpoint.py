@@ -10,7 +10,8 @@
 
 Every rank writes its file into a temporary directory; rank 0 writes meta.json last, then
 renames the directory into place and only then updates ``latest`` (both renames atomic),
-so a crash mid-save leaves the previous checkpoint as it was. Positions are in the whole
+so a crash mid-save leaves the previous checkpoint as it was. :class:`Background` does
+the writing in a thread on every rank while training goes on. Positions are in the whole
 model's unpadded flat buffer of each unit, whatever the mesh: a rank's elements of unit i
 are the concatenation of its runs ``[start, end)`` (one run under FSDP alone; one per row
 of a column-cut tensor under tensor parallelism), every element saved by exactly one
@@ -96,33 +97,90 @@ def save(
     """Collective. ``ranges[i]`` are this rank's [start, end) runs of unit i (whole model,
     unpadded); ``tensors`` maps ``(i, kind)`` to this rank's values over those runs, in
     order. ``layouts`` are the whole model's units; ``meta`` is :func:`describe`'s."""
-    from safetensors.numpy import save_file
+    tmp = _begin(out, step, comm)
+    written, err = None, None
+    try:
+        written = _write(tmp, comm.rank if comm is not None else 0, tensors)
+    except OSError as e:
+        err = e
+    return _finish(out, step, comm, layouts, ranges, meta, tokenizer, tmp, written, err)
 
-    rank, n = (comm.rank, comm.size) if comm is not None else (0, 1)
-    name = f"step-{step:06d}"
-    tmp = out / f".{name}.tmp"
+
+class Background:
+    """A checkpoint written while training goes on (collective to start and to finish).
+
+    Every rank hands over copies of its values; a thread writes, fsyncs and checksums the
+    rank's file into the temporary directory (no MPI in the thread). :meth:`ready` asks
+    all ranks whether their files are down; :meth:`finish` then does what :func:`save`
+    does last: rank 0 writes meta.json, renames the directory into place and updates
+    ``latest``. Until then the previous checkpoint is the latest, so a crash during the
+    write leaves it usable."""
+
+    def __init__(self, out: Path, step: int, comm, layouts, ranges, tensors, meta, tokenizer=None):
+        import threading
+
+        self.args = (out, step, comm, layouts, ranges, meta, tokenizer)
+        self.comm, self.step = comm, step
+        self.tmp = _begin(out, step, comm)
+        self.written: tuple[str, str] | None = None
+        self.err: Exception | None = None
+        rank = comm.rank if comm is not None else 0
+        self.thread = threading.Thread(target=self._run, args=(rank, tensors), name=f"checkpoint-{step}", daemon=True)
+        self.thread.start()
+
+    def _run(self, rank: int, tensors) -> None:
+        try:
+            self.written = _write(self.tmp, rank, tensors)
+        except Exception as e:  # reported on every rank by finish()
+            self.err = e
+
+    def ready(self) -> bool:
+        """Collective: has every rank's thread finished writing?"""
+        done = not self.thread.is_alive()
+        return done if self.comm is None else self.comm.all_true(done)
+
+    def finish(self) -> Path:
+        """Collective: wait for the writes, then make the checkpoint the latest."""
+        self.thread.join()
+        out, step, comm, layouts, ranges, meta, tokenizer = self.args
+        return _finish(out, step, comm, layouts, ranges, meta, tokenizer, self.tmp, self.written, self.err)
+
+
+def _begin(out: Path, step: int, comm) -> Path:
+    """The empty temporary directory of checkpoint ``step`` (made by rank 0; collective)."""
+    tmp = out / f".step-{step:06d}.tmp"
     err = None
     try:
-        if rank == 0:
+        if comm is None or comm.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
     except OSError as e:
         err = e
     agree(comm, err, f"cannot create {tmp}")
+    return tmp
+
+
+def _write(tmp: Path, rank: int, tensors: dict[tuple[int, str], np.ndarray]) -> tuple[str, str]:
+    """This rank's file, on disk (fsynced): (its name, its sha256). No MPI: any thread."""
+    from safetensors.numpy import save_file
+
     fname = f"rank{rank:05d}.safetensors"
-    digest = ""
-    try:
-        save_file({key(*k): np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / fname))
-        with open(tmp / fname, "rb+") as f:
-            os.fsync(f.fileno())
-        digest = sha256(tmp / fname)
-    except OSError as e:
-        err = e
-    agree(comm, err, f"saving {tmp / fname}")
-    every = [(fname, digest, ranges)] if comm is None else comm.gather_object((fname, digest, ranges))
+    save_file({key(*k): np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / fname))
+    with open(tmp / fname, "rb+") as f:
+        os.fsync(f.fileno())
+    return fname, sha256(tmp / fname)
+
+
+def _finish(out, step, comm, layouts, ranges, meta, tokenizer, tmp, written, err) -> Path:
+    """Collective: every rank's error or file; rank 0 writes meta.json last, renames the
+    directory into place, then points ``latest`` at it."""
+    n = comm.size if comm is not None else 1
+    agree(comm, err, f"saving {tmp}")
+    every = [(*written, ranges)] if comm is None else comm.gather_object((*written, ranges))
+    name = f"step-{step:06d}"
     final = out / name
-    if rank == 0:
+    if comm is None or comm.rank == 0:
         try:
             full = dict(
                 meta,

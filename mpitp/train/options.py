@@ -83,6 +83,14 @@ class Options:
         None, OUTPUT, "directory for checkpoints, the log and loss.png (default with --resume: the resumed run's)"
     )
     save_every: int = opt(0, OUTPUT, "checkpoint every K steps (and at the end)", type=int)
+    background_save: bool = opt(
+        True,
+        OUTPUT,
+        "write the --save-every checkpoints before training goes on (default: a thread on each rank "
+        "writes them while the next steps run; the last one is always written before the end)",
+        action="store_false",
+        flag="--sync-save",
+    )
     log: str | None = opt(None, OUTPUT, "JSONL file: one object per step (default OUT/log.jsonl)")
     progress: bool = opt(True, OUTPUT, "no progress bar", action="store_false", flag="--no-progress")
 

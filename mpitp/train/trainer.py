@@ -89,6 +89,7 @@ class Trainer:
             err = e
         checkpoint.agree(comm, err, "loading the parameters")
         self.history: list[dict] = []
+        self.pending: checkpoint.Background | None = None  # a checkpoint being written
 
     # ---------------------------------------------------------------- setup
     def _tokens(self) -> np.ndarray:
@@ -221,10 +222,14 @@ class Trainer:
             local += self.engine.loss(ids, targets)
         return self._allsum(local) / (count * o.seq)
 
-    def save(self) -> Path:
+    def save(self, background: bool = False) -> Path:
+        """Checkpoint the current step (collective). ``background``: hand copies of the
+        values to a thread on each rank and return at once (:meth:`poll_save` and
+        :meth:`finish_save` complete it); at most one is in flight."""
         o = self.o
         if not o.out:
             raise TrainError("saving a checkpoint needs an output directory (--out DIR)")
+        self.finish_save()
         ranges: list = []
         tensors: dict[tuple[int, str], np.ndarray] = {}
         for i, (lay, u) in enumerate(zip(self.local, self.S.units)):
@@ -240,7 +245,21 @@ class Trainer:
             tensors[i, "exp_avg"] = self.opt.m[i][lo - a : hi - a][keep]
             tensors[i, "exp_avg_sq"] = self.opt.v[i][lo - a : hi - a][keep]
         meta = checkpoint.describe(self.cfg, o, self.n, self.step, self.opt.t)
-        return checkpoint.save(Path(o.out), self.step, self.comm, self.layouts, ranges, tensors, meta, self.tokenizer)
+        args = (Path(o.out), self.step, self.comm, self.layouts, ranges, tensors, meta, self.tokenizer)
+        if background:  # the values above are copies (boolean indexing): training may go on
+            self.pending = checkpoint.Background(*args)
+            return Path(o.out) / f"step-{self.step:06d}"
+        return checkpoint.save(*args)
+
+    def poll_save(self) -> None:
+        """Collective: complete a background checkpoint if every rank has written its file."""
+        if self.pending is not None and self.pending.ready():
+            self.finish_save()
+
+    def finish_save(self) -> Path | None:
+        """Collective: wait for a background checkpoint (if any) and make it the latest."""
+        pending, self.pending = self.pending, None
+        return pending.finish() if pending is not None else None
 
     # ---------------------------------------------------------------- a run
     def fit(self) -> Path | None:
@@ -269,6 +288,11 @@ class Trainer:
                 rec = self.train_step()
                 if o.eval_every and (self.step % o.eval_every == 0 or self.step == o.steps):
                     rec["eval_loss"] = self.eval_loss()
+                t = time.perf_counter()
+                self.poll_save()
+                if o.out and o.save_every and self.step % o.save_every == 0 and self.step < o.steps:
+                    self.save(background=o.background_save)
+                rec["save_s"] = time.perf_counter() - t  # what checkpoints cost the training thread
                 self.history.append(rec)
                 if jsonl:
                     jsonl.write(json.dumps(rec) + "\n")
@@ -276,8 +300,6 @@ class Trainer:
                 if bar is not None:
                     bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
                     bar.update(1)
-                if o.out and o.save_every and self.step % o.save_every == 0 and self.step < o.steps:
-                    self.save()
         finally:
             if bar is not None:
                 bar.close()
