@@ -230,3 +230,18 @@ def test_rank_killed_during_a_background_write_leaves_the_previous_checkpoint(id
     train(2, out, ids, "--steps", 4, *same, "--resume", out)
     assert rel(losses(out)[-2:], losses(tmp_path / "whole")[2:]) <= 1e-10
     assert rel(params(out), params(tmp_path / "whole")) <= 1e-10
+
+
+@pytest.mark.parametrize("n,tp,mode", [(3, 1, "fsdp"), (3, 1, "zero2"), (4, 2, "fsdp")])
+def test_log_bytes_per_step_equal_the_plan(ids, tmp_path, n, tp, mode):
+    """Each step's JSONL record gives the bytes this rank sent (traffic counters) and the
+    busiest rank's: equal, to the byte, to what `mpitp plan train` says a rank sends."""
+    out = tmp_path / "run"
+    train(n, out, ids, "--steps", 2, "--mode", mode, "--tp", tp, "--algorithm", "ring", "--batch", 6)
+    recs = [json.loads(line) for line in open(out / "log.jsonl")]
+    plan = launch.run(1, [*TRAIN[:-1], "plan", "train", "--model", "tiny", "--tp", str(tp), "--dp", str(n // tp),
+                          "--nodes", "1", "--mode", mode, "--batch", "6", "--seq", "32", "--json"])  # fmt: skip
+    row = next(r for r in json.loads(plan.stdout)["layouts"] if r["tp"] == tp)
+    want = row["dp_bytes_per_rank"] + row["tp_bytes_per_rank"]
+    assert [r["sent_bytes_max"] for r in recs] == [want, want], (recs, row)
+    assert all(0 < r["sent_bytes"] <= want and r["comm_wait_s"] >= 0 for r in recs)

@@ -175,6 +175,7 @@ class Trainer:
         o, S = self.o, self.S
         t0 = time.perf_counter()
         S.comm_wait = 0.0
+        sent = self.sent_bytes()
         idx = data.step_windows(self.step, o.batch, self.windows.count, self.perm)
         mine = idx[data.local_rows(o.batch, self.n, self.rank)]
         S.zero_grads()
@@ -205,7 +206,13 @@ class Trainer:
             "step_s": t2 - t0,
             "comm_wait_s": S.comm_wait,
             "optimizer_s": t2 - t1,
+            "sent_bytes": self.sent_bytes() - sent,  # this rank's, every group's counters
         }
+
+    def sent_bytes(self) -> int:
+        """Bytes this rank has sent so far over its dp and tp groups (traffic counters)."""
+        groups = {id(c): c for c in (self.dp, self.tp) if c is not None}
+        return sum(c.traffic.total for c in groups.values())
 
     def eval_loss(self) -> float | None:
         if self.eval_windows is None:
@@ -293,6 +300,8 @@ class Trainer:
                 if o.out and o.save_every and self.step % o.save_every == 0 and self.step < o.steps:
                     self.save(background=o.background_save)
                 rec["save_s"] = time.perf_counter() - t  # what checkpoints cost the training thread
+                if self.comm is not None:  # the busiest rank's bytes (the log is rank 0's)
+                    rec["sent_bytes_max"] = self.comm.allreduce_object(rec["sent_bytes"], op="max")
                 self.history.append(rec)
                 if jsonl:
                     jsonl.write(json.dumps(rec) + "\n")
