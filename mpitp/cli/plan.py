@@ -91,6 +91,12 @@ def add_parser(sub) -> None:
     tr.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
     tr.add_argument("--seq", type=int, default=128)
     tr.add_argument("--dtype", default="fp32", choices=sorted(ptp.DTYPE_BYTES))
+    tr.add_argument(
+        "--param-dtype", choices=sorted(ptp.DTYPE_BYTES), help="mixed precision: what the all-gathers carry (--dtype)"
+    )
+    tr.add_argument(
+        "--reduce-dtype", choices=sorted(ptp.DTYPE_BYTES), help="mixed precision: what the reductions carry (--dtype)"
+    )
     common(tr)
     fit = ps.add_parser("fit", help="fit the 'local' profile by ping-pong (run under mpiexec -n 2)")
     fit.add_argument("--json", action="store_true")
@@ -221,7 +227,11 @@ def _train(args):
         raise ptp_error(
             f"--tp {args.tp} exceeds the model's {cfg.num_key_value_heads} KV heads (training cuts by KV head)"
         )
-    rows = ptrain.plan(cfg, n, args.nodes, args.mode, args.batch, args.seq, ptp.DTYPE_BYTES[args.dtype.lower()], prof)
+    size = lambda d: ptp.DTYPE_BYTES[d.lower()] if d else None  # noqa: E731
+    rows = ptrain.plan(
+        cfg, n, args.nodes, args.mode, args.batch, args.seq, ptp.DTYPE_BYTES[args.dtype.lower()], prof,
+        param_itemsize=size(args.param_dtype), reduce_itemsize=size(args.reduce_dtype),
+    )  # fmt: skip
     psi = sum(u.numel for u in llama_units(cfg))
     if args.json:
         print(
@@ -240,7 +250,13 @@ def _train(args):
         return
     print(
         f"{name}: {psi / 1e6:.1f}M parameters, {n} ranks on {args.nodes} node(s), {args.mode}, "
-        f"batch {args.batch} x seq {args.seq}, {args.dtype}, profile {prof.name}"
+        f"batch {args.batch} x seq {args.seq}, {args.dtype}"
+        + (
+            f" (gathers {args.param_dtype or args.dtype}, reductions {args.reduce_dtype or args.dtype})"
+            if args.param_dtype or args.reduce_dtype
+            else ""
+        )
+        + f", profile {prof.name}"
     )
     print(
         f"  {'layout':<14} {'memory/rank':>12} {'TP bytes/rank':>15} {'DP bytes/rank':>15} "

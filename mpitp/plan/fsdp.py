@@ -70,6 +70,9 @@ def train_step_bytes(
     mode: str,
     itemsize: int,
     accum: int = 1,
+    *,
+    param_itemsize: int | None = None,
+    reduce_itemsize: int | None = None,
 ) -> int:
     """Bytes one rank sends per training step with ring collectives: each ring all-gather
     or reduce-scatter of P elements sends (N-1)/N·P, an all-reduce twice that.
@@ -78,17 +81,21 @@ def train_step_bytes(
     a reduce-scatter per micro-batch and one all-gather; fsdp, per micro-batch: a gather of
     every unit in forward, again in backward for the units that need it (not ``kept``
     ones, whose gather lasts the step), and a reduce-scatter. Plus the loss (and, with
-    sharded gradients, the gradient norm): one float64 each, through MPI."""
+    sharded gradients, the gradient norm): one float64 each, through MPI. With mixed
+    precision the gathers carry ``param_itemsize`` bytes an element and the reductions
+    ``reduce_itemsize`` (default: ``itemsize``)."""
     n = ranks
     if n == 1:
         return 0
-    ring = lambda p: (n - 1) * (p // n) * itemsize  # noqa: E731
+    ps, rs = param_itemsize or itemsize, reduce_itemsize or itemsize
+    gather = lambda p: (n - 1) * (p // n) * ps  # noqa: E731
+    reduce = lambda p: (n - 1) * (p // n) * rs  # noqa: E731
     total = sum(padded)
     if mode == "ddp":
-        return 2 * ring(total) + 8
+        return 2 * reduce(total) + 8
     if mode == "zero1":
-        return 2 * ring(total) + 16
+        return reduce(total) + gather(total) + 16
     if mode == "zero2":
-        return (accum + 1) * ring(total) + 16
+        return accum * reduce(total) + gather(total) + 16
     bwd = sum(p for p, g, k in zip(padded, gathered_backward, kept) if g and not k)
-    return accum * (2 * ring(total) + ring(bwd)) + 16
+    return accum * (gather(total) + gather(bwd) + reduce(total)) + 16

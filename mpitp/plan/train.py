@@ -54,6 +54,8 @@ def rank_bytes(
     dp_rank: int = 0,
     accum: int = 1,
     recompute: bool = False,
+    param_itemsize: int | None = None,
+    reduce_itemsize: int | None = None,
 ) -> dict:
     """Bytes rank (dp_rank, tp_rank) sends in one training step with ring collectives, per
     group and kind: ``tp`` / ``dp`` (the rings), ``tp_mpi`` / ``dp_mpi`` (MPI's calls)."""
@@ -61,7 +63,10 @@ def rank_bytes(
     L = cfg.num_hidden_layers
     padded = [u.padded(dp) for u in cut.units]
     kept = [i == len(padded) - 1 or (i == 0 and cfg.tie_word_embeddings) for i in range(len(padded))]
-    dp_all = train_step_bytes(padded, [0 < i <= L for i in range(len(padded))], kept, dp, mode, itemsize, accum)
+    bwd = [0 < i <= L for i in range(len(padded))]
+    dp_all = train_step_bytes(
+        padded, bwd, kept, dp, mode, itemsize, accum, param_itemsize=param_itemsize, reduce_itemsize=reduce_itemsize
+    )
     dp_mpi = 0 if dp == 1 else (8 if mode == "ddp" else 16)
     tp_ring = 0
     if tp > 1:
@@ -93,6 +98,8 @@ def layout(
     itemsize: int,
     prof: Profile,
     accum: int = 1,
+    param_itemsize: int | None = None,
+    reduce_itemsize: int | None = None,
 ) -> dict:
     """One (dp, tp) cut of ``nodes`` x (tp·dp/nodes) ranks: memory, bytes and time per step
     (the most loaded rank's), and the bytes the busiest node sends over each link class."""
@@ -102,7 +109,20 @@ def layout(
     per_node = n // nodes
     tp_inside = per_node % tp == 0
     every = {
-        (d, t): rank_bytes(cfg, tp, dp, mode, batch, seq, itemsize, tp_rank=t, dp_rank=d, accum=accum)
+        (d, t): rank_bytes(
+            cfg,
+            tp,
+            dp,
+            mode,
+            batch,
+            seq,
+            itemsize,
+            tp_rank=t,
+            dp_rank=d,
+            accum=accum,
+            param_itemsize=param_itemsize,
+            reduce_itemsize=reduce_itemsize,
+        )  # fmt: skip
         for d in range(dp)
         for t in range(tp)
     }
@@ -127,8 +147,11 @@ def layout(
     dp_time = 0.0
     if dp > 1:
         link = prof.inter if nodes > 1 else prof.intra
-        passes = {"ddp": 2, "zero1": 2, "zero2": 1 + accum, "fsdp": 3 * accum}[mode]
-        dp_time = passes * (dp - 1) * link.time(top["params"] * itemsize / dp)
+        ps, rs = param_itemsize or itemsize, reduce_itemsize or itemsize
+        gathers, reductions = {"ddp": (0, 2), "zero1": (1, 1), "zero2": (1, accum), "fsdp": (2 * accum, accum)}[mode]
+        dp_time = (dp - 1) * (
+            gathers * link.time(top["params"] * ps / dp) + reductions * link.time(top["params"] * rs / dp)
+        )
     return {
         "tp": tp,
         "dp": dp,
@@ -146,12 +169,35 @@ def layout(
 
 
 def plan(
-    cfg: LlamaConfig, ranks: int, nodes: int, mode: str, batch: int, seq: int, itemsize: int, prof: Profile
+    cfg: LlamaConfig,
+    ranks: int,
+    nodes: int,
+    mode: str,
+    batch: int,
+    seq: int,
+    itemsize: int,
+    prof: Profile,
+    param_itemsize: int | None = None,
+    reduce_itemsize: int | None = None,
 ) -> list[dict]:
     """Every tp dividing ``ranks`` up to the KV heads (training cuts attention by whole KV
     heads), tp inside dp."""
     rows = []
     for tp in range(1, ranks + 1):
         if ranks % tp == 0 and tp <= cfg.num_key_value_heads:
-            rows.append(layout(cfg, tp, ranks // tp, nodes, mode, batch, seq, itemsize, prof))
+            rows.append(
+                layout(
+                    cfg,
+                    tp,
+                    ranks // tp,
+                    nodes,
+                    mode,
+                    batch,
+                    seq,
+                    itemsize,
+                    prof,
+                    param_itemsize=param_itemsize,
+                    reduce_itemsize=reduce_itemsize,
+                )  # fmt: skip
+            )
     return rows

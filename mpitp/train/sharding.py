@@ -11,6 +11,15 @@
 fsdp prefetches the next unit's all-gather (nonblocking) while the current one computes.
 A tied embedding is gathered once per step and kept until the embedding's backward has
 run (the head uses it in between), as torch FSDP keeps its root unit.
+
+Mixed precision (FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``): the
+optimizer's parameters (``master``) and AdamW state stay in ``dtype``; the values forward
+and backward use are the masters rounded to ``param_dtype`` (fsdp gathers the shards in
+``param_dtype``, half the bytes for bfloat16, and widens a unit when it is used; zero1/2
+gather the updated shards in ``param_dtype``; ddp rounds its copy), computed on in
+``dtype`` (NumPy's BLAS has no bfloat16). Gradients are rounded to ``reduce_dtype`` and
+reduced in it (the Communicator's bfloat16 path adds in float32 and rounds each sum), then
+accumulated in ``dtype``.
 """
 
 from __future__ import annotations
@@ -26,18 +35,21 @@ MODES = ("ddp", "zero1", "zero2", "fsdp")
 
 
 class Unit:
-    def __init__(self, layout: UnitLayout, n: int, rank: int, mode: str, dtype, keep: bool):
+    def __init__(self, layout: UnitLayout, n: int, rank: int, mode: str, dtype, keep: bool, mixed: bool = False):
         self.layout, self.keep = layout, keep
         self.padded = layout.padded(n)
         self.lo, self.hi = layout.owned(n, rank)
         sharded_params = mode == "fsdp"
         # Which arrays exist depends on the mode (None where it keeps none); each code path
         # below runs in the modes that have its arrays, so they are typed Any, not Optional.
-        self.full: Any = None
+        self.full: Any = None  # the whole unit as forward/backward use it
         self.shard: Any = np.zeros(self.hi - self.lo, dtype)
         if not sharded_params:
             self.full = np.zeros(self.padded, dtype)
-            self.shard = self.full[self.lo : self.hi]
+            if not mixed:  # the values used are the masters themselves
+                self.shard = self.full[self.lo : self.hi]
+        # what AdamW updates, loads and saves: ddp the whole unit, the others their shard
+        self.master: Any = self.shard if mode != "ddp" else (np.zeros(self.padded, dtype) if mixed else self.full)
         self.grad: Any = np.zeros(self.padded, dtype) if mode in ("ddp", "zero1") else None  # persistent full grads
         self.gshard: Any = None if mode == "ddp" else np.zeros(self.hi - self.lo, dtype)
         self.pending: Any = None  # a nonblocking gather or reduction in flight
@@ -54,13 +66,20 @@ class Sharding:
         dtype=np.float32,
         algorithm: str = "auto",
         keep: tuple[int, ...] = (),
+        param_dtype=None,
+        reduce_dtype=None,
     ):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
         self.comm, self.mode, self.dtype, self.algorithm = comm, mode, np.dtype(dtype), algorithm
+        self.param_dtype = _dtype(param_dtype, self.dtype)
+        self.reduce_dtype = _dtype(reduce_dtype, self.dtype)
+        self.mixed = self.param_dtype != self.dtype
         self.n = comm.size if comm is not None else 1
         self.rank = comm.rank if comm is not None else 0
-        self.units = [Unit(lay, self.n, self.rank, mode, self.dtype, i in keep) for i, lay in enumerate(layouts)]
+        self.units = [
+            Unit(lay, self.n, self.rank, mode, self.dtype, i in keep, self.mixed) for i, lay in enumerate(layouts)
+        ]
         self._reductions: list = []
         self.comm_wait = 0.0  # seconds spent waiting for communication (exposed)
         self.peak_gathered = 0  # fsdp: most bytes of gathered parameters held at once
@@ -69,6 +88,20 @@ class Sharding:
     def owned_params(self, i: int):
         """The parameter elements this rank initialises, loads and saves: its range."""
         return self.units[i].shard
+
+    def loaded(self) -> None:
+        """After the masters were filled (fresh, loaded, resumed): make the values forward
+        uses from them (rounded to ``param_dtype`` where it differs)."""
+        for u in self.units:
+            if self.mode in ("zero1", "zero2") and self.mixed:
+                u.shard[...] = u.full[u.lo : u.hi]  # loaded whole: keep this rank's masters
+                u.full[...] = self._rounded(u.full)
+            elif self.mode == "ddp" and self.mixed:
+                u.master[...] = u.full
+                u.full[...] = self._rounded(u.full)
+
+    def _rounded(self, x):
+        return x.astype(self.param_dtype).astype(self.dtype)
 
     def params(self, i: int, prefetch: int | None = None):
         """Unit i's whole (padded) parameter buffer; fsdp gathers it (or waits for the
@@ -80,18 +113,21 @@ class Sharding:
             if u.pending is not None:
                 self._wait(u.pending)
                 u.pending = None
+            if u.full.dtype != self.dtype:  # gathered in param_dtype: widened for use
+                u.full = u.full.astype(self.dtype)
             if prefetch is not None and self.units[prefetch].full is None:
                 self._start_gather(self.units[prefetch])
         return u.full
 
     def _start_gather(self, u: Unit) -> None:
-        u.full = np.empty(u.padded, self.dtype)
+        u.full = np.empty(u.padded, self.param_dtype)
         held = sum(x.full.nbytes for x in self.units if x.full is not None)
         self.peak_gathered = max(self.peak_gathered, held)
+        mine = u.shard.astype(self.param_dtype) if self.mixed else u.shard
         if self.n == 1:
-            u.full[...] = u.shard
+            u.full[...] = mine
             return
-        u.pending = self.comm.allgather(u.shard, out=u.full, algorithm=self.algorithm, nonblocking=True)
+        u.pending = self.comm.allgather(mine, out=u.full, algorithm=self.algorithm, nonblocking=True)
 
     def release(self, i: int, force: bool = False) -> None:
         """fsdp: free unit i's gathered parameters (kept units only when ``force``)."""
@@ -100,14 +136,33 @@ class Sharding:
             u.full = None
 
     def sync_params(self) -> None:
-        """zero1/zero2: after the optimizer updated the shards, gather the full parameters."""
-        if self.mode in ("zero1", "zero2") and self.n > 1:
+        """After the optimizer updated the masters: zero1/zero2 gather the full parameters
+        (in ``param_dtype``); ddp with mixed precision rounds its copy."""
+        if self.mode == "ddp" and self.mixed:
+            for u in self.units:
+                u.full[...] = self._rounded(u.master)
+        if self.mode not in ("zero1", "zero2") or (self.n == 1 and not self.mixed):
+            return
+        if not self.mixed:
             handles = [
                 self.comm.allgather(u.full[u.lo : u.hi].copy(), out=u.full, algorithm=self.algorithm, nonblocking=True)
                 for u in self.units
             ]
             for h in handles:
                 self._wait(h)
+            return
+        bufs = [np.empty(u.padded, self.param_dtype) for u in self.units]
+        handles = []
+        for u, b in zip(self.units, bufs):
+            mine = u.shard.astype(self.param_dtype)
+            if self.n == 1:
+                b[...] = mine
+            else:
+                handles.append(self.comm.allgather(mine, out=b, algorithm=self.algorithm, nonblocking=True))
+        for h in handles:
+            self._wait(h)
+        for u, b in zip(self.units, bufs):
+            u.full[...] = b
 
     # ---------------------------------------------------------------- gradients
     def zero_grads(self) -> None:
@@ -125,33 +180,38 @@ class Sharding:
             u.grad = np.zeros(u.padded, self.dtype)
         return u.grad
 
+    def _to_reduce(self, g):
+        """The gradient as it is reduced: rounded to ``reduce_dtype`` where that differs."""
+        return g if self.reduce_dtype == self.dtype else g.astype(self.reduce_dtype)
+
     def reduce(self, i: int, last_micro: bool) -> None:
         """Backward is done with unit i for this micro-batch: start its reduction."""
         u = self.units[i]
         if self.mode in ("zero2", "fsdp"):
             if self.n == 1:
-                u.gshard += u.grad
+                u.gshard += self._to_reduce(u.grad)
                 u.grad = None
             else:
-                self._reductions.append(
-                    (u, self.comm.reduce_scatter(u.grad, algorithm=self.algorithm, nonblocking=True))
-                )
+                g = self._to_reduce(u.grad)
+                self._reductions.append((u, self.comm.reduce_scatter(g, algorithm=self.algorithm, nonblocking=True)))
         elif last_micro and self.n > 1:
+            g = self._to_reduce(u.grad)
             if self.mode == "ddp":
-                self._reductions.append(
-                    (u, self.comm.allreduce(u.grad, out=u.grad, algorithm=self.algorithm, nonblocking=True))
-                )
+                self._reductions.append((u, self.comm.allreduce(g, out=g, algorithm=self.algorithm, nonblocking=True)))
             else:
-                self._reductions.append(
-                    (u, self.comm.reduce_scatter(u.grad, algorithm=self.algorithm, nonblocking=True))
-                )
-        elif last_micro and self.mode == "zero1":
-            u.gshard[...] = u.grad
+                self._reductions.append((u, self.comm.reduce_scatter(g, algorithm=self.algorithm, nonblocking=True)))
+        elif last_micro:  # one rank: nothing to reduce, but the gradient is rounded as the policy says
+            if self.reduce_dtype != self.dtype:
+                u.grad[...] = self._to_reduce(u.grad)
+            if self.mode == "zero1":
+                u.gshard[...] = u.grad
 
     def finish(self) -> None:
         """Wait for every reduction started this micro-batch."""
         for u, h in self._reductions:
             res = self._wait(h)
+            if self.mode == "ddp" and res is not u.grad:  # reduced in reduce_dtype
+                u.grad[...] = res
             if self.mode != "ddp":
                 u.gshard += res
             if self.mode in ("zero2", "fsdp"):
@@ -170,8 +230,7 @@ class Sharding:
         return (0, u.padded) if self.mode == "ddp" else (u.lo, u.hi)
 
     def opt_params(self, i: int):
-        u = self.units[i]
-        return u.full if self.mode == "ddp" else u.shard
+        return self.units[i].master
 
     def opt_grads(self, i: int):
         u = self.units[i]
@@ -199,5 +258,17 @@ class Sharding:
         """Bytes of the arrays this rank keeps between steps (AdamW moments: see optim)."""
         fsdp = self.mode == "fsdp"
         params = sum((u.shard if fsdp else u.full).nbytes for u in self.units)
+        if self.mixed and not fsdp:  # the masters beside the values used
+            params += sum(u.master.nbytes for u in self.units)
         grads = sum((u.grad if self.mode in ("ddp", "zero1") else u.gshard).nbytes for u in self.units)
         return {"params": params, "grads": grads}
+
+
+def _dtype(name, default: np.dtype) -> np.dtype:
+    if name is None:
+        return default
+    if str(name) in ("bfloat16", "bf16"):
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)

@@ -68,7 +68,10 @@ class Trainer:
             raise TrainError(str(e)) from None
         self.local = self.cut.units  # this rank's slices (all of it at tp 1)
         keep = (len(self.local) - 1,) + ((0,) if self.cfg.tie_word_embeddings else ())
-        self.S = Sharding(self.dp, self.local, o.mode, self.dtype, o.algorithm, keep=keep)
+        self.S = Sharding(
+            self.dp, self.local, o.mode, self.dtype, o.algorithm, keep=keep, param_dtype=o.param_dtype,
+            reduce_dtype=o.reduce_dtype,
+        )  # fmt: skip
         self.engine = TrainEngine(self.cfg, self.S, recompute=o.recompute, cut=self.cut, tp=self.tp)
         # replicated over tp: counted in the gradient norm and saved by tp rank 0 only
         self.skip = [[] if self.tp_rank == 0 else self.cut.replicated(i) for i in range(len(self.local))]
@@ -151,6 +154,7 @@ class Trainer:
                 idx = self.cut.index(i, a, b)
                 for kind, arr in (("exp_avg", self.opt.m[i]), ("exp_avg_sq", self.opt.v[i])):
                     arr[: b - a] = gather_whole(reader(i, kind, arr.dtype), idx)
+        self.S.loaded()  # the values forward uses, from the masters
         if self.model.checkpoint is not None:
             self.step, self.opt.t = self.model.checkpoint.progress()
 
@@ -246,7 +250,7 @@ class Trainer:
             for s, e in self.skip[i]:  # replicated over tp: tp rank 0 saves them
                 keep[max(s, lo) - lo : max(min(e, hi), lo) - lo] = False
             ranges.append(runs(idx[keep]))
-            params = u.shard if o.mode == "fsdp" else u.full[u.lo : u.hi]
+            params = u.master[u.lo : u.hi] if o.mode == "ddp" else u.shard  # the masters
             a = self.S.opt_range(i)[0]
             tensors[i, "param"] = params[: hi - lo][keep]
             tensors[i, "exp_avg"] = self.opt.m[i][lo - a : hi - a][keep]
