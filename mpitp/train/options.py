@@ -77,15 +77,18 @@ class Options:
     grad_clip: float = opt(1.0, OPTIM, "global norm (0 = off; default 1.0)", type=float)
     recompute: bool = opt(False, OPTIM, "recompute each layer's activations in backward", action="store_true")
     dtype: str = opt("float32", OPTIM, "parameters, gradients and AdamW state", choices=["float32", "float64"])
-    param_dtype: str = opt(
-        "float32",
+    param_dtype: str | None = opt(
+        None,
         OPTIM,
         "mixed precision (FSDP2's param_dtype): the type parameters are gathered and used in; the "
-        "masters and AdamW stay --dtype (bfloat16 halves the all-gathers' bytes)",
+        "masters and AdamW stay --dtype (default: --dtype; bfloat16 halves the all-gathers' bytes)",
         choices=["float32", "bfloat16"],
     )
-    reduce_dtype: str = opt(
-        "float32", OPTIM, "the type gradients are reduced in (FSDP2's reduce_dtype)", choices=["float32", "bfloat16"]
+    reduce_dtype: str | None = opt(
+        None,
+        OPTIM,
+        "the type gradients are reduced in (FSDP2's reduce_dtype; default: --dtype)",
+        choices=["float32", "bfloat16"],
     )
     seed: int = opt(0, OPTIM, "initialisation seed", type=int)
     algorithm: str = opt("auto", OPTIM, "collective algorithm (auto, mpi, ring)")
