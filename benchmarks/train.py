@@ -26,15 +26,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from mpitp import launch  # noqa: E402
+from mpitp.train.presets import PRESETS  # noqa: E402
 
-SMALL = dict(
-    vocab_size=4096,
-    hidden_size=256,
-    intermediate_size=672,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-)
+SMALL = PRESETS["small"]  # the torch peers build the same shape
 
 MPITP = textwrap.dedent("""
     import json, resource, sys, numpy as np, mpitp
