@@ -24,6 +24,7 @@ import numpy as np
 from numba import njit
 
 SMALL = 16  # rows of x up to which the decode kernels run; above, tiles + BLAS
+HALF_SMALL = 8  # the same for 16-bit floats (docs/measurements.md: at 16 rows BLAS wins)
 TILE = 2048  # weight rows dequantized per BLAS call in prefill
 SIXTEEN, SIXTEENTH = np.float32(16.0), np.float32(1 / 16)
 OPTS = dict(cache=True, fastmath=True, nogil=True, boundscheck=False)
@@ -304,11 +305,12 @@ def matmul(x: np.ndarray, w) -> np.ndarray:
         x2 = np.ascontiguousarray(x2, dtype=np.float32)
     M = x2.shape[0]
     y = np.empty((M, N), np.float32)
-    if M > SMALL:
+    half = w.kind in ("f16", "bf16")
+    if M > (HALF_SMALL if half else SMALL):
         for r0 in range(0, N, TILE):
             r1 = min(N, r0 + TILE)
             np.matmul(x2, dequantize_rows(w, r0, r1).T, out=y[:, r0:r1])
-    elif w.kind in ("f16", "bf16"):
+    elif half:
         from .half import half_small
 
         half_small(w.qs, w.kind == "bf16", x2, y)
