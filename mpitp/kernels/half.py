@@ -2,7 +2,7 @@
 
 The weight is held as its bits, ``qs [N, K] uint16``; numba has no float16 type, so each
 weight is widened to float32 in registers, exactly, by integer moves and a bit cast
-(:func:`f32_bits`, one LLVM ``bitcast``)::
+(:mod:`.bits`)::
 
     bf16:  bits << 16                                  (bf16 is float32's top half)
     f16:   (sign << 16 | (bits & 0x7fff) << 13) as float32, times 2^112
@@ -17,28 +17,11 @@ float32, so the result is the float32 product of the file's values up to summati
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
 
-SCALE = np.float32(2.0**112)
+from .bits import f32_bits, h2f
+
 OPTS = dict(cache=True, fastmath=True, nogil=True, boundscheck=False)
-
-
-@intrinsic
-def f32_bits(typingctx, u):
-    """The float32 whose bits are the low 32 bits of integer ``u`` (a bit cast)."""
-    if not isinstance(u, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        from llvmlite import ir
-
-        v = args[0]
-        if v.type.width != 32:
-            v = builder.trunc(v, ir.IntType(32))
-        return builder.bitcast(v, context.get_value_type(types.float32))
-
-    return types.float32(u), codegen
 
 
 @njit(**OPTS)
@@ -46,7 +29,7 @@ def _widen(h, bf16):
     """One weight's bits (as uint32) -> its float32 value."""
     if bf16:
         return f32_bits(h << 16)
-    return f32_bits(((h & np.uint32(0x8000)) << 16) | ((h & np.uint32(0x7FFF)) << 13)) * SCALE
+    return h2f(h)
 
 
 @njit(**OPTS)
