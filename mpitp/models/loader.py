@@ -135,6 +135,15 @@ def load_weights(model, path: Path) -> dict:
 WEIGHTS = ("auto", "float32", "q8_0")
 
 
+def _holds_16_bit(path: Path) -> bool:
+    """Whether a safetensors checkpoint stores any tensor as F16 or BF16 (headers only)."""
+    for f in checkpoint_files(path):
+        h = open_safetensors(f)
+        if any(str(h.get_slice(name).get_dtype()) in ("F16", "BF16") for name in h.keys()):
+            return True
+    return False
+
+
 def load_pretrained(cls, path, comm=None, dtype: str = "float32", device: str = "cpu", weights: str = "auto"):
     """``weights``: ``auto`` keeps the tensors as the files store them (GGUF block formats,
     F16 and BF16 of GGUF or safetensors; float32 stays float32), ``float32`` widens everything, ``q8_0`` quantizes
@@ -159,8 +168,12 @@ def load_pretrained(cls, path, comm=None, dtype: str = "float32", device: str = 
     elif device != "cpu":
         raise ConfigError(f"unknown device {device!r} (cpu or cuda)")
 
+    from .gguf_weights import is_gguf_dir
+
     if device == "cuda" or np.dtype(dtype) != np.float32:
         weights = "float32"  # the array path: on a GPU, or float16 weights asked for
+    elif weights == "auto" and not is_gguf_dir(path) and not _holds_16_bit(path):
+        weights = "float32"  # a float32 checkpoint: nothing to keep, and the MLP's cut needs no blocks
     model = cls(cfg, comm=comm, dtype=dtype, xp=xp, weights=weights)
     model.load_info = load_weights(model, path)
     return model
