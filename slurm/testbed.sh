@@ -203,6 +203,10 @@ down_nodes() {
   for f in "$DN"/slurmd.*.pid "$DN/slurmctld.pid"; do
     if [ -s "$f" ]; then kill "$(cat "$f")" 2>/dev/null || true; fi
   done
+  # what jobs left in the nodes (a step whose node was lost, its batch script, ranks)
+  for ns in $(ip netns list 2>/dev/null | awk '/^mtp-n[0-9]/ {print $1}'); do
+    ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+  done
   sleep 1
   rm -rf "$DN/state" "$DN/spool" "$DN/pmix" "$DN"/*.pid
 }

@@ -7,8 +7,10 @@ skips with the reason otherwise."""
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import netns_check
@@ -39,7 +41,8 @@ def nodes():
     subprocess.run([sys.executable, str(ROOT / "bin" / "mpitp-minicluster"), "down"], capture_output=True, timeout=60)
 
 
-def sbatch(tmp_path: Path, *opts: str, venv: Path | None = None, **env) -> str:
+def start(tmp_path: Path, *opts: str, venv: Path | None = None, nodes: int = 2, **env) -> subprocess.Popen:
+    """sbatch --wait of a job on ``nodes`` nodes x 2 tasks, its output in tmp_path/job.out."""
     e = dict(
         os.environ,
         SLURM_CONF=str(CONF),
@@ -51,20 +54,30 @@ def sbatch(tmp_path: Path, *opts: str, venv: Path | None = None, **env) -> str:
     )
     for k in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "MPITP_RANKS_PER_NODE"):
         e.pop(k, None)
-    out = tmp_path / "job.out"
-    res = subprocess.run(
-        ["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=2", f"--output={out}", f"--chdir={tmp_path}", *opts],
-        capture_output=True,
-        text=True,
-        env=e,
-        timeout=600,
+    argv = ["sbatch", "--wait", f"--nodes={nodes}", "--ntasks-per-node=2", f"--output={tmp_path / 'job.out'}"]
+    return subprocess.Popen(
+        [*argv, f"--chdir={tmp_path}", *opts], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e
     )
+
+
+def finish(job: subprocess.Popen, tmp_path: Path, timeout: float = 600) -> str:
+    """Wait for the job; keep its output for the CI log; fail on a non-zero exit."""
+    try:
+        _, err = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        _, err = job.communicate()
+    out = tmp_path / "job.out"
     text = out.read_text() if out.exists() else ""
     keep = Path(os.environ.get("MPITP_SLURM_DIR", "/tmp/mpitp-slurm")) / "out"
     keep.mkdir(parents=True, exist_ok=True)
     (keep / f"two-nodes-{tmp_path.name}.out").write_text(text)
-    assert res.returncode == 0, res.stderr + text
+    assert job.returncode == 0, err + text
     return text
+
+
+def sbatch(tmp_path: Path, *opts: str, venv: Path | None = None, nodes: int = 2, **env) -> str:
+    return finish(start(tmp_path, *opts, venv=venv, nodes=nodes, **env), tmp_path)
 
 
 def test_hostfile_from_a_two_node_allocation(nodes, tmp_path):
@@ -124,3 +137,64 @@ def test_demo_job_with_open_mpi_over_pmix_across_two_nodes(nodes, tmp_path):
     )
     assert "world of 4 rank(s) on 2 node(s): OK" in text and "Open MPI" in text
     assert "2 node(s) (shared-memory), 4 rank(s)" in text  # mpitp info: the real layout
+
+
+def kill_ranks(node: str, what: str) -> int:
+    """SIGKILL every process of ``node``'s network namespace whose command line holds
+    ``what`` (the ranks; the node's slurmd stays). Returns how many."""
+    pids = subprocess.run(["ip", "netns", "pids", node], capture_output=True, text=True, timeout=10).stdout.split()
+    hit = 0
+    for pid in pids:
+        try:
+            if what in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode():
+                os.kill(int(pid), signal.SIGKILL)
+                hit += 1
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return hit
+
+
+@pytest.mark.parametrize("lost", ["ranks", "node"])  # "node" last: mtp-n2 stays down after it
+def test_train_job_survives_a_lost_node(nodes, tmp_path, lost):
+    """slurm/train.sbatch on 2 nodes x 2 ranks; once it has a checkpoint and has gone past
+    it, every rank on the second node is killed ("ranks"), or every process of that node,
+    its slurmd too ("node": SLURM takes the node away). The job starts again by itself from
+    the latest checkpoint on the nodes that answer (both, or the first alone at N = 2),
+    finishes the planned steps, and says how many it did again. Its losses after the
+    restart equal, to the bit, those of a job that resumes from that checkpoint on the
+    same nodes and nothing interrupts; log.jsonl holds each step once."""
+    steps, every = 24, 6
+    env = dict(
+        MPITP_STEPS=str(steps),
+        MPITP_SEQ="32",
+        MPITP_BATCH="4",
+        MPITP_TRAIN_ARGS=f"--config small --data-default --eval-fraction 0 --save-every {every} --dtype float64",
+    )
+    out = tmp_path / "run"
+    job = start(tmp_path, str(ROOT / "slurm" / "train.sbatch"), MPITP_OUT=str(out), **env)
+    log, killed, deadline = out / "log.jsonl", 0, time.monotonic() + 300
+    while not killed and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        done = [line for line in log.read_text().splitlines() if line.endswith("}")] if log.exists() else []
+        if (out / "latest").exists() and done and json.loads(done[-1])["step"] >= every + 2:
+            killed = kill_ranks("mtp-n2", "mpitp train" if lost == "ranks" else "")
+    assert killed >= 2, f"killed {killed} process(es); the job {'ended' if job.poll() is not None else 'ran on'}"
+    text = finish(job, tmp_path)
+    still = ["mtp-n1", "mtp-n2"] if lost == "ranks" else ["mtp-n1"]
+    left = f"on {len(still)} node(s) ({','.join(still)})"
+    assert "restart 1 of 2: the training step failed" in text and left in text, text
+    resumed = text.split("resuming from ")[1].split()[0]  # step-000006 or a later one
+    at = int(resumed.split("-")[1])
+    assert f"resuming at step {at}: the log had reached step" in text and "step(s) are done again" in text
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    # the reference: the same checkpoint, resumed by a job that nothing interrupts
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    shutil.copytree(out / resumed, ref / resumed)
+    (ref / "latest").write_text(resumed + "\n")
+    (tmp_path / "again").mkdir()
+    sbatch(tmp_path / "again", str(ROOT / "slurm" / "train.sbatch"), MPITP_OUT=str(ref), nodes=len(still), **env)
+    want = [json.loads(line)["loss"] for line in (ref / "log.jsonl").read_text().splitlines()]
+    got = [r["loss"] for r in records[at:]]
+    assert len(want) == steps - at and got == want

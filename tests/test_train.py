@@ -216,7 +216,8 @@ def test_background_checkpoints_equal_synchronous_ones(ids, tmp_path):
 def test_rank_killed_during_a_background_write_leaves_the_previous_checkpoint(ids, tmp_path):
     """A rank killed while its thread writes checkpoint 4: the job ends, ``latest`` still
     names checkpoint 2 (complete, checksums good), and a run resumed from it continues
-    exactly as an uninterrupted one."""
+    exactly as an uninterrupted one; its log holds each step once, as the uninterrupted
+    run's (the steps after checkpoint 2 are dropped and done again, and the run says so)."""
     out = tmp_path / "run"
     same = ("--dtype", "float64", "--schedule", "constant")  # the schedule does not depend on --steps
     common = (*same, "--seq", 32, "--batch", 5, "--lr", "3e-3", "--warmup", 1, "--no-progress")  # as train() runs
@@ -226,9 +227,15 @@ def test_rank_killed_during_a_background_write_leaves_the_previous_checkpoint(id
     assert (out / "latest").read_text().strip() == "step-000002"
     assert (out / ".step-000004.tmp" / "rank00001.safetensors").read_bytes() == b"half a file"
     assert params(out).size  # every rank file of step 2 read back through its checksum
+    reached = max(json.loads(line)["step"] for line in open(out / "log.jsonl"))
+    assert reached >= 3  # the log went past the checkpoint the run resumes from
+    with open(out / "log.jsonl", "a") as f:
+        f.write('{"step": 4, "lo')  # a record cut short by the kill
     train(2, tmp_path / "whole", ids, "--steps", 4, *same)
-    train(2, out, ids, "--steps", 4, *same, "--resume", out)
-    assert rel(losses(out)[-2:], losses(tmp_path / "whole")[2:]) <= 1e-10
+    res = train(2, out, ids, "--steps", 4, *same, "--resume", out)
+    assert f"the log had reached step {reached}, so {reached - 2} step(s) are done again" in res.stderr
+    assert [json.loads(line)["step"] for line in open(out / "log.jsonl")] == [1, 2, 3, 4]  # each step once
+    assert rel(losses(out), losses(tmp_path / "whole")) <= 1e-10
     assert rel(params(out), params(tmp_path / "whole")) <= 1e-10
 
 

@@ -289,6 +289,13 @@ class Trainer:
         jsonl, bar = None, None
         if r0 and o.log:
             Path(o.log).parent.mkdir(parents=True, exist_ok=True)
+            if o.resume:
+                reached = trim_log(Path(o.log), self.step)
+                if reached > self.step:  # a run that failed after its last checkpoint
+                    log.warning(
+                        f"resuming at step {self.step}: the log had reached step {reached}, "
+                        f"so {reached - self.step} step(s) are done again"
+                    )
             jsonl = open(o.log, "a" if o.resume else "w")
         if r0 and o.progress:
             from tqdm import tqdm
@@ -362,3 +369,28 @@ class Trainer:
         held = dict(self.S.persistent_bytes(), optimizer=self.opt.nbytes())
         psi = sum(lay.numel for lay in self.layouts)
         return {**held, "total": sum(held.values()), "psi": psi}
+
+
+def trim_log(path: Path, step: int) -> int:
+    """Keep the records of steps up to ``step`` (the checkpoint a run resumes from) and
+    return the last step the log had reached. Rewritten atomically (temp + rename), so a
+    run that died after its last checkpoint leaves each step in the log once, as if
+    uninterrupted, and a crash here leaves the old log whole. A line cut short by a crash
+    mid-write is dropped."""
+    if not path.exists():
+        return step
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    steps = [_step_of(line) for line in lines]
+    keep = [line for line, s in zip(lines, steps) if s is not None and s <= step]
+    if len(keep) < len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        tmp.replace(path)
+    return max([s for s in steps if s is not None], default=step)
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
