@@ -92,7 +92,9 @@ def add_parser(sub) -> None:
     tr.add_argument("--seq", type=int, default=128)
     tr.add_argument("--dtype", default="fp32", choices=sorted(ptp.DTYPE_BYTES))
     tr.add_argument(
-        "--param-dtype", choices=sorted(ptp.DTYPE_BYTES), help="mixed precision: what the all-gathers carry (--dtype)"
+        "--param-dtype",
+        choices=sorted(ptp.DTYPE_BYTES),
+        help="mixed precision: what the all-gathers and tp activation all-reduces carry (--dtype)",
     )
     tr.add_argument(
         "--reduce-dtype", choices=sorted(ptp.DTYPE_BYTES), help="mixed precision: what the reductions carry (--dtype)"

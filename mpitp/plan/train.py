@@ -58,7 +58,9 @@ def rank_bytes(
     reduce_itemsize: int | None = None,
 ) -> dict:
     """Bytes rank (dp_rank, tp_rank) sends in one training step with ring collectives, per
-    group and kind: ``tp`` / ``dp`` (the rings), ``tp_mpi`` / ``dp_mpi`` (MPI's calls)."""
+    group and kind: ``tp`` / ``dp`` (the rings), ``tp_mpi`` / ``dp_mpi`` (MPI's calls). The
+    tp activations' all-reduces carry ``param_itemsize`` bytes an element, the loss's
+    per-token numbers ``itemsize``."""
     cut = TPCut(cfg, tp, tp_rank, llama_units(cfg))
     L = cfg.num_hidden_layers
     padded = [u.padded(dp) for u in cut.units]
@@ -68,17 +70,17 @@ def rank_bytes(
         padded, bwd, kept, dp, mode, itemsize, accum, param_itemsize=param_itemsize, reduce_itemsize=reduce_itemsize
     )
     dp_mpi = 0 if dp == 1 else (8 if mode == "ddp" else 16)
-    tp_ring = 0
+    acts, loss = 0, 0  # tp ring elements: activations (in param_dtype), the loss's numbers
     if tp > 1:
         rows = chunk_counts(batch, dp)[dp_rank]
         per_layer = 4 + (2 if recompute else 0)
         for r in chunk_counts(rows, accum):
             t = r * seq
             if t:
-                tp_ring += (per_layer * L + 2) * _ring_allreduce(t * cfg.hidden_size, tp, tp_rank)
-                tp_ring += _ring_allreduce(t, tp, tp_rank) + _ring_allreduce(2 * t, tp, tp_rank)
+                acts += (per_layer * L + 2) * _ring_allreduce(t * cfg.hidden_size, tp, tp_rank)
+                loss += _ring_allreduce(t, tp, tp_rank) + _ring_allreduce(2 * t, tp, tp_rank)
     return {
-        "tp": tp_ring * itemsize,
+        "tp": acts * (param_itemsize or itemsize) + loss * itemsize,
         "tp_mpi": 8 if tp > 1 else 0,
         "dp": dp_all - dp_mpi,
         "dp_mpi": dp_mpi,
@@ -139,7 +141,7 @@ def layout(
     tp_time = 0.0
     if tp > 1:
         link = prof.intra if tp_inside else prof.inter
-        msg = tokens * cfg.hidden_size * itemsize
+        msg = tokens * cfg.hidden_size * (param_itemsize or itemsize)
         count = 4 * cfg.num_hidden_layers + 2
         tp_time = count * 2 * (tp - 1) * link.time(msg / tp) + 2 * 2 * (tp - 1) * link.time(
             1.5 * tokens * itemsize / tp

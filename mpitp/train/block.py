@@ -30,7 +30,8 @@ from .tensor_parallel import column_backward, row_forward
 @dataclass
 class Ctx:
     """What every layer of one micro-batch shares: RoPE tables, the causal mask, and the
-    tensor-parallel group (None: whole layers) with the algorithm of its all-reduces."""
+    tensor-parallel group (None: whole layers) with the algorithm of its all-reduces and
+    the dtype they carry (``wire``: None for the activations' own)."""
 
     cfg: LlamaConfig
     rotary: Rotary
@@ -39,11 +40,14 @@ class Ctx:
     mask: Any
     tp: Any = None
     algorithm: str = "auto"
+    wire: Any = None
 
     @classmethod
-    def build(cls, cfg: LlamaConfig, rotary: Rotary, B: int, T: int, xp=np, tp=None, algorithm: str = "auto") -> Ctx:
+    def build(
+        cls, cfg: LlamaConfig, rotary: Rotary, B: int, T: int, xp=np, tp=None, algorithm: str = "auto", wire=None
+    ) -> Ctx:
         cos, sin = rotary.tables(xp.broadcast_to(xp.arange(T), (B, T)))
-        return cls(cfg, rotary, cos, sin, causal_mask(T, xp), tp, algorithm)
+        return cls(cfg, rotary, cos, sin, causal_mask(T, xp), tp, algorithm, wire)
 
 
 @dataclass
@@ -80,13 +84,13 @@ def forward(p: dict, x, c: Ctx, keep: bool = True):
     v = qkv[..., nq * d :].reshape(B, T, nkv, d).transpose(0, 2, 1, 3)
     att, probs = attention(q, k, v, d**-0.5, c.mask)
     a = att.transpose(0, 3, 1, 2, 4).reshape(B, T, nh * d)
-    h = x + row_forward(a, p["o"], p.get("bo"), c.tp, c.algorithm)
+    h = x + row_forward(a, p["o"], p.get("bo"), c.tp, c.algorithm, c.wire)
     h2 = rms_norm(h, p["ln2"], cfg.rms_norm_eps)
     gu = _linear(h2, p, "gate_up", "bgate_up")
     I = cfg.intermediate_size
     gate, up = gu[..., :I], gu[..., I:]
     m = swiglu(gate, up)
-    y = h + row_forward(m, p["down"], p.get("bdown"), c.tp, c.algorithm)
+    y = h + row_forward(m, p["down"], p.get("bdown"), c.tp, c.algorithm, c.wire)
     return y, (Saved(x, h1, q, k, v, probs, a, h, h2, gate, up, m) if keep else None)
 
 
@@ -99,7 +103,7 @@ def backward(p: dict, g: dict, s: Saved, dy, c: Ctx):
     dm = linear_backward(dy, s.m, p["down"], g["down"], g.get("bdown"))
     dgate, dup = swiglu_backward(dm, s.gate, s.up)
     dgu = xp.concatenate([dgate, dup], axis=-1)
-    dh2 = column_backward(dgu, s.h2, p["gate_up"], g["gate_up"], g.get("bgate_up"), c.tp, c.algorithm)
+    dh2 = column_backward(dgu, s.h2, p["gate_up"], g["gate_up"], g.get("bgate_up"), c.tp, c.algorithm, c.wire)
     dh = dy + rms_norm_backward(dh2, s.h, p["ln2"], cfg.rms_norm_eps, g["ln2"])
     da = linear_backward(dh, s.a, p["o"], g["o"], g.get("bo"))
     datt = da.reshape(B, T, nkv, nh // nkv, d).transpose(0, 2, 3, 1, 4)
@@ -107,5 +111,5 @@ def backward(p: dict, g: dict, s: Saved, dy, c: Ctx):
     dqk = xp.concatenate([dq.transpose(0, 3, 1, 2, 4).reshape(B, T, nh, d), dk.transpose(0, 2, 1, 3)], axis=2)
     dqk = rope_backward(c.rotary, dqk, c.cos, c.sin)
     dqkv = xp.concatenate([dqk.reshape(B, T, (nh + nkv) * d), dv.transpose(0, 2, 1, 3).reshape(B, T, nkv * d)], axis=-1)
-    dh1 = column_backward(dqkv, s.h1, p["qkv"], g["qkv"], g.get("bqkv"), c.tp, c.algorithm)
+    dh1 = column_backward(dqkv, s.h1, p["qkv"], g["qkv"], g.get("bqkv"), c.tp, c.algorithm, c.wire)
     return dh + rms_norm_backward(dh1, s.x, p["ln1"], cfg.rms_norm_eps, g["ln1"])

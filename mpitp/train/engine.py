@@ -42,6 +42,8 @@ class TrainEngine:
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, dtype=sharding.dtype
         )
         self.layouts = [u.layout for u in sharding.units]
+        # the tp all-reduces of activations carry --param-dtype (tensor_parallel.sum_over)
+        self.wire = sharding.param_dtype if sharding.mixed else None
 
     def _views(self, i: int, flat) -> dict:
         return self.layouts[i].views(flat)
@@ -50,9 +52,9 @@ class TrainEngine:
         """Hidden states before the head, and what backward needs per layer."""
         S, L = self.S, self.L
         B, T = ids.shape
-        ctx = block.Ctx.build(self.layer_cfg, self.rotary, B, T, tp=self.tp, algorithm=S.algorithm)
+        ctx = block.Ctx.build(self.layer_cfg, self.rotary, B, T, tp=self.tp, algorithm=S.algorithm, wire=self.wire)
         w = self._views(0, S.params(0, prefetch=1))["embed"]
-        x = w[ids] if self.tp is None else vocab_embedding_forward(ids, w, self.v0, self.tp, S.algorithm)
+        x = w[ids] if self.tp is None else vocab_embedding_forward(ids, w, self.v0, self.tp, S.algorithm, self.wire)
         S.release(0)
         saved = []
         for i in range(1, L + 1):
@@ -83,7 +85,7 @@ class TrainEngine:
         dlogits *= scale
         gh = self._views(self.head, S.grad(self.head))
         gw = self._views(0, S.grad(0))["embed"] if self.tied else gh["head"]
-        dhn = column_backward(dlogits, hn, w, gw, None, self.tp, S.algorithm)
+        dhn = column_backward(dlogits, hn, w, gw, None, self.tp, S.algorithm, self.wire)
         dx = rms_norm_backward(dhn, x, ph["norm"], cfg.rms_norm_eps, gh["norm"])
         S.release(self.head, force=True)
         S.reduce(self.head, last_micro)

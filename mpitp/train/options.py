@@ -81,7 +81,8 @@ class Options:
         None,
         OPTIM,
         "mixed precision (FSDP2's param_dtype): the type parameters are gathered and used in; the "
-        "masters and AdamW stay --dtype (default: --dtype; bfloat16 halves the all-gathers' bytes)",
+        "masters and AdamW stay --dtype; with --tp the activations' all-reduces carry it too "
+        "(default: --dtype; bfloat16 halves those bytes)",
         choices=["float32", "bfloat16"],
     )
     reduce_dtype: str | None = opt(

@@ -16,6 +16,12 @@ each rank holds rows [v0, v1) of the table and its slice of the logits; the loss
 three all-reduces of one number per token (max, Σexp, the target's logit). RMSNorm over
 a sequence cut across ranks (sequence parallelism) sums its weight gradient over ranks.
 Weight gradients are *added* into the buffers given, as in :mod:`mpitp.train.backward`.
+
+``wire`` (``--param-dtype bfloat16``): the activation all-reduces (row forward, column
+backward, the embedding lookup) carry it: each rank's part is rounded to it and the sum is
+carried in it (the Communicator's bfloat16 path: each add in float32, each partial sum
+rounded to bfloat16, so N - 1 roundings at most), as torch's bfloat16 activations are; the
+loss's per-token numbers stay in float32.
 """
 
 from __future__ import annotations
@@ -32,19 +38,29 @@ def column_forward(x, w, b=None):
     return y if b is None else y + b
 
 
-def column_backward(dy, x, w, dw, db, tp, algorithm: str = "auto"):
+def sum_over(x, tp, algorithm: str = "auto", wire=None):
+    """``x`` summed over the ``tp`` group, in place; in ``wire``'s dtype on the way when
+    one is given (the result is widened back into ``x``)."""
+    if tp is None or tp.size == 1:
+        return x
+    if wire is None or np.dtype(wire) == x.dtype:
+        return tp.allreduce(x, out=x, algorithm=algorithm)
+    carried = x.astype(wire)
+    tp.allreduce(carried, out=carried, algorithm=algorithm)
+    x[...] = carried
+    return x
+
+
+def column_backward(dy, x, w, dw, db, tp, algorithm: str = "auto", wire=None):
     """dL/dx (all-reduced over ``tp``: every rank's output columns depend on all of x);
     adds this rank's dW, db."""
-    dx = linear_backward(dy, x, w, dw, db)
-    return tp.allreduce(dx, out=dx, algorithm=algorithm) if tp is not None and tp.size > 1 else dx
+    return sum_over(linear_backward(dy, x, w, dw, db), tp, algorithm, wire)
 
 
-def row_forward(x, w, b, tp, algorithm: str = "auto"):
+def row_forward(x, w, b, tp, algorithm: str = "auto", wire=None):
     """A row-parallel linear: this rank's input columns ``x``, the output all-reduced;
     the (replicated) bias added once, after the sum."""
-    y = x @ w.T
-    if tp is not None and tp.size > 1:
-        tp.allreduce(y, out=y, algorithm=algorithm)
+    y = sum_over(x @ w.T, tp, algorithm, wire)
     return y if b is None else y + b
 
 
@@ -54,16 +70,13 @@ def row_backward(dy, x, w, dw, db):
     return linear_backward(dy, x, w, dw, db)
 
 
-def vocab_embedding_forward(ids, w, v0: int, tp, algorithm: str = "auto"):
+def vocab_embedding_forward(ids, w, v0: int, tp, algorithm: str = "auto", wire=None):
     """Rows ``ids`` of a table cut by vocabulary: rank r holds rows [v0, v0 + len(w)) and
     contributes those, the others zeros; the sum over ranks is the lookup."""
     xp = xp_of(w)
     local = ids - v0
     mine = (local >= 0) & (local < w.shape[0])
-    out = w[xp.where(mine, local, 0)] * mine[..., None]
-    if tp is not None and tp.size > 1:
-        tp.allreduce(out, out=out, algorithm=algorithm)
-    return out
+    return sum_over(w[xp.where(mine, local, 0)] * mine[..., None], tp, algorithm, wire)
 
 
 def vocab_embedding_backward(dy, ids, dw, v0: int) -> None:

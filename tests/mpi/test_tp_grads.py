@@ -91,3 +91,30 @@ def test_sequence_parallel_rms_norm(comm):
     gwl = np.zeros(H)
     dxl = tpo.sequence_rms_norm_backward(cut(dy, 1), cut(x, 1), w, 1e-6, gwl, comm)
     agree(close(dxl, cut(dx, 1)) and close(gwl, gw), "sequence-parallel RMSNorm")
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "mpi"])
+def test_activations_summed_in_bfloat16(comm, algorithm):
+    """``wire=bfloat16`` (--param-dtype bfloat16 with --tp): each rank's part is rounded to
+    bfloat16 and the sum is carried in it, each add in float32 and each partial sum rounded
+    to bfloat16. With parts whose float32 sums are exact (magnitudes in [1, 2)): at 2 ranks
+    the result is bfloat16(Σ bfloat16(part)) to the bit; at more, within the N - 1 roundings'
+    half-ulps of it (2^-8 relative each); on every rank the same values, float32."""
+    import ml_dtypes
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    rng = np.random.default_rng(7)
+    parts = [(rng.uniform(1, 2, (3, 7, 11)) * rng.choice([-1, 1], (3, 7, 11))).astype(np.float32) for _ in range(N)]
+    mine = parts[comm.rank].copy()
+    got = tpo.sum_over(mine, comm, algorithm, wire=bf16)
+    want = sum(p.astype(bf16).astype(np.float32) for p in parts).astype(bf16).astype(np.float32)
+    assert got is mine and got.dtype == np.float32
+    exact = sum(p.astype(bf16).astype(np.float32) for p in parts)
+    if N <= 2:
+        agree(np.array_equal(got, want if N == 2 else parts[0]), f"max diff {np.abs(got - want).max()}")
+    else:
+        bound = (N - 1) * 2.0**-8 * sum(np.abs(p) for p in parts)
+        agree(bool(np.all(np.abs(got - exact) <= bound)), f"max diff {np.abs(got - exact).max()}")
+    agree(np.array_equal(got, comm.bcast_object(got if comm.rank == 0 else None)), "ranks differ")
+    y = tpo.sum_over(parts[comm.rank].copy(), comm, algorithm)  # no wire: float32 throughout
+    agree(np.allclose(y, sum(parts), rtol=1e-6, atol=1e-5) and (N == 1 or not np.array_equal(y, got)), "float32 sum")
