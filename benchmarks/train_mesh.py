@@ -4,10 +4,13 @@ in one run, with the inter-node bytes each moves per step beside ``mpitp plan tr
     bin/mpitp-minicluster up --nodes 2 --link 1gbit                           # root
     bin/mpitp-minicluster exec -n 4 -ppn 2 -- python benchmarks/train_mesh.py
     mpiexec -n 4 python benchmarks/train_mesh.py --ranks-per-node 2            # simulated nodes
+    ... python benchmarks/train_mesh.py --tp 1,2 --precision float32,bf16     # mixed precision too
 
 Every (dp, tp) layout of the ranks (by default tp 1, 2 and 4 at 4 ranks) trains
-the ``small`` config (seq 128, global batch 8, float32) on the same windows; rounds
-interleave the layouts so the machine's slow spells hit all alike. Collectives are mpitp's
+the ``small`` config (seq 128, global batch 8, float32) on the same windows, and with
+``--precision`` also FSDP2-style bf16 (``--param-dtype bfloat16 --reduce-dtype bfloat16``:
+float32 masters, gathers, reductions and tp activations in bfloat16); rounds interleave the
+layouts so the machine's slow spells hit all alike. Collectives are mpitp's
 ring (``--algorithm``), whose traffic counters see every byte and where it went: the
 script checks each rank's inter-node bytes per step against the plan (exit 1 if they
 differ) and, on real nodes, reads each node's network device (``/proc/net/dev``) for the
@@ -53,6 +56,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4, help="steps per round and layout (the first is not timed)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--algorithm", default="ring")
+    ap.add_argument("--precision", default="float32", help="float32 and/or bf16, comma separated (default float32)")
     ap.add_argument("--json", help="write the rows here (rank 0)")
     args = ap.parse_args()
     if args.ranks_per_node:
@@ -70,12 +74,16 @@ def main() -> int:
     sizes = [t for t in sizes if comm.size % t == 0]
     node_leader = comm.rank == min(topo.nodes[topo.node_of[comm.rank]])
     real = not topo.simulated and nodes > 1
+    precisions = args.precision.split(",")
+    if not set(precisions) <= {"float32", "bf16"}:
+        ap.error(f"--precision {args.precision}: float32 and/or bf16")
     say(
         f"# {comm.size} ranks on {nodes} {'real' if real else 'simulated'} node(s) of {per_node}; "
-        f"{args.config}, {args.mode}, batch {args.batch} x seq {args.seq}, float32, {args.algorithm} collectives"
+        f"{args.config}, {args.mode}, batch {args.batch} x seq {args.seq}, {args.algorithm} collectives"
     )
     trainers = {}
-    for t in sizes:
+    for t, prec in [(t, p) for t in sizes for p in precisions]:
+        half = "bfloat16" if prec == "bf16" else None
         opts = Options(
             config=args.config,
             data=data,
@@ -87,13 +95,15 @@ def main() -> int:
             algorithm=args.algorithm,
             eval_fraction=0,
             progress=False,
+            param_dtype=half,
+            reduce_dtype=half,
         )
-        trainers[t] = Trainer(opts, comm)
-    times: dict[int, list] = {t: [] for t in sizes}
-    inter: dict[int, int] = {}
-    wire: dict[int, list] = {t: [] for t in sizes}
+        trainers[t, prec] = Trainer(opts, comm)
+    times: dict[tuple, list] = {k: [] for k in trainers}
+    inter: dict[tuple, int] = {}
+    wire: dict[tuple, list] = {k: [] for k in trainers}
     for _ in range(args.rounds):
-        for t, tr in trainers.items():
+        for key, tr in trainers.items():
             tr.train_step()  # warm: allocations, first touch
             groups = [c for c in (tr.dp, tr.tp) if c is not None]  # tp None at tp 1
             for c in groups:
@@ -108,37 +118,48 @@ def main() -> int:
                 steps.append(time.perf_counter() - t0)
             comm.barrier()
             tx1 = tx_bytes() if real and node_leader else None
-            times[t].append(float(np.median(steps)))
+            times[key].append(float(np.median(steps)))
             mine = sum(c.traffic.by_peer.get("inter", 0) for c in groups) // (args.steps - 1)
             per_node_bytes = comm.allgather_object(mine)
             node_sum = max(sum(per_node_bytes[r] for r in ranks) for ranks in topo.nodes)
-            inter[t] = node_sum
+            inter[key] = node_sum
             if tx0 is not None and tx1 is not None:
-                wire[t].append((tx1 - tx0) / (args.steps - 1))
-    walls = {t: comm.allgather_object(wire[t][-1] if wire[t] else None) for t in sizes}
+                wire[key].append((tx1 - tx0) / (args.steps - 1))
+    walls = {k: comm.allgather_object(wire[k][-1] if wire[k] else None) for k in trainers}
     prof = profiles.get("nvlink-ib200")  # bytes only: the profile does not change them
     ok = True
     rows = []
-    say(f"# {'layout':<14} {'tokens/s':>9} {'step ms':>9} {'inter/node/step':>16} {'plan':>12} {'wire/node/step':>15}")
-    for t, tr in trainers.items():
-        step = float(np.median(times[t]))
-        planned = plan_layout(tr.cfg, t, comm.size // t, nodes, args.mode, args.batch, args.seq, 4, prof)
+    say(
+        f"# {'layout':<14} {'precision':<9} {'tokens/s':>9} {'step ms':>9} {'vs fp32':>8} "
+        f"{'inter/node/step':>16} {'plan':>12} {'wire/node/step':>15}"
+    )
+    for (t, prec), tr in trainers.items():
+        step = float(np.median(times[t, prec]))
+        half = 2 if prec == "bf16" else None
+        planned = plan_layout(
+            tr.cfg, t, comm.size // t, nodes, args.mode, args.batch, args.seq, 4, prof,
+            param_itemsize=half, reduce_itemsize=half,
+        )  # fmt: skip
         want = int(planned["inter_bytes_per_node"])
-        wires = [w for w in walls[t] if w is not None]
+        wires = [w for w in walls[t, prec] if w is not None]
+        fp32 = float(np.median(times[t, "float32"])) if (t, "float32") in times else None
         row = {
             "tp": t,
             "dp": comm.size // t,
+            "precision": prec,
             "tokens_per_s": args.batch * args.seq / step,
             "step_s": step,
-            "inter_bytes_per_node": inter[t],
+            "step_vs_float32": step / fp32 if fp32 else None,
+            "inter_bytes_per_node": inter[t, prec],
             "plan_inter_bytes_per_node": want,
             "wire_bytes_per_node": max(wires) if wires else None,
         }
-        ok &= inter[t] == want
+        ok &= inter[t, prec] == want
         rows.append(row)
         say(
-            f"  tp{t} x {args.mode}{comm.size // t:<4} {row['tokens_per_s']:>9.0f} {step * 1e3:>9.1f} "
-            f"{inter[t] / 1e6:>13.2f} MB {want / 1e6:>9.2f} MB"
+            f"  tp{t} x {args.mode}{comm.size // t:<4} {prec:<9} {row['tokens_per_s']:>9.0f} {step * 1e3:>9.1f} "
+            + (f"{row['step_vs_float32']:>7.2f}x" if fp32 else f"{'-':>8}")
+            + f" {inter[t, prec] / 1e6:>13.2f} MB {want / 1e6:>9.2f} MB"
             + (f" {row['wire_bytes_per_node'] / 1e6:>12.2f} MB" if wires else f" {'-':>15}")
         )
     for tr in trainers.values():
@@ -147,8 +168,8 @@ def main() -> int:
         fastest = max(rows, key=lambda r: r["tokens_per_s"])
         fewest = min(rows, key=lambda r: r["inter_bytes_per_node"])
         print(
-            f"# fastest: tp{fastest['tp']} x {args.mode}{fastest['dp']}; fewest inter-node bytes: "
-            f"tp{fewest['tp']} x {args.mode}{fewest['dp']}; counters "
+            f"# fastest: tp{fastest['tp']} x {args.mode}{fastest['dp']} {fastest['precision']}; fewest inter-node "
+            f"bytes: tp{fewest['tp']} x {args.mode}{fewest['dp']} {fewest['precision']}; counters "
             + ("== plan for every layout" if ok else "DIFFER from the plan")
         )
         if args.json:
