@@ -313,3 +313,6 @@ def test_bf16_reductions_stay_close_and_halve_the_bytes(ids, tmp_path):
     sent = [json.loads(line)["sent_bytes_max"] for line in open(tmp_path / "bf16" / "log.jsonl")]
     full = [json.loads(line)["sent_bytes_max"] for line in open(tmp_path / "f32" / "log.jsonl")]
     assert [2 * (s - 16) for s in sent] == [f - 16 for f in full]  # half, but for the two float64 scalars
+    peak = [json.loads(line)["gathered_peak_bytes"] for line in open(tmp_path / "bf16" / "log.jsonl")]
+    peak32 = [json.loads(line)["gathered_peak_bytes"] for line in open(tmp_path / "f32" / "log.jsonl")]
+    assert 0 < peak[-1] < peak32[-1]  # the units in flight are held in bfloat16

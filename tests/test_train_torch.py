@@ -27,11 +27,8 @@ CASES = {  # tied, mode, ranks, steps, lr, weight decay, eps
 }
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_against_torch_adamw(tmp_path, case):
-    tied, mode, n, STEPS, LR, WD, EPS = CASES[case]
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
+def tiny_llama(tied: bool):
+    """The transformers model both tests train: 2 layers, GQA, vocab 301."""
     cfg = transformers.LlamaConfig(
         vocab_size=301,
         hidden_size=64,
@@ -45,7 +42,15 @@ def test_against_torch_adamw(tmp_path, case):
         bos_token_id=None,
         eos_token_id=None,
     )
-    model = transformers.LlamaForCausalLM(cfg)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_against_torch_adamw(tmp_path, case):
+    tied, mode, n, STEPS, LR, WD, EPS = CASES[case]
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = tiny_llama(tied)
     with torch.no_grad():  # norms away from 1, so their gradients matter
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -189,20 +194,7 @@ def test_bf16_mixed_precision_against_torch_fsdp2(tmp_path, reduce_dtype):
     1% of each other at every step (torch also computes in bfloat16, so its activations
     round more), and both learn."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=301,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-5,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "init", safe_serialization=True)
+    tiny_llama(tied=False).save_pretrained(tmp_path / "init", safe_serialization=True)
     np.save(tmp_path / "ids.npy", np.tile(np.random.default_rng(1).integers(0, 301, 50), 40))
     steps, lr, common = 50, "3e-3", [str(tmp_path / "init"), str(tmp_path / "ids.npy")]
     env = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}

@@ -211,6 +211,9 @@ class Trainer:
             "comm_wait_s": S.comm_wait,
             "optimizer_s": t2 - t1,
             "sent_bytes": self.sent_bytes() - sent,  # this rank's, every group's counters
+            # fsdp: the most gathered parameters held at once so far (units in flight are
+            # --param-dtype; the unit in use is widened to --dtype for NumPy's BLAS)
+            "gathered_peak_bytes": S.peak_gathered,
         }
 
     def sent_bytes(self) -> int:
