@@ -149,11 +149,27 @@ def test_refuses_sizes_that_do_not_fit():
 
 
 @pytest.mark.parametrize("n,weights,kind", [(1, "auto", "float32"), (2, "q8_0", "Q8_0")])
-def test_decode_rows_per_batch(n, weights, kind):
+def test_decode_rows_per_batch(n, weights, kind, tmp_path):
     """mpitp bench decode: the model held as --weights says, one row per batch size with
-    its step time, ratio to batch 1 and share of the read bandwidth measured in the run."""
-    out = bench(n, "decode", "--model", str(FIXTURES / "gqa"), "--weights", weights).stdout
+    its step time, ratio to batch 1, share of the read bandwidth measured in the run, and
+    the floor (bandwidth or float32 multiply-adds, whichever is larger) with its share."""
+    js = tmp_path / "decode.json"
+    out = bench(n, "decode", "--model", str(FIXTURES / "gqa"), "--weights", weights, "--json", str(js)).stdout
     assert f"TP={n}, --weights {weights}" in out and f"(rank 0: {kind} " in out, out
-    rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)x\s+([\d.]+)\s+(\d+)%$", out, re.M)
+    num = r"\s+([\d.]+)"
+    rows = re.findall(rf"^\s+(\d+){num}{num}x{num}{num}%{num}{num}%$", out, re.M)
     assert [int(r[0]) for r in rows] == [1, 2, 4, 8, 16], out
     assert rows[0][2] == "1.00" and all(float(r[1]) > 0 and float(r[3]) > 0 for r in rows), out
+    # a row of the batch costs one multiply-add per weight of the linear layers and the head
+    cfg = json.loads((FIXTURES / "gqa" / "config.json").read_text())
+    h, i, v, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
+    qkv = h * d * (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"])
+    total = cfg["num_hidden_layers"] * (qkv + cfg["num_attention_heads"] * d * h + 3 * h * i) + v * h
+    res = json.loads(js.read_text())
+    assert res["multiply_adds"] == total // n, (res["multiply_adds"], total, n)  # the fixture cuts evenly at n = 2
+    assert f"multiply-adds per row of the batch {total // n:,} on" in out, out
+    bw, row = res["streamed"] / (res["ceiling_gbs"] * 1e9), res["multiply_adds"] / res["fma_rate"]
+    assert res["fma_rate"] > 1e8 and bw > 0, res
+    for B, t in res["steps"].items():
+        assert res["floors"][B] == max(bw, int(B) * row) and t > 0, res
+        assert f"{t * 1e3:.2f}" in out and f"{res['floors'][B] * 1e3:.2f}" in out

@@ -1,10 +1,14 @@
 """``mpitp bench decode``: one decode step of a model at batch 1-16, against the memory
-read bandwidth measured in the same run (the ceiling).
+read bandwidth and the float32 multiply-add rate measured in the same run.
 
 A decode step streams every weight a rank holds once (``streamed_bytes``), whatever the
-batch, so its time is bounded below by ``streamed / bandwidth``; the table gives each
-batch's step time, its ratio to batch 1 (flat is the goal: the kernels read a weight
-once for every row), the tokens/s it means and the share of the ceiling it reaches.
+batch, so its time is bounded below by ``streamed / bandwidth``. It also does one
+multiply-add per weight per row of the batch (``multiply_adds``), in float32 (the
+activations are not quantized), so it is bounded below by ``B x multiply_adds / rate`` as
+well, the rate being what one core's BLAS reaches on a compute-bound sgemm. The floor of
+a step is the larger of the two: the bandwidth's at small batches, the multiply-adds'
+from a few rows on. The table gives each batch's step time, its ratio to batch 1, the
+tokens/s it means, its share of the bandwidth ceiling, the floor and the share of it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,23 @@ def read_bandwidth(nbytes: int = 256 << 20, reps: int = 5, comm=None) -> float:
         t = time.perf_counter()
         np.bitwise_or.reduce(a)
         best = max(best, a.nbytes / (time.perf_counter() - t) / 1e9)
+    return best if comm is None else comm.allreduce_object(best, op="min")
+
+
+def fma_rate(n: int = 512, reps: int = 5, comm=None) -> float:
+    """Float32 multiply-adds per second of one core's BLAS on an n x n x n sgemm (bound by
+    the FMA units, not memory), best of ``reps``; with ``comm`` every rank computes at once
+    and the slowest counts."""
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((2, n, n), dtype=np.float32)
+    a @ b  # BLAS's first call sets up its buffers
+    best = 0.0
+    for _ in range(reps):
+        if comm is not None:
+            comm.barrier()
+        t = time.perf_counter()
+        a @ b
+        best = max(best, n**3 / (time.perf_counter() - t))
     return best if comm is None else comm.allreduce_object(best, op="min")
 
 
@@ -61,16 +82,37 @@ def run(comm, model_name: str | None, weights: str, batches=BATCHES, say=print) 
     held = comm.allgather_object(model.weight_bytes())
     streamed = comm.allreduce_object(model.streamed_bytes(), op="max")
     kinds = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(model.weight_formats().items()))
+    madds = comm.allreduce_object(model.multiply_adds(), op="max")
     ceiling = read_bandwidth(comm=comm)
+    rate = fma_rate(comm=comm)
     steps = step_times(model, comm, batches)
+    floors = {B: max(streamed / (ceiling * 1e9), B * madds / rate) for B in batches}
     say(f"# mpitp bench decode: {path.name}, TP={comm.size}, --weights {weights}")
     say(f"# weights per rank: {', '.join(f'{b / 2**20:.1f}' for b in held)} MiB (rank 0: {kinds})")
     say(
         f"# streamed per step by the busiest rank {streamed / 2**20:.1f} MiB; read bandwidth {ceiling:.2f} GB/s "
         f"per rank (same run, all ranks reading) -> floor {streamed / (ceiling * 1e9) * 1e3:.2f} ms a step"
     )
-    say(f"# {'batch':>5} {'step ms':>9} {'vs b1':>7} {'tokens/s':>9} {'of ceiling':>11}")
+    say(
+        f"# multiply-adds per row of the batch {madds:,} on the busiest rank; float32 BLAS "
+        f"{rate / 1e9:.1f} G/s per rank (sgemm 512^3, same run) -> {madds / rate * 1e3:.3f} ms per row"
+    )
+    say("# floor = the larger of the two; 'of floor' = floor / step")
+    say(
+        f"# {'batch':>5} {'step ms':>9} {'vs b1':>7} {'tokens/s':>9} {'of ceiling':>11} {'floor ms':>9} {'of floor':>9}"
+    )
     for B, t in steps.items():
         share = streamed / t / (ceiling * 1e9)
-        say(f"  {B:>5} {t * 1e3:>9.2f} {t / steps[batches[0]]:>6.2f}x {B / t:>9.1f} {share:>10.0%}")
-    return {"weights_per_rank": held, "streamed": streamed, "ceiling_gbs": ceiling, "steps": steps}
+        say(
+            f"  {B:>5} {t * 1e3:>9.2f} {t / steps[batches[0]]:>6.2f}x {B / t:>9.1f} {share:>10.0%} "
+            f"{floors[B] * 1e3:>9.2f} {floors[B] / t:>8.0%}"
+        )
+    return {
+        "weights_per_rank": held,
+        "streamed": streamed,
+        "ceiling_gbs": ceiling,
+        "multiply_adds": madds,
+        "fma_rate": rate,
+        "floors": floors,
+        "steps": steps,
+    }

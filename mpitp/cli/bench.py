@@ -91,7 +91,7 @@ def add_parser(sub) -> None:
     p.add_argument("--check", action="store_true", help="count wrong elements in each row")
     p.add_argument("--inplace", action="store_true", help="in-place allreduce/reduce")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="buffers on the host or on a GPU (CuPy)")
-    p.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
+    p.add_argument("--json", metavar="FILE", help="write the rows as a JSON list (decode: the figures as an object)")
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw against size (needs matplotlib)")
     p.add_argument(
         "--tune",
@@ -196,7 +196,10 @@ def run(args) -> int:
         if args.collective == "decode":
             from ..bench import decode
 
-            decode.run(comm, args.model, args.weights, say=print if comm.rank == 0 else (lambda *a, **k: None))
+            res = decode.run(comm, args.model, args.weights, say=print if comm.rank == 0 else (lambda *a, **k: None))
+            if args.json and comm.rank == 0:
+                with open(args.json, "w") as f:
+                    json.dump(res, f, indent=1)
             return 0
         return _bench(args, comm)
 

@@ -11,6 +11,7 @@ all-gather of the logits in the head. Every rank ends with the full logits.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -370,6 +371,12 @@ class LlamaForCausalLM:
         """Bytes of weights one decode step reads on this rank: all but the embedding table
         (one row of it is looked up), unless the head shares it."""
         return self.weight_bytes() - (0 if self.lm_head.tied else self._held(self.embed_tokens)[0].nbytes)
+
+    def multiply_adds(self) -> int:
+        """Multiply-adds of one decode step's matmuls on this rank, per token: one per
+        weight of every linear layer and of the LM head (whatever format holds it)."""
+        mods = [m for _, m in self.named_modules() if m is not self.embed_tokens and hasattr(m, "weights")]
+        return sum(math.prod(self._held(m)[0].shape) for m in mods)
 
     def weight_formats(self) -> dict[str, int]:
         """How this rank holds its matmul weights: format -> bytes (float32, Q4_1, Q8_0, ...)."""
