@@ -20,36 +20,33 @@ import numpy as np
 BATCHES = (1, 2, 4, 8, 16)
 
 
-def read_bandwidth(nbytes: int = 256 << 20, reps: int = 5, comm=None) -> float:
-    """GB/s of one core reading ``nbytes`` (an OR-reduction: no writes, little compute),
-    best of ``reps``; with ``comm`` (a Communicator) every rank reads at once, as every
-    rank streams its weights at once. This, not a copy, is what a decode step does."""
-    a = np.ones(nbytes // 8, np.uint64)
+def _best_rate(work, amount: float, reps: int, comm) -> float:
+    """``amount`` per second of ``work()``, best of ``reps``; with ``comm`` (a
+    Communicator) every rank runs it at once and the slowest rank's rate counts."""
     best = 0.0
     for _ in range(reps):
         if comm is not None:
             comm.barrier()
         t = time.perf_counter()
-        np.bitwise_or.reduce(a)
-        best = max(best, a.nbytes / (time.perf_counter() - t) / 1e9)
+        work()
+        best = max(best, amount / (time.perf_counter() - t))
     return best if comm is None else comm.allreduce_object(best, op="min")
+
+
+def read_bandwidth(nbytes: int = 256 << 20, reps: int = 5, comm=None) -> float:
+    """GB/s of one core reading ``nbytes`` (an OR-reduction: no writes, little compute),
+    best of ``reps``; with ``comm`` every rank reads at once, as every rank streams its
+    weights at once. This, not a copy, is what a decode step does."""
+    a = np.ones(nbytes // 8, np.uint64)
+    return _best_rate(lambda: np.bitwise_or.reduce(a), a.nbytes / 1e9, reps, comm)
 
 
 def fma_rate(n: int = 512, reps: int = 5, comm=None) -> float:
     """Float32 multiply-adds per second of one core's BLAS on an n x n x n sgemm (bound by
-    the FMA units, not memory), best of ``reps``; with ``comm`` every rank computes at once
-    and the slowest counts."""
-    rng = np.random.default_rng(0)
-    a, b = rng.standard_normal((2, n, n), dtype=np.float32)
+    the FMA units, not memory), best of ``reps``; with ``comm`` as :func:`read_bandwidth`."""
+    a, b = np.random.default_rng(0).standard_normal((2, n, n), dtype=np.float32)
     a @ b  # BLAS's first call sets up its buffers
-    best = 0.0
-    for _ in range(reps):
-        if comm is not None:
-            comm.barrier()
-        t = time.perf_counter()
-        a @ b
-        best = max(best, n**3 / (time.perf_counter() - t))
-    return best if comm is None else comm.allreduce_object(best, op="min")
+    return _best_rate(lambda: a @ b, n**3, reps, comm)
 
 
 def step_times(model, comm, batches=BATCHES, context: int = 32, reps: int = 30) -> dict[int, float]:
@@ -86,12 +83,13 @@ def run(comm, model_name: str | None, weights: str, batches=BATCHES, say=print) 
     ceiling = read_bandwidth(comm=comm)
     rate = fma_rate(comm=comm)
     steps = step_times(model, comm, batches)
-    floors = {B: max(streamed / (ceiling * 1e9), B * madds / rate) for B in batches}
+    bw_floor = streamed / (ceiling * 1e9)
+    floors = {B: max(bw_floor, B * madds / rate) for B in batches}
     say(f"# mpitp bench decode: {path.name}, TP={comm.size}, --weights {weights}")
     say(f"# weights per rank: {', '.join(f'{b / 2**20:.1f}' for b in held)} MiB (rank 0: {kinds})")
     say(
         f"# streamed per step by the busiest rank {streamed / 2**20:.1f} MiB; read bandwidth {ceiling:.2f} GB/s "
-        f"per rank (same run, all ranks reading) -> floor {streamed / (ceiling * 1e9) * 1e3:.2f} ms a step"
+        f"per rank (same run, all ranks reading) -> floor {bw_floor * 1e3:.2f} ms a step"
     )
     say(
         f"# multiply-adds per row of the batch {madds:,} on the busiest rank; float32 BLAS "
@@ -102,9 +100,8 @@ def run(comm, model_name: str | None, weights: str, batches=BATCHES, say=print) 
         f"# {'batch':>5} {'step ms':>9} {'vs b1':>7} {'tokens/s':>9} {'of ceiling':>11} {'floor ms':>9} {'of floor':>9}"
     )
     for B, t in steps.items():
-        share = streamed / t / (ceiling * 1e9)
         say(
-            f"  {B:>5} {t * 1e3:>9.2f} {t / steps[batches[0]]:>6.2f}x {B / t:>9.1f} {share:>10.0%} "
+            f"  {B:>5} {t * 1e3:>9.2f} {t / steps[batches[0]]:>6.2f}x {B / t:>9.1f} {bw_floor / t:>10.0%} "
             f"{floors[B] * 1e3:>9.2f} {floors[B] / t:>8.0%}"
         )
     return {
