@@ -20,6 +20,8 @@ kernels in :mod:`.half`, dispatched from here.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 from numba import njit
 
@@ -295,6 +297,19 @@ def take(w, ids: np.ndarray) -> np.ndarray:
     else:
         q8_take(w.qs, w.d, ids, out)
     return out
+
+
+def bind(w):
+    """``(f, rows)``: ``f(x, y)`` writes ``x @ w.T`` into ``y`` [M, N] for a C-contiguous
+    float32 ``x`` [M, K] of at most ``rows`` rows, the kernel chosen once (a decode step
+    calls ~120 of them: :mod:`mpitp.models.decode_step`)."""
+    if w.kind in ("f16", "bf16"):
+        from .half import half_small
+
+        return partial(half_small, w.qs, w.kind == "bf16"), HALF_SMALL
+    if w.kind == "q4":
+        return partial(q4_small, w.qs, w.d, w.m), SMALL
+    return partial(q8_small, w.qs, w.d), SMALL
 
 
 def matmul(x: np.ndarray, w) -> np.ndarray:

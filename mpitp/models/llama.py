@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,6 +29,9 @@ from ..tp.arena import pack, pack_blocks
 from .config import LlamaConfig
 from .ops import attention, rms_norm, swiglu
 from .rope import Rotary
+
+if TYPE_CHECKING:
+    from .decode_step import DecodeLayers
 
 
 class RMSNorm:
@@ -249,6 +253,8 @@ class LlamaForCausalLM:
             mats = [m for _, m in self.named_modules() if hasattr(m, "_wt")]
             self._arena = pack(mats[1:] + mats[:1])
         self.last_stats: dict = {}
+        self._decode: DecodeLayers | None = None
+        self._decode_built = False
 
     @classmethod
     def from_pretrained(
@@ -279,14 +285,27 @@ class LlamaForCausalLM:
         the positions listed, [B, len(keep), vocab])."""
         h = self.embed_tokens(ids)
         step = Step(self.rotary, positions, cache, ids.shape[1], self.xp)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, step, cache, i)
+        fast = self._decode_layers() if ids.shape[1] == 1 else None
+        if fast is not None and fast.fits(ids.shape[0], step, cache):
+            h = fast.loop(h, step, cache)
+        else:
+            for i, layer in enumerate(self.layers):
+                h = layer(h, step, cache, i)
         cache.length += ids.shape[1]
         if last_only:
             h = h[:, -1:]
         elif keep is not None:
             h = h[:, keep]
         return self.lm_head(self.norm(h))
+
+    def _decode_layers(self) -> DecodeLayers | None:
+        """The bound loop of a decode step (:mod:`.decode_step`), built at the first forward
+        after loading (its kernels hold the weights' arrays; :meth:`finish_load` resets it)."""
+        if not self._decode_built:
+            from .decode_step import DecodeLayers
+
+            self._decode, self._decode_built = DecodeLayers.of(self), True
+        return self._decode
 
     def __call__(self, input_ids):
         ids = self.xp.asarray(np.asarray(input_ids, dtype=np.int64))
@@ -341,6 +360,7 @@ class LlamaForCausalLM:
         for _, m in self.named_modules():
             if hasattr(m, "finish"):
                 m.finish()
+        self._decode_built = False
         if self.xp is np and self.dtype == np.float32:
             _decode_kernels().warm()
         why = {m.fallback for _, m in self.named_modules() if getattr(m, "fallback", "")}

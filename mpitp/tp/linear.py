@@ -19,6 +19,7 @@ disk, or an array), so the checkpoint loader stays generic. Cuts need not be equ
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -113,6 +114,17 @@ class LinearBase:
         if self.qweight is not None:
             return _block_matmul()(x, self.qweight)
         return x @ self._wt
+
+    def kernel(self):
+        """``(f, rows)``: ``f(x, out)`` writes ``x @ W.T`` (no bias) into ``out`` for a 2-D
+        C-contiguous float32 NumPy ``x`` of at most ``rows`` rows, bound once to this
+        rank's weight (the decode step's loop, :mod:`mpitp.models.decode_step`)."""
+        if self.qweight is not None:
+            from ..kernels.matmul import bind
+
+            return bind(self.qweight)
+        wt = self._wt  # [B, 1, K] @ W.T as the generic forward multiplies: the same BLAS call
+        return (lambda x, out: np.matmul(x[:, None], wt, out=out[:, None])), sys.maxsize
 
 
 class ReplicatedLinear(LinearBase):

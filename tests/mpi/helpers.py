@@ -162,3 +162,37 @@ def cma_permitted() -> bool:
 
     world = MPI.COMM_WORLD
     return world.size == 1 or cma.works(world)[0]
+
+
+def decode_both_ways(model, prompts: list[list[int]]):
+    """One decode step after a left-padded prefill of ``prompts``, run twice from the same
+    cache: through the model's bound decode loop (:mod:`mpitp.models.decode_step`) and
+    through its generic layers. Returns (loop logits, generic logits, whether the loop ran)."""
+    import copy
+
+    B, T = len(prompts), max(len(p) for p in prompts)
+    ids = np.zeros((B, T), np.int64)
+    cache = model.new_cache(B, T + 1)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p) :] = p
+        cache.valid[b, T - len(p) : T + 1] = True
+    positions = np.maximum(np.cumsum(cache.valid[:, :T], axis=1) - 1, 0)
+    first = model.forward(ids, positions, cache, last_only=True)[:, -1]
+    nxt = first.argmax(-1)[:, None]
+    pos = positions[:, -1:] + 1
+    generic_cache = copy.deepcopy(cache)
+    loop = model._decode_layers()
+    ran = loop is not None and loop.fits(B, _decode_step_of(model, pos, cache), cache)
+    fast = model.forward(nxt, pos, cache, last_only=True)
+    model._decode, model._decode_built = None, True  # the generic layers, for this one call
+    try:
+        generic = model.forward(nxt, pos, generic_cache, last_only=True)
+    finally:
+        model._decode_built = False
+    return fast, generic, ran
+
+
+def _decode_step_of(model, positions, cache):
+    from mpitp.models.llama import Step
+
+    return Step(model.rotary, positions, cache, 1, model.xp)

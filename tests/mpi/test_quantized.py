@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import agree
+from helpers import agree, decode_both_ways
 from mpi4py import MPI
 
 import mpitp
@@ -67,6 +67,21 @@ def test_block_weights_equal_the_dequantized_model(tp, files, fix, q, embed):
     )
     share = 0.6 if q in ("F16", "BF16") else 0.5  # 2 bytes a weight (norms stay float32) or under 1.2
     agree(blocks.weight_bytes() < floats.weight_bytes() * share, f"{blocks.weight_bytes()} vs {floats.weight_bytes()}")
+
+
+@pytest.mark.parametrize("fix,q,embed", CASES)
+def test_decode_loop_equals_the_generic_layers(tp, files, fix, q, embed):
+    """The bound decode loop runs the block kernels the generic layers run: the same logits
+    bit for bit, up to the kernels' row limit (16 rows, 8 for 16-bit floats); a batch
+    beyond it takes the generic layers."""
+    model = LlamaForCausalLM.from_pretrained(files / f"{fix}-{q}", comm=tp)
+    fast, generic, ran = decode_both_ways(model, [[5, 17, 42, 7], [9, 2, 4]])
+    agree(ran, f"{fix}-{q}: the decode loop did not run")
+    diff = float(np.abs(fast - generic).max())
+    agree(np.array_equal(fast, generic), f"{fix}-{q}: loop vs generic max diff {diff:.2e}")
+    big = [[3 + b, 5, 7] for b in range(17)]
+    fast, generic, ran = decode_both_ways(model, big)
+    agree(not ran and np.array_equal(fast, generic), f"{fix}-{q}: a batch of 17 ran the loop")
 
 
 def test_q8_0_on_request_from_a_float_checkpoint(tp, files):
