@@ -17,7 +17,6 @@ from functools import cache
 import ml_dtypes
 import numpy as np
 from mpi4py import MPI
-from mpi4py.util import dtlib
 
 from ..errors import UnsupportedOperation
 
@@ -137,15 +136,19 @@ def ufunc(op: ReduceOp, xp=np):
 
 @cache
 def mpi_datatype(dtype: np.dtype) -> MPI.Datatype:
-    """MPI's predefined datatype for a NumPy dtype (mpi4py's public mapping, ``dtlib``);
-    16-bit words for bfloat16, and for float16 where the MPI library has no half type
-    (reductions then use a user op)."""
+    """MPI's predefined datatype for a NumPy dtype (the one mpi4py infers from a buffer of
+    it); 16-bit words for bfloat16, and for float16 where the MPI library has no half type
+    (reductions then use a user op).
+
+    Predefined, not ``dtlib.from_numpy_dtype``'s: that returns a duplicate of it, a derived
+    type on which MPI's own SUM/MAX/... are undefined (MPICH refuses them), so every
+    reduction fell back to the Python user op."""
     dtype = np.dtype(dtype)
     if dtype == BFLOAT16:
         return MPI.UINT16_T
     try:
-        dt = dtlib.from_numpy_dtype(dtype)
-    except ValueError:
+        dt = MPI.Datatype.fromcode(dtype.char)
+    except (KeyError, ValueError):
         dt = MPI.DATATYPE_NULL
     if dt == MPI.DATATYPE_NULL:
         if dtype.itemsize == 2:
@@ -158,9 +161,10 @@ def mpi_datatype(dtype: np.dtype) -> MPI.Datatype:
 def inferred(dtype: np.dtype) -> bool:
     """Whether mpi4py infers ``mpi_datatype(dtype)`` from a buffer of this dtype by itself
     (then a plain array may be handed to MPI without a datatype)."""
+    dtype = np.dtype(dtype)
     try:
-        return dtlib.from_numpy_dtype(np.dtype(dtype)) == mpi_datatype(dtype) and np.dtype(dtype) != BFLOAT16
-    except ValueError:
+        return dtype != BFLOAT16 and MPI.Datatype.fromcode(dtype.char) == mpi_datatype(dtype)
+    except (KeyError, ValueError):
         return False
 
 
