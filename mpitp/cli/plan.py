@@ -169,8 +169,10 @@ def _tp(args):
             f"{r['kv_heads'][1] - 1:<2} inter {r['intermediate']:>6} vocab {r['vocab_rows']:>7}  "
             f"{_mb(r['weights'] * nb):>12} {_mb(r['streamed'] * nb):>12}"
         )
-    streamed = [r["streamed"] for r in ranks]
-    print(f"  most-loaded rank streams {max(streamed) * len(streamed) / sum(streamed):.3f}x the average")
+    print(
+        f"  a decode step streams {ptp.balance(m, args.tp):.3f}x an even share on its critical path (each all-reduce"
+        " waits for the slowest rank of its segment: attention, then the MLP)"
+    )
     print(f"weights: {_mb(res['weights_total_bytes'])} in all, {_mb(res['weights_per_rank_bytes'])} per rank")
     for label, c, shape in (
         ("forward", pre, f"batch {args.batch} x seq {args.seq}"),

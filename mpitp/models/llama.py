@@ -196,7 +196,7 @@ class DecoderLayer:
 @dataclass(frozen=True)
 class TPPlan:
     """How every decoder layer is cut over p ranks: attention by KV-head groups, the MLP's
-    intermediate columns balancing what each rank streams (:mod:`mpitp.tp.partition`)."""
+    intermediate columns evenly (:mod:`mpitp.tp.partition`)."""
 
     attention: partition.AttentionSplit
     mlp: list[int]
@@ -210,7 +210,7 @@ class TPPlan:
             raise partition.ShardingError(f"tensor-parallel size {p} exceeds intermediate_size = {c.intermediate_size}")
         if c.intermediate_size % block or c.intermediate_size // block < p:
             block = 1
-        return cls(att, partition.mlp(c.intermediate_size, c.hidden_size, c.head_dim, att, block=block))
+        return cls(att, partition.mlp(c.intermediate_size, p, block))
 
 
 class LlamaForCausalLM:

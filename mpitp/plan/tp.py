@@ -100,14 +100,14 @@ def model_name(name_or_path: str) -> str:
 
 def shard_shapes(m: LlamaConfig, p: int, block: int = 1) -> dict:
     """Per-rank weight shapes ([in, out] like the seed), cut by the TP layers' own rules
-    (:mod:`mpitp.tp.partition`: uneven, GQA-aware, MLP balancing the bytes each rank
-    streams). Top-level keys are rank 0's; ``per_rank`` has every rank's."""
+    (:mod:`mpitp.tp.partition`: uneven, GQA-aware, the MLP cut evenly). Top-level keys
+    are rank 0's; ``per_rank`` has every rank's."""
     from ..tp import partition
 
     att = partition.attention(m.num_attention_heads, m.num_key_value_heads, p)
     if m.intermediate_size % block or m.intermediate_size // block < p:
         block = 1  # as the model does (LlamaForCausalLM's TPPlan.of)
-    inter = partition.mlp(m.intermediate_size, m.hidden_size, m.head_dim, att, block=block)
+    inter = partition.mlp(m.intermediate_size, p, block)
     vocab_padded, vocab_rows = partition.vocab(m.vocab_size, p)
     d, h = m.head_dim, m.hidden_size
     ranks = []
@@ -152,9 +152,21 @@ def weight_bytes_per_rank(m: LlamaConfig, p: int, nbytes: float, block: int = 1)
 
 
 def balance(m: LlamaConfig, p: int) -> float:
-    """The most-loaded rank's streamed bytes per token over the average."""
-    s = [r["streamed"] for r in shard_shapes(m, p)["per_rank"]]
-    return max(s) * len(s) / sum(s)
+    """What a decode step streams on its critical path over a perfectly even cut: each of
+    a layer's two all-reduces waits for the slowest rank of its segment (attention: q, k,
+    v and o; the MLP), and the head's all-gather for the rank with the most vocabulary rows."""
+    from ..tp import partition
+
+    att = partition.attention(m.num_attention_heads, m.num_key_value_heads, p)
+    ranks = shard_shapes(m, p)["per_rank"]
+    h, d = m.hidden_size, m.head_dim
+    attn = [(2 * q + 2 * k) * d * h for q, k in zip(att.q, att.kv)]
+    mlp = [3 * h * r["intermediate"] for r in ranks]
+    vocab = [r["vocab_rows"] * h for r in ranks]
+    L = m.num_hidden_layers
+    paced = L * (max(attn) + max(mlp)) + max(vocab)
+    even = (L * (sum(attn) + sum(mlp)) + sum(vocab)) / p
+    return paced / even
 
 
 def comm_plan(m: LlamaConfig, p: int, batch: int, seq: int, nbytes: int, prof: Profile) -> dict:

@@ -8,11 +8,14 @@ KV heads (g = query heads per KV head)::
     9 / 3, p = 4 (p > KV):   each rank one KV head; KV 0 on ranks 0-1 (q 0-1 | 2),
                              KV 1 on rank 2 (q 3-5), KV 2 on rank 3 (q 6-8)
 
-The MLP's intermediate columns then balance what each rank streams per token: a rank
-with fewer attention bytes takes more columns, so the slowest rank (which sets the pace
-of every all-reduce) carries no more than its share. The vocabulary is cut in blocks of
-``PAD`` rows, as evenly as blocks allow. Every split is a list of (start, size) per rank,
-computed the same way on every rank, so nothing is exchanged.
+The MLP's intermediate columns are cut evenly (in whole blocks of block weights), whatever
+attention's cut: each all-reduce waits for the slowest rank of its own segment
+(qkv · attention · o, then gate_up · down), so a rank with fewer heads would gain nothing
+by taking more MLP columns; it would only become the MLP's slowest rank. (Balancing each
+rank's bytes over the whole layer, as mpitp did first, made the default model decode 10%
+slower at TP=2: 672 + 864 columns against 768 + 768, docs/measurements.md.) The vocabulary
+is cut in blocks of ``PAD`` rows, as evenly as blocks allow. Every split is a list of
+(start, size) per rank, computed the same way on every rank, so nothing is exchanged.
 """
 
 from __future__ import annotations
@@ -69,27 +72,9 @@ def vocab(vocab_size: int, p: int) -> tuple[int, list[int]]:
     return blocks * PAD, even(blocks * PAD, p, PAD)
 
 
-def mlp(
-    intermediate: int, hidden: int, head_dim: int, att: AttentionSplit, fixed: list[int] | None = None, block: int = 1
-) -> list[int]:
-    """Intermediate columns per rank that balance the bytes each rank streams per token:
-    attention (q, k, v and o rows) + 3·hidden per column (gate, up, down) + ``fixed``
-    (e.g. the rank's vocabulary rows); every rank keeps at least one block."""
-    p = len(att.q)
-    fixed = fixed or [0] * p
-    other = [(2 * q + 2 * k) * head_dim * hidden + f for q, k, f in zip(att.q, att.kv, fixed)]
-    per_col = 3 * hidden
-    target = (sum(other) + per_col * intermediate) / p
-    units = intermediate // block
-    want = [max(1.0, (target - o) / (per_col * block)) for o in other]
-    scale = units / sum(want)
-    sizes = [max(1, int(w * scale)) for w in want]
-    order = sorted(range(p), key=lambda i: want[i] * scale - sizes[i], reverse=True)
-    i = 0
-    while sum(sizes) < units:  # hand out what rounding left, largest remainders first
-        sizes[order[i % p]] += 1
-        i += 1
-    while sum(sizes) > units:
-        j = max(range(p), key=lambda k: sizes[k])
-        sizes[j] -= 1
-    return [s * block for s in sizes]
+def mlp(intermediate: int, p: int, block: int = 1) -> list[int]:
+    """Intermediate columns per rank: as even as whole ``block``s allow (``intermediate``
+    a multiple of ``block``, at least one block per rank)."""
+    if intermediate % block or intermediate // block < p:
+        raise ShardingError(f"intermediate_size {intermediate} cannot be cut in blocks of {block} over {p} ranks")
+    return [s * block for s in even(intermediate // block, p)]

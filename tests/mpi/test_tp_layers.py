@@ -96,7 +96,7 @@ def test_qkv_heads_by_kv_groups(comm, heads, kv):
 
 def test_uneven_column_and_row(comm):
     out = 7 * N + 3
-    sizes = partition.mlp(out, 10, 2, partition.attention(N, 1, N))  # a balancing cut, not n/p
+    sizes = [1] * (N - 1) + [out - (N - 1)]  # as uneven as a cut can be
     W1, W2 = rng.standard_normal((out, 10)), rng.standard_normal((5, out))
     x = rng.standard_normal((3, 10)).astype(np.float32)
     col = ColumnParallelLinear(10, out, comm=comm, sizes=sizes)
