@@ -27,7 +27,7 @@ class DecodeLayers:
     def __init__(self, model, layers: list[tuple], rows: int):
         c = model.config
         attn = model.layers[0].self_attn
-        self.hidden, self.eps = c.hidden_size, np.float32(c.rms_norm_eps)
+        self.hidden, self.eps = c.hidden_size, float(c.rms_norm_eps)  # the type warm() compiles for
         self.nh, self.nkv, self.scale = attn.nh, attn.nkv, np.float32(attn.scale)
         comm = model.comm
         self.allreduce = comm.allreduce if comm is not None and comm.size > 1 else None
