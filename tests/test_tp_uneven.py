@@ -50,6 +50,21 @@ def test_every_rank_uses_only_its_kv_heads(heads, kv, p):
     assert sum(sizes) == 1000 and max(sizes) - min(sizes) <= 1
 
 
+@pytest.mark.parametrize(
+    ("intermediate", "p", "expected"),
+    [
+        (1536, 2, [768, 768]),  # 48 blocks of 32: whole blocks
+        (1536, 5, [320, 320, 320, 288, 288]),  # 10+10+10+9+9 blocks, not 308+307+307+307+307
+        (1000, 2, [500, 500]),  # no multiple of 32: single columns
+        (64, 3, [22, 21, 21]),  # two blocks for three ranks: single columns
+    ],
+)
+def test_mlp_cut_on_whole_blocks_where_the_size_allows(intermediate, p, expected):
+    assert partition.mlp(intermediate, p, 32) == expected
+    with pytest.raises(ShardingError, match="tensor-parallel size 9 exceeds intermediate_size = 8"):
+        partition.mlp(8, 9, 32)
+
+
 @pytest.mark.parametrize("model", ["smollm2-135m", "tinyllama-1.1b", "qwen2-7b"])
 @pytest.mark.parametrize("p", [2, 3, 4, 5, 6, 7, 8])
 def test_critical_path_near_an_even_share(model, p):

@@ -203,13 +203,8 @@ class TPPlan:
 
     @classmethod
     def of(cls, c: LlamaConfig, p: int, block: int = 1) -> TPPlan:
-        """``block``: the MLP's cut in multiples of it where the size allows (32 for block
-        weights, so that down_proj's input columns split on whole blocks)."""
+        """``block``: the MLP's cut in multiples of it where the size allows (:func:`partition.mlp`)."""
         att = partition.attention(c.num_attention_heads, c.num_key_value_heads, p)
-        if p > c.intermediate_size:
-            raise partition.ShardingError(f"tensor-parallel size {p} exceeds intermediate_size = {c.intermediate_size}")
-        if c.intermediate_size % block or c.intermediate_size // block < p:
-            block = 1
         return cls(att, partition.mlp(c.intermediate_size, p, block))
 
 

@@ -105,8 +105,6 @@ def shard_shapes(m: LlamaConfig, p: int, block: int = 1) -> dict:
     from ..tp import partition
 
     att = partition.attention(m.num_attention_heads, m.num_key_value_heads, p)
-    if m.intermediate_size % block or m.intermediate_size // block < p:
-        block = 1  # as the model does (LlamaForCausalLM's TPPlan.of)
     inter = partition.mlp(m.intermediate_size, p, block)
     vocab_padded, vocab_rows = partition.vocab(m.vocab_size, p)
     d, h = m.head_dim, m.hidden_size
@@ -155,12 +153,10 @@ def balance(m: LlamaConfig, p: int) -> float:
     """What a decode step streams on its critical path over a perfectly even cut: each of
     a layer's two all-reduces waits for the slowest rank of its segment (attention: q, k,
     v and o; the MLP), and the head's all-gather for the rank with the most vocabulary rows."""
-    from ..tp import partition
-
-    att = partition.attention(m.num_attention_heads, m.num_key_value_heads, p)
     ranks = shard_shapes(m, p)["per_rank"]
     h, d = m.hidden_size, m.head_dim
-    attn = [(2 * q + 2 * k) * d * h for q, k in zip(att.q, att.kv)]
+    width = [(r["q_heads"][1] - r["q_heads"][0], r["kv_heads"][1] - r["kv_heads"][0]) for r in ranks]
+    attn = [(2 * q + 2 * k) * d * h for q, k in width]
     mlp = [3 * h * r["intermediate"] for r in ranks]
     vocab = [r["vocab_rows"] * h for r in ranks]
     L = m.num_hidden_layers

@@ -73,8 +73,11 @@ def vocab(vocab_size: int, p: int) -> tuple[int, list[int]]:
 
 
 def mlp(intermediate: int, p: int, block: int = 1) -> list[int]:
-    """Intermediate columns per rank: as even as whole ``block``s allow (``intermediate``
-    a multiple of ``block``, at least one block per rank)."""
+    """Intermediate columns per rank: as even as whole ``block``s allow (32 for block
+    weights, so that down_proj's input columns split on whole blocks); single columns
+    where ``intermediate`` is no multiple of ``block`` or has fewer blocks than ranks."""
+    if p > intermediate:
+        raise ShardingError(f"tensor-parallel size {p} exceeds intermediate_size = {intermediate}")
     if intermediate % block or intermediate // block < p:
-        raise ShardingError(f"intermediate_size {intermediate} cannot be cut in blocks of {block} over {p} ranks")
+        block = 1
     return [s * block for s in even(intermediate // block, p)]
