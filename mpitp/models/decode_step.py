@@ -29,6 +29,7 @@ class DecodeLayers:
         attn = model.layers[0].self_attn
         self.hidden, self.eps = c.hidden_size, float(c.rms_norm_eps)  # the type warm() compiles for
         self.nh, self.nkv, self.scale = attn.nh, attn.nkv, np.float32(attn.scale)
+        self.q_width = attn.nh * attn.head_dim  # this rank's query heads side by side
         comm = model.comm
         self.allreduce = comm.allreduce if comm is not None and comm.size > 1 else None
         self.layers, self.rows = layers, rows
@@ -72,7 +73,7 @@ class DecodeLayers:
             qkv(xn, y)
             if bqkv is not None:
                 y += bqkv
-            att = np.empty((B, self.nh * (cache.k[i].shape[3])), np.float32)
+            att = np.empty((B, self.q_width), np.float32)
             kernels.attend(
                 y, step.cos1, step.sin1, cache.k[i], cache.v[i], cache.valid, s, self.nh, self.nkv, self.scale,
                 step.masked, att,
