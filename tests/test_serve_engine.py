@@ -132,3 +132,34 @@ def test_prefix_cache_evicts_least_recently_used_within_its_budget():
 def _block_bytes(model) -> int:
     a = model.layers[0].self_attn
     return 2 * len(model.layers) * 16 * a.nkv * model.config.head_dim * np.dtype(model.dtype).itemsize
+
+
+def test_grammar_bounds_what_a_schema_leaves_unbounded():
+    """The grammar a schema compiles to refuses a 17th integer digit, an 11th fraction digit
+    and a run of 21 spaces (a small model may otherwise write them until max_tokens), keeps
+    the bounds a schema states, and json_object takes any JSON object, nested, held to the
+    same bounds."""
+    import pytest
+
+    llguidance = pytest.importorskip("llguidance")
+    from tokenizers import Tokenizer
+
+    from mpitp.serve.grammar import ANY_OBJECT, grammar_schema
+
+    tok = Tokenizer.from_file(str(FIX / "mha" / "tokenizer.json"))
+    lt = llguidance.LLTokenizer(tok.to_str(), n_vocab=tok.get_vocab_size(), eos_token=[0])
+
+    def accepts(schema, text) -> bool:
+        m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_json_schema(grammar_schema(schema)))
+        ids = lt.tokenize_str(text)
+        return m.validate_tokens(ids) == len(ids) and not m.is_error()
+
+    obj = {"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": "number"}}}
+    assert accepts(obj, '{"n": ' + "9" * 16 + ', "x": 0.' + "1" * 10 + "}")
+    assert not accepts(obj, '{"n": ' + "9" * 17)
+    assert not accepts(obj, '{"n": 1, "x": 0.' + "1" * 11)
+    assert accepts(obj, '{"n":' + " " * 20 + "1}") and not accepts(obj, '{"n":' + " " * 21)
+    small = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 5}}}
+    assert accepts(small, '{"n": 5}') and not accepts(small, '{"n": 6}')  # the schema's own bound stays
+    assert accepts(ANY_OBJECT, '{"a": [1, -2.5, {"b": null}], "c": "x", "d": true}')
+    assert not accepts(ANY_OBJECT, '{"a": ' + "1" * 17) and not accepts(ANY_OBJECT, "[1]")

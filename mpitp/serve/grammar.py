@@ -2,11 +2,12 @@
 
 llguidance (a maintained grammar engine, as vLLM and llama.cpp use) compiles a JSON
 schema — or "any JSON object" for ``json_object`` — into a matcher over the model's
-tokenizer. Rank 0 samples every row, so only rank 0 holds matchers: before a constrained
-row's token is picked, the tokens the grammar forbids get -inf; the picked token then
-advances the matcher. Once the grammar is complete only end-of-text is allowed, so the
-reply ends with finish_reason "stop" — or "length", truncated, when max_tokens comes first.
-Unconstrained rows in the same batch are untouched.
+tokenizer, with what the schema leaves unbounded bounded (:func:`bounded`). Rank 0
+samples every row, so only rank 0 holds matchers: before a constrained row's token is
+picked, the tokens the grammar forbids get -inf; the picked token then advances the
+matcher. Once the grammar is complete only end-of-text is allowed, so the reply ends with
+finish_reason "stop" — or "length", truncated, when max_tokens comes first. Unconstrained
+rows in the same batch are untouched.
 """
 
 from __future__ import annotations
@@ -17,6 +18,68 @@ from typing import Any
 import numpy as np
 
 from .protocol import RequestError
+
+# What a schema leaves unbounded, bounded, so that a constrained reply can always close
+# within its budget (a small model may otherwise write digits or spaces until max_tokens,
+# and the cut reply is not JSON). llama.cpp's schema grammars cap integers at 16 digits,
+# and whitespace to a newline and 20 indents; here the same integer cap, numbers' fractions
+# at 10 digits (the most llguidance's multipleOf can express exactly) and no exponent,
+# whitespace as llama.cpp allows it (one space, or a newline and at most 20 spaces or
+# tabs of indent). Bounds a schema states itself are kept.
+DIGITS = 16
+LIMIT = 10**DIGITS - 1
+FRACTION = 1e-10
+WHITESPACE = r"\x20|\x0A[\x20\x09]{0,20}"  # llama.cpp's: one space, or a newline and an indent
+
+
+def _types(node: dict) -> set:
+    t = node.get("type", ())
+    return {t} if isinstance(t, str) else set(t)
+
+
+def bounded(schema: Any) -> Any:
+    """``schema`` (a JSON schema) with bounds on integers, numbers and whitespace where it
+    states none; a copy, the input is not changed."""
+    if isinstance(schema, list):
+        return [bounded(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    kept = ("enum", "const", "default", "examples", "x-guidance")  # values, not schemas
+    out = {k: (v if k in kept else bounded(v)) for k, v in schema.items()}
+    kinds = _types(out)
+    if kinds & {"integer", "number"}:
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -LIMIT
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = LIMIT
+        if "number" in kinds and "multipleOf" not in out:
+            out["multipleOf"] = FRACTION
+    return out
+
+
+# ``json_object``: any JSON object, its values held to the same bounds (a value is any of
+# the JSON kinds, recursively)
+_VALUE = {
+    "anyOf": [
+        {"type": "string"},
+        {"type": "integer"},
+        {"type": "number"},
+        {"type": "boolean"},
+        {"type": "null"},
+        {"type": "array", "items": {"$ref": "#/$defs/value"}},
+        {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"}},
+    ]
+}
+ANY_OBJECT = {"$defs": {"value": _VALUE}, "type": "object", "additionalProperties": {"$ref": "#/$defs/value"}}
+
+
+def grammar_schema(schema: dict) -> dict:
+    """The schema handed to the grammar engine: bounded, with the whitespace rule unless the
+    schema brings its own ``x-guidance``."""
+    out = bounded(schema)
+    if isinstance(out, dict) and "x-guidance" not in out:
+        out["x-guidance"] = {"whitespace_pattern": WHITESPACE}
+    return out
 
 
 class Grammars:
@@ -44,11 +107,11 @@ class Grammars:
         import llguidance
 
         if kind == "json_object":
-            schema: Any = {"type": "object"}
+            schema: Any = ANY_OBJECT
         else:  # json_schema (protocol.py checked the shape)
             schema = response_format["json_schema"]["schema"]  # type: ignore[index]
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(grammar_schema(schema))
         except ValueError as e:
             raise RequestError(f"'response_format': {e}") from None
         matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
