@@ -11,6 +11,8 @@ import pytest
 
 from mpitp import launch
 
+pytestmark = pytest.mark.both_mpis  # collectives timed and checked under each library
+
 MPITP = [sys.executable, "-m", "mpitp.cli.main"]
 FIXTURES = Path(__file__).parent / "fixtures"
 KEYS = {
@@ -168,8 +170,23 @@ def test_decode_rows_per_batch(n, weights, kind, tmp_path):
     res = json.loads(js.read_text())
     assert res["multiply_adds"] == total // n, (res["multiply_adds"], total, n)  # the fixture cuts evenly at n = 2
     assert f"multiply-adds per row of the batch {total // n:,} on" in out, out
+    # the bandwidth floor's input: the bytes a step reads are every weight the rank holds but
+    # the embedding table (one row of it is looked up); counted here from the config: the
+    # matmul weights in the format (float32: 4 bytes; Q8_0 as the kernels hold it: 32 int8
+    # and a float32 scale a block of 32), the norms float32 on every rank, the embedding in
+    # the same format cut by rows
+    norms = 4 * (2 * cfg["num_hidden_layers"] + 1) * h
+    per_weight = {"float32": 4, "Q8_0": 36 / 32}[kind]
+    assert res["streamed"] == total // n * per_weight + norms, (res["streamed"], total, n)
+    held = res["streamed"] + v * h // n * per_weight
+    assert res["weights_per_rank"] == [held] * n, (res["weights_per_rank"], held)
+    mib = f"{res['weights_per_rank'][0] / 2**20:.1f}"
+    assert f"weights per rank: {', '.join([mib] * n)} MiB" in out, out
     bw, row = res["streamed"] / (res["ceiling_gbs"] * 1e9), res["multiply_adds"] / res["fma_rate"]
     assert res["fma_rate"] > 1e8 and bw > 0, res
-    for B, t in res["steps"].items():
+    for (B, t), r in zip(res["steps"].items(), rows):
         assert res["floors"][B] == max(bw, int(B) * row) and t > 0, res
-        assert f"{t * 1e3:.2f}" in out and f"{res['floors'][B] * 1e3:.2f}" in out
+        assert r[1] == f"{t * 1e3:.2f}" and r[5] == f"{res['floors'][B] * 1e3:.2f}", (r, t)
+        # the table's tokens/s is the batch over the step, its share of the ceiling the
+        # bandwidth floor over the step
+        assert r[3] == f"{int(B) / t:.1f}" and r[4] == f"{bw / t:.0%}".rstrip("%"), (r, B, t, bw)

@@ -196,9 +196,14 @@ def test_plan_tp_counts_block_weights_as_the_model_holds_them():
     res = plan("tp", "--model", str(path / "config.json"), "--tp", "1", "--weights", "q8_0")
     # the plan counts every parameter in the format, the norms' too
     assert res["weights_per_rank_bytes"] == m.weight_bytes() - norms + round(norms / 4 * 1.125)
-    for p in (2, 3):
+    # 1536 columns = 48 blocks of 32: at p = 5 the block rule gives 10, 10, 10, 9, 9 blocks,
+    # where an element cut would give 308 or 307 (literal cuts, not the runtime's own rule)
+    want = {2: [768, 768], 3: [512, 512, 512], 5: [320, 320, 320, 288, 288]}
+    assert c.intermediate_size == 1536
+    for p, cut in want.items():
         res = plan("tp", "--model", str(path / "config.json"), "--tp", str(p), "--weights", "q4_1")
-        assert [r["intermediate"] for r in res["shards"]["per_rank"]] == TPPlan.of(c, p, 32).mlp
+        assert [r["intermediate"] for r in res["shards"]["per_rank"]] == cut
+        assert TPPlan.of(c, p, 32).mlp == cut  # the model's own cut is the same
 
 
 @given(st.integers(0, 10_000), st.integers(1, 64))

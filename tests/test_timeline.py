@@ -6,7 +6,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from mpitp import launch
+
+pytestmark = pytest.mark.both_mpis  # the collectives' trace under each library
 
 SCRIPT = """
 import numpy as np, mpitp
@@ -33,7 +37,9 @@ def test_trace_per_rank_merge_and_plot(tmp_path):
         events = json.loads((tmp_path / f"trace.rank{r:05d}.json").read_text())["traceEvents"]
         calls = [e for e in events if e.get("cat") == "collective"]
         assert [e["name"] for e in calls] == ["allreduce"] * 4 + ["allgather", "reduce_scatter", "barrier"]
-        assert all(e["ph"] == "X" and e["pid"] == r and e["dur"] >= 0 for e in calls)
+        assert all(e["ph"] == "X" and e["pid"] == r and e["dur"] > 0 for e in calls)
+        # one call after another on a rank: each span ends before the next begins
+        assert all(a["ts"] + a["dur"] <= b["ts"] for a, b in zip(calls, calls[1:])), calls
         ring = calls[3]["args"]
         assert ring["algorithm"] == "ring" and ring["bytes"] == 4000 and ring["peer"] == "intra"
         assert calls[0]["args"]["algorithm"] == "mpi" and calls[0]["args"]["peer"] == "mpi"
