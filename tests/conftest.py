@@ -4,8 +4,9 @@
 In CI (``CI`` set), a test that skips because a reference or tool is missing — torch,
 transformers, the openai client, the default model's package, the Open MPI venv, the
 SLURM testbed, the minicluster's namespaces and tools, cross-memory attach — fails the
-run: CI provides them, so such a skip means a reference silently stopped being checked. Skips for a reason of the test's own (a world size
-that has nothing to test) stay skips."""
+run: CI provides them, so such a skip means a reference silently stopped being checked.
+Skips for a reason of the test's own (a world size that has nothing to test) stay
+skips."""
 
 import os
 

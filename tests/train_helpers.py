@@ -24,8 +24,11 @@ def make_ids(path):
     return path
 
 
-def train(n, out, data, *extra, timeout=180, check=True):
-    argv = TRAIN + [
+def train(n, out, data, *extra, timeout=180, check=True, progress=False, script=None):
+    """``mpiexec -n n mpitp train`` on the tiny config (``script``: a ``python -c`` program
+    that patches something, then runs the CLI's main with the rest of the arguments)."""
+    head = TRAIN if script is None else [sys.executable, "-c", script, "train"]
+    argv = head + [
         "--config",
         "tiny",
         "--data",
@@ -38,7 +41,7 @@ def train(n, out, data, *extra, timeout=180, check=True):
         "3e-3",
         "--warmup",
         "1",
-        "--no-progress",
+        *([] if progress else ["--no-progress"]),
         "--out",
         str(out),
         *map(str, extra),

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import MpitpError
+from ..progress import Progress
 from ..tp import SafetensorsSource
 from .config import ConfigError, LlamaConfig
 
@@ -97,15 +98,11 @@ def _sources(model, path: Path):
 
 
 def load_weights(model, path: Path) -> dict:
-    from tqdm import tqdm
-
     wmap = weight_map(model)
     seen: set[str] = set()
     bytes_read = 0
-    quiet = model.comm is not None and model.comm.rank != 0  # one bar, rank 0's, on a terminal only
-    bar = tqdm(
-        total=len(wmap), desc=f"loading {path.name}", unit="tensor", disable=True if quiet else None, leave=False
-    )
+    loud = model.comm is None or model.comm.rank == 0  # rank 0's progress: a bar on a terminal, else lines
+    bar = Progress(len(wmap), f"loading {path.name}", "tensor", enabled=loud, leave=False, seconds=10.0, after=10.0)
     for f, name, src in _sources(model, path):
         target = locate(wmap, model, name)
         if target is None:

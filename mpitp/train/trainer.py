@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import MpitpError
 from ..log import get_logger
+from ..progress import Progress
 from . import checkpoint, data
 from .engine import TrainEngine
 from .layout import llama_units
@@ -300,10 +301,8 @@ class Trainer:
                         f"so {reached - self.step} step(s) are done again"
                     )
             jsonl = open(o.log, "a" if o.resume else "w")
-        if r0 and o.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=o.steps, initial=self.step, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+        if r0 and o.progress:  # a bar on a terminal, plain lines in a file (a SLURM .out)
+            bar = Progress(o.steps, "train", "step", initial=self.step)
         try:
             while self.step < o.steps:
                 rec = self.train_step()
@@ -321,8 +320,7 @@ class Trainer:
                     jsonl.write(json.dumps(rec) + "\n")
                     jsonl.flush()
                 if bar is not None:
-                    bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
-                    bar.update(1)
+                    bar.update(1, loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
         finally:
             if bar is not None:
                 bar.close()
