@@ -5,8 +5,11 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from mpitp import launch
+
+pytestmark = pytest.mark.both_mpis  # info and demo under each mpiexec
 
 MPITP = [sys.executable, "-m", "mpitp.cli.main"]
 

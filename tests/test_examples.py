@@ -10,6 +10,8 @@ import pytest
 
 from mpitp import launch
 
+pytestmark = pytest.mark.both_mpis  # the README's examples under each mpiexec
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
 BLOCK = re.compile(r"```python\n# (examples/[\w.]+)\n(.*?)```", re.S)

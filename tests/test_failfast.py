@@ -13,6 +13,8 @@ import pytest
 
 from mpitp import launch
 
+pytestmark = pytest.mark.both_mpis  # what each launcher does when a rank dies
+
 FIXTURE = Path(__file__).parent / "fixtures" / "mha"
 
 RAISE = textwrap.dedent("""

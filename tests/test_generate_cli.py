@@ -9,6 +9,8 @@ import pytest
 
 from mpitp import launch
 
+pytestmark = pytest.mark.both_mpis  # generate at several TP sizes under each mpiexec
+
 FIX = Path(__file__).resolve().parent / "fixtures" / "mha"
 GEN = [sys.executable, "-m", "mpitp.cli.main", "generate"]
 

@@ -12,6 +12,8 @@ import pytest
 
 from mpitp.launch import check_not_singleton, expand_nodelist
 
+pytestmark = pytest.mark.both_mpis  # the launcher's flavour: mpiexec's flags, srun's PMI
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = ROOT / "bin"
 

@@ -5,9 +5,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from mpitp import launch
 from mpitp.backend import device_for_rank
 from mpitp.threads import VARS, choose, local_rank, local_ranks, set_default_threads
+
+pytestmark = pytest.mark.both_mpis  # the variables each launcher sets per rank
 
 CODE = (
     "import mpitp, os; from mpi4py import MPI; "

@@ -87,11 +87,11 @@ def references(ids, configs, tmp_path_factory):
 @pytest.mark.parametrize(
     "config,n,tp,mode,extra",
     [
-        ("tiny", 4, 2, "fsdp", ()),  # 2 x 2
+        pytest.param("tiny", 4, 2, "fsdp", (), marks=pytest.mark.both_mpis),  # 2 x 2: the groups' collectives
         ("tiny", 6, 2, "fsdp", ()),  # dp 3 x tp 2
         ("tiny", 4, 2, "ddp", ()),
         ("tiny", 6, 2, "ddp", ("--recompute",)),
-        ("wide", 6, 3, "zero2", ()),  # dp 2 x tp 3: 4 KV heads cut 2 + 1 + 1
+        pytest.param("wide", 6, 3, "zero2", (), marks=pytest.mark.both_mpis),  # dp 2 x tp 3: 4 KV heads cut 2 + 1 + 1
         ("wide", 4, 4, "fsdp", ()),  # tp alone
         ("qwen", 4, 2, "zero1", ()),
     ],

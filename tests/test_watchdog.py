@@ -10,6 +10,8 @@ import pytest
 
 from mpitp import launch
 
+pytestmark = pytest.mark.both_mpis  # what each launcher does when a rank hangs
+
 SCRIPT = textwrap.dedent("""
     import time, numpy as np, mpitp
     comm = mpitp.Communicator()
