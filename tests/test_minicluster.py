@@ -3,6 +3,7 @@ bridge, a 1 Gbit/s link per node): the collective suites across nodes, bytes on 
 against mpitp's counters, TP generation across nodes. Needs root and network namespaces;
 skips with the reason where they are not allowed."""
 
+import functools
 import json
 import os
 import shlex
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import netns_check
 import pytest
+import suite_report
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = [sys.executable, str(ROOT / "bin" / "mpitp-minicluster")]
@@ -85,15 +87,23 @@ def test_layout_is_the_real_one(cluster):
     assert status.returncode == 0 and "mtp-n2" in status.stdout and "1gbit" in status.stdout
 
 
-@pytest.mark.parametrize(
-    "suite", ["test_collectives.py", "test_allreduce.py", "test_hierarchical.py", "test_traffic.py"]
-)
+ACROSS = ["test_collectives.py", "test_allreduce.py", "test_hierarchical.py", "test_traffic.py"]
+
+
+@functools.cache
+def across_nodes() -> dict:
+    """The four suites in one launch of 2 nodes x 2 ranks (suite_report.run's form)."""
+    report = suite_report.new_path("mpitp-across-")
+    env = dict(ENV, MPITP_INNER="1", PYTHONHASHSEED="0", MPITP_SUITE_REPORT=str(report))
+    return suite_report.read(on_cluster(4, 2, sys.executable, *suite_report.pytest_args(ACROSS), env=env), report)
+
+
+@pytest.mark.parametrize("suite", ACROSS)
 def test_suite_across_nodes(cluster, suite):
     """Results against MPI's own and NumPy, bit-identical across ranks; the ring's
-    shared-memory and CMA channels never open across nodes (test_allreduce asserts it)."""
-    env = dict(ENV, MPITP_INNER="1", PYTHONHASHSEED="0")
-    res = on_cluster(4, 2, sys.executable, *SUITE_ARGS, f"tests/mpi/{suite}", env=env)
-    assert res.returncode == 0 and " passed" in res.stdout, res.stdout[-6000:] + res.stderr[-2000:]
+    shared-memory and CMA channels never open across nodes (test_allreduce asserts it).
+    One launch runs the four files; each is judged here on its own."""
+    suite_report.judge(f"{suite} across 2 nodes x 2 ranks", suite, across_nodes())
 
 
 def test_open_mpi_across_nodes(cluster):

@@ -5,9 +5,10 @@ the ring's MPI transport.
 One mpiexec launch per world size (and variant) runs all the files it needs: a launch pays
 Python's start, the imports and numba's cache load once, not once per file. Each file's
 outcome is still its own test here (``test_suite[test_allreduce.py-3]``), read from the
-JSON lines every rank writes as each test finishes (tests/mpi/conftest.py): a test fails
-here if it failed on any rank, and a launch that died part way (a watchdog abort, a
-timeout) fails every file it did not finish, with the launch's output.
+JSON lines every rank writes as each test finishes (tests/mpi/conftest.py,
+tests/suite_report.py): a test fails here if it failed on any rank, and a launch that died
+part way (a watchdog abort, a timeout) fails every file it did not finish, with the
+launch's output.
 
 Each launch has a time limit (MPIEXEC_TIMEOUT / --timeout, plus a kill of the whole
 process group), and ranks run with the mpitp watchdog on, so a hang fails in seconds with
@@ -17,15 +18,12 @@ fails the inner run itself: see conftest.py).
 """
 
 import functools
-import json
 import os
 import sys
-import tempfile
-import warnings
 from pathlib import Path
 
 import pytest
-from conftest import MISSING
+import suite_report
 
 from mpitp import launch
 
@@ -58,64 +56,19 @@ NO_SHM = {"MPITP_SHM": "0", "MPITP_CMA": "0"}
 
 @functools.cache
 def launch_files(n: int, files: tuple[str, ...], select: str = "", transport: str = "") -> dict:
-    """Run ``files`` in one launch of ``n`` ranks; per file, its tests' outcomes (merged over
-    ranks), the number collected, and the launch's exit code and output."""
-    report = Path(tempfile.mkdtemp(prefix=f"mpitp-suites-{n}-")) / "report"
+    """Run ``files`` in one launch of ``n`` ranks (suite_report.run's form)."""
+    report = suite_report.new_path(f"mpitp-suites-{n}-")
     env = dict(os.environ, MPITP_INNER="1", MPITP_TIMEOUT="60", PYTHONHASHSEED="0", MPITP_SUITE_REPORT=str(report))
     if transport == "mpi":
         env.update(NO_SHM)
-    argv = [sys.executable, "-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider", "--color=no"]
-    argv += ["--timeout=0", "--capture=sys"]  # fd 2 stays the launcher's: a watchdog abort's message reaches us
-    argv += ["-rs", *(["-k", select] if select else []), *(f"tests/mpi/{f}" for f in files)]
-    res = launch.run(n, argv, timeout=1500, env=env, cwd=str(ROOT))
-    collected: dict = {}
-    tests: dict = {}
-    for path in report.parent.glob("report.rank*"):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            if "collected" in rec:
-                collected = rec["collected"]
-                continue
-            t = tests.setdefault(rec["id"], {"outcome": "passed", "messages": [], "seconds": 0.0})
-            t["seconds"] = max(t["seconds"], rec["seconds"])
-            if rec["outcome"] != "passed" and t["outcome"] != "failed":
-                t["outcome"] = rec["outcome"]
-            if rec["message"] and rec["message"] not in t["messages"]:
-                t["messages"].append(rec["message"])
-    return {"res": res, "collected": collected, "tests": tests}
+    argv = [sys.executable, *suite_report.pytest_args(files, select)]
+    return suite_report.read(launch.run(n, argv, timeout=1500, env=env, cwd=str(ROOT)), report)
 
 
 def check(n: int, suite: str, files: list[str], select: str = "", transport: str = "") -> None:
     """Fail if ``suite``'s tests in that launch failed on any rank or did not all run."""
-    run = launch_files(n, tuple(files), select, transport)
-    res, mine = run["res"], {k: v for k, v in run["tests"].items() if k.split("::")[0].endswith("/" + suite)}
     where = f"{suite} at {n} ranks ({FLAVOR}{', ring over MPI' if transport else ''})"
-    failed = [f"{k}\n{chr(10).join(v['messages'])}" for k, v in mine.items() if v["outcome"] == "failed"]
-    if failed:
-        pytest.fail(f"{where}: {len(failed)} failed\n" + "\n\n".join(failed)[-12000:], pytrace=False)
-    want = run["collected"].get(suite)
-    if want is None or len(mine) < want:
-        pytest.fail(
-            f"{where}: {len(mine)} of {want} tests reported; the launch exited {res.returncode}\n--- stdout\n"
-            f"{res.stdout[-8000:]}\n--- stderr\n{res.stderr[-4000:]}",
-            pytrace=False,
-        )
-    assert any(v["outcome"] == "passed" for v in mine.values()), f"{where}: nothing passed"
-    missing = [
-        k for k, v in mine.items() if v["outcome"] == "skipped" and any(m in " ".join(v["messages"]) for m in MISSING)
-    ]
-    if os.environ.get("CI") and missing:
-        pytest.fail(f"{where}: skipped because a reference or tool is missing: {missing}", pytrace=False)
-    explained = any(v["outcome"] == "failed" for v in run["tests"].values()) or sum(run["collected"].values()) > len(
-        run["tests"]
-    )
-    if res.returncode != 0 and not explained:  # every test ran and passed, yet the launch failed
-        pytest.fail(f"{where}: every test passed but the launch exited {res.returncode}\n{res.stderr[-4000:]}")
-    skips = sorted(
-        {f"{k.split('::')[-1]}: {'; '.join(v['messages'])}" for k, v in mine.items() if v["outcome"] == "skipped"}
-    )
-    if skips:
-        warnings.warn(f"{where} skipped: " + "; ".join(skips), stacklevel=2)
+    suite_report.judge(where, suite, launch_files(n, tuple(files), select, transport))
 
 
 def launched(request, files: list[str]) -> list[str]:
