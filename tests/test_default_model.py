@@ -71,13 +71,22 @@ def test_it_knows_the_capital_of_france(model_dir):
     assert "Paris" in tok.decode(out[0][len(ids) :])
 
 
+ASK = ["--prompt", "What is the capital of France?", "--max-new-tokens", "12"]
+
+
+@pytest.fixture(scope="module")
+def tp1(model_dir):
+    """mpitp generate at TP = 1, once for the module."""
+    one = launch.run(1, GEN + ASK, timeout=300)
+    assert one.returncode == 0, one.stderr
+    return one
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_generate_cli_at_any_tp_matches_tp1(model_dir, n):
+def test_generate_cli_at_any_tp_matches_tp1(tp1, n):
     """9 query heads / 3 KV heads at 2 and 4 ranks too: uneven, GQA-aware cuts."""
-    args = ["--prompt", "What is the capital of France?", "--max-new-tokens", "12"]
-    one = launch.run(1, GEN + args, timeout=300)
-    many = launch.run(n, GEN + args, timeout=300)
-    assert one.returncode == 0 and many.returncode == 0, one.stderr + many.stderr
+    one, many = tp1, launch.run(n, GEN + ASK, timeout=300)
+    assert many.returncode == 0, many.stderr
     assert "Paris" in many.stdout
     assert many.stdout == one.stdout and f"TP={n}: prefill" in many.stderr
 
