@@ -11,8 +11,16 @@ skips."""
 import os
 
 import pytest
+from hypothesis import settings
 
 collect_ignore = [] if os.environ.get("MPITP_INNER") else ["mpi"]
+
+# Property tests in CI: derandomized, no example database, no deadline, so a run does the
+# same, known work every time (each test's own @settings still sets its example count;
+# the per-rank suites fix theirs per file). Locally hypothesis explores as it likes.
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 # Skip reasons that name something CI provides. Every one of them must fail a CI run: the
 # SLURM node-loss restart, the minicluster and the CMA tests skipped silently before
