@@ -171,6 +171,8 @@ def test_train_job_then_resume(tmp_path):
     res, out = sbatch("train.sbatch", tmp_path, **env)
     assert res.returncode == 0, res.stderr + out
     assert "train fsdp on 2 rank(s)" in out and "step 3: train loss" in out
+    # the .out file gets plain progress lines, not a bar's carriage returns
+    assert "train: step 3/3 (100%), loss " in out and "\r" not in out, out
     res, out = sbatch("train.sbatch", tmp_path, **dict(env, MPITP_STEPS="5"))
     assert res.returncode == 0, res.stderr + out
     assert "steps 3->5" in out and "step 5: train loss" in out
