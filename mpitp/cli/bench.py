@@ -109,11 +109,10 @@ def add_parser(sub) -> None:
 def _dtype(text: str) -> str:
     from argparse import ArgumentTypeError
 
-    from ..comm.mpi_types import SUPPORTED_DTYPES
+    from ..comm.mpi_types import SUPPORTED
 
-    names = {str(d): str(d) for d in SUPPORTED_DTYPES}
-    if text not in names:
-        raise ArgumentTypeError(f"unknown dtype {text!r}; choose from {', '.join(names)}")
+    if text not in SUPPORTED:
+        raise ArgumentTypeError(f"unknown dtype {text!r}; choose from {', '.join(SUPPORTED)}")
     return text
 
 

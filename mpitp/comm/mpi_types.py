@@ -7,6 +7,9 @@ floating dtypes only); ``band``/``bor``/``bxor`` are bitwise, for integers and b
 bfloat16 (``ml_dtypes``) travels as 16-bit words; each addition of two bfloat16 operands
 is computed in float32 and rounded once (ml_dtypes' ufuncs), as torch's bf16 all-reduce
 does per hop, and MPI's own call reduces it with a user op applying the same ufunc.
+ml_dtypes is imported only when bfloat16 is asked for (:func:`bfloat16`): its import takes
+about a second, which every rank of every launch would pay; a bfloat16 array is known by
+its dtype's name, so recognising one needs no import (one exists only once it is loaded).
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from __future__ import annotations
 import enum
 from functools import cache
 
-import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
@@ -51,10 +53,20 @@ class ReduceOp(str, enum.Enum):
             raise UnsupportedOperation(f"unknown reduction op {op!r}; expected one of {names}") from None
 
 
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+@cache
+def bfloat16() -> np.dtype:
+    """ml_dtypes' bfloat16 (imported on first use)."""
+    import ml_dtypes
 
-SUPPORTED_DTYPES = (BFLOAT16,) + tuple(
-    np.dtype(t)
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def is_bf16(dtype: np.dtype) -> bool:
+    return dtype.name == "bfloat16" and dtype.itemsize == 2
+
+
+SUPPORTED = ("bfloat16",) + tuple(  # the dtypes' names
+    t
     for t in (
         "float16",
         "float32",
@@ -72,6 +84,7 @@ SUPPORTED_DTYPES = (BFLOAT16,) + tuple(
         "complex128",
     )
 )
+_NATIVE = tuple(np.dtype(t) for t in SUPPORTED[1:])
 
 _UFUNC = {
     ReduceOp.SUM: "add",
@@ -96,10 +109,9 @@ _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
 def check_dtype(dtype: np.dtype) -> np.dtype:
     dtype = np.dtype(dtype)
-    if dtype not in SUPPORTED_DTYPES:
+    if dtype not in _NATIVE and not is_bf16(dtype):
         raise UnsupportedOperation(
-            f"dtype {dtype} cannot be carried by mpitp collectives; supported: "
-            + ", ".join(str(d) for d in SUPPORTED_DTYPES)
+            f"dtype {dtype} cannot be carried by mpitp collectives; supported: " + ", ".join(SUPPORTED)
         )
     return dtype
 
@@ -108,7 +120,7 @@ def check_reducible(op: ReduceOp, dtype: np.dtype) -> None:
     """Refuse combinations that have no meaning (bool sum, complex max, float xor, ...)."""
     if op in _BITWISE and dtype.kind not in "iub":
         raise UnsupportedOperation(f"op {op.value!r} is bitwise: it needs an integer or bool dtype, not {dtype}")
-    if op is ReduceOp.AVG and not (dtype.kind in "fc" or dtype == BFLOAT16):
+    if op is ReduceOp.AVG and not (dtype.kind in "fc" or is_bf16(dtype)):
         raise UnsupportedOperation(
             f"op 'avg' needs a floating dtype (an average of {dtype} is not one); use 'sum' and divide"
         )
@@ -122,8 +134,8 @@ def average(a, n: int):
     """``a / n`` in place (bfloat16 through float32, rounded once)."""
     if n == 1:
         return a
-    if a.dtype == BFLOAT16:
-        a[...] = (a.astype(np.float32) / n).astype(BFLOAT16)
+    if is_bf16(a.dtype):
+        a[...] = (a.astype(np.float32) / n).astype(a.dtype)
     else:
         a /= n
     return a
@@ -144,7 +156,7 @@ def mpi_datatype(dtype: np.dtype) -> MPI.Datatype:
     type on which MPI's own SUM/MAX/... are undefined (MPICH refuses them), so every
     reduction fell back to the Python user op."""
     dtype = np.dtype(dtype)
-    if dtype == BFLOAT16:
+    if is_bf16(dtype):
         return MPI.UINT16_T
     try:
         dt = MPI.Datatype.fromcode(dtype.char)
@@ -163,7 +175,7 @@ def inferred(dtype: np.dtype) -> bool:
     (then a plain array may be handed to MPI without a datatype)."""
     dtype = np.dtype(dtype)
     try:
-        return dtype != BFLOAT16 and MPI.Datatype.fromcode(dtype.char) == mpi_datatype(dtype)
+        return not is_bf16(dtype) and MPI.Datatype.fromcode(dtype.char) == mpi_datatype(dtype)
     except (KeyError, ValueError):
         return False
 
@@ -192,7 +204,7 @@ def _native_reduction_ok(op: ReduceOp, dtype_char: str) -> bool:
     then uses a user-defined op that applies the NumPy ufunc.
     """
     dtype = _dtype(dtype_char)
-    if dtype == BFLOAT16:  # 16-bit words to MPI: its SUM would add the bit patterns
+    if is_bf16(dtype):  # 16-bit words to MPI: its SUM would add the bit patterns
         return False
     a, b = _probe_values(dtype)
     want = ufunc(op)(a, b)
@@ -226,7 +238,13 @@ def _user_op(op: ReduceOp, dtype_char: str) -> MPI.Op:
 
 
 def _dtype(char: str) -> np.dtype:
-    return BFLOAT16 if char == BFLOAT16.char else np.dtype(char)
+    try:
+        return np.dtype(char)
+    except TypeError:  # bfloat16's "E" (NumPy knows it by its type only): ml_dtypes is loaded
+        dt = bfloat16()
+        if dt.char != char:
+            raise
+        return dt
 
 
 def mpi_op(op: ReduceOp, dtype: np.dtype) -> MPI.Op:

@@ -2,7 +2,8 @@
 
 ``rows(a, b)`` / ``cols(a, b)`` return float32 (or the requested dtype) NumPy arrays of
 just that block; safetensors reads only those bytes (``get_slice``), so a rank never
-reads the shards of other ranks. bf16 tensors are upcast through ``ml_dtypes``.
+reads the shards of other ranks. bf16 tensors are upcast through ``ml_dtypes`` (imported
+when a checkpoint holds one).
 """
 
 from __future__ import annotations
@@ -10,11 +11,6 @@ from __future__ import annotations
 from typing import Protocol
 
 import numpy as np
-
-try:  # registers bfloat16 with NumPy, so safetensors can hand bf16 tensors over
-    import ml_dtypes  # noqa: F401
-except ImportError:  # pragma: no cover
-    pass
 
 
 class TensorSource(Protocol):
@@ -56,6 +52,8 @@ class SafetensorsSource:
         self._slice = handle.get_slice(name)
         self.shape = tuple(self._slice.get_shape())
         self.bytes_read = 0
+        if self.type_name == "BF16":  # safetensors hands bf16 over as ml_dtypes' type (imported only then:
+            import ml_dtypes  # noqa: F401  # its import costs every rank about a second)
 
     def _take(self, block) -> np.ndarray:
         self.bytes_read += block.nbytes
