@@ -136,7 +136,8 @@ def _block_bytes(model) -> int:
 
 def test_grammar_bounds_what_a_schema_leaves_unbounded():
     """The grammar a schema compiles to refuses a 17th integer digit, an 11th fraction digit
-    and a run of 21 spaces (a small model may otherwise write them until max_tokens), keeps
+    and whitespace beyond one space or a newline and 20 of indent (a small model may
+    otherwise write them until max_tokens), keeps
     the bounds a schema states, and json_object takes any JSON object, nested, held to the
     same bounds."""
     import pytest
@@ -158,7 +159,8 @@ def test_grammar_bounds_what_a_schema_leaves_unbounded():
     assert accepts(obj, '{"n": ' + "9" * 16 + ', "x": 0.' + "1" * 10 + "}")
     assert not accepts(obj, '{"n": ' + "9" * 17)
     assert not accepts(obj, '{"n": 1, "x": 0.' + "1" * 11)
-    assert accepts(obj, '{"n":' + " " * 20 + "1}") and not accepts(obj, '{"n":' + " " * 21)
+    assert accepts(obj, '{"n": 1}') and not accepts(obj, '{"n":  1}')  # one space, or a newline and an indent
+    assert accepts(obj, '{"n":\n' + " " * 20 + "1}") and not accepts(obj, '{"n":\n' + " " * 21)
     small = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 5}}}
     assert accepts(small, '{"n": 5}') and not accepts(small, '{"n": 6}')  # the schema's own bound stays
     assert accepts(ANY_OBJECT, '{"a": [1, -2.5, {"b": null}], "c": "x", "d": true}')
