@@ -1,4 +1,4 @@
-"""The sbatch scripts in slurm/, run for real with sbatch --wait against a live
+"""The sbatch scripts in slurm/, run for real (submitted, waited for: slurm_jobs.py) against a live
 slurmctld/slurmd (.ci/run starts one with slurm/testbed.sh; elsewhere these skip).
 Each job's output is kept in $MPITP_SLURM_DIR/out for the CI log."""
 
@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import slurm_jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 SLURM_DIR = Path(os.environ.get("MPITP_SLURM_DIR", "/tmp/mpitp-slurm"))
@@ -41,7 +42,7 @@ def sbatch(script: str, tmp_path: Path, *opts: str, venv: str | None = None, **e
     for k in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID"):
         e.pop(k, None)
     out = tmp_path / "job.out"
-    res = subprocess.run(
+    res = slurm_jobs.run(
         ["sbatch", "--wait", f"--output={out}", f"--chdir={tmp_path}", *opts, str(ROOT / "slurm" / script)],
         capture_output=True,
         text=True,
@@ -80,7 +81,7 @@ def test_three_ranks_overcommitted_through_the_launcher(tmp_path):
         os.environ, SLURM_CONF=CONF, PYTHON=sys.executable, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"
     )
     out = tmp_path / "job.out"
-    res = subprocess.run(
+    res = slurm_jobs.run(
         [
             "sbatch",
             "--wait",
@@ -110,7 +111,7 @@ def test_plain_srun_singletons_are_refused(tmp_path):
 def test_one_process_in_the_batch_step_is_not_a_singleton_error(tmp_path):
     e = dict(os.environ, SLURM_CONF=CONF)
     out = tmp_path / "one.out"
-    res = subprocess.run(
+    res = slurm_jobs.run(
         ["sbatch", "--wait", "--ntasks=2", f"--output={out}", f"--wrap={sys.executable} -m mpitp.cli.main info"],
         capture_output=True,
         text=True,
@@ -124,7 +125,7 @@ def test_one_process_in_the_batch_step_is_not_a_singleton_error(tmp_path):
 
 def test_hostfile_from_allocation(tmp_path):
     e = dict(os.environ, SLURM_CONF=CONF, PYTHON=sys.executable)
-    res = subprocess.run(
+    res = slurm_jobs.run(
         [
             "sbatch",
             "--wait",
@@ -191,7 +192,7 @@ def test_a_failing_rank_ends_the_srun_job(tmp_path, case):
         os.environ, SLURM_CONF=CONF, PYTHON=sys.executable, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"
     )
     out = tmp_path / "job.out"
-    res = subprocess.run(
+    res = slurm_jobs.run(
         [
             "sbatch",
             "--wait",
@@ -227,7 +228,7 @@ def test_threads_follow_cpus_per_task_under_srun(tmp_path, tasks, cpus):
     e = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     e["SLURM_CONF"] = CONF
     out = tmp_path / "t.out"
-    res = subprocess.run(
+    res = slurm_jobs.run(
         [
             "sbatch",
             "--wait",

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import netns_check
 import pytest
+import slurm_jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 NODES_DIR = Path(os.environ.get("MPITP_SLURM_DIR", "/tmp/mpitp-slurm") + "-nodes")
@@ -41,8 +42,9 @@ def nodes():
     subprocess.run([sys.executable, str(ROOT / "bin" / "mpitp-minicluster"), "down"], capture_output=True, timeout=60)
 
 
-def start(tmp_path: Path, *opts: str, venv: Path | None = None, nodes: int = 2, **env) -> subprocess.Popen:
-    """sbatch --wait of a job on ``nodes`` nodes x 2 tasks, its output in tmp_path/job.out."""
+def start(tmp_path: Path, *opts: str, venv: Path | None = None, nodes: int = 2, **env) -> slurm_jobs.Job:
+    """A job on ``nodes`` nodes x 2 tasks, submitted (slurm_jobs.Job: waited for as sbatch
+    --wait would, without its 10-second polls), its output in tmp_path/job.out."""
     e = dict(
         os.environ,
         SLURM_CONF=str(CONF),
@@ -54,13 +56,11 @@ def start(tmp_path: Path, *opts: str, venv: Path | None = None, nodes: int = 2, 
     )
     for k in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "MPITP_RANKS_PER_NODE"):
         e.pop(k, None)
-    argv = ["sbatch", "--wait", f"--nodes={nodes}", "--ntasks-per-node=2", f"--output={tmp_path / 'job.out'}"]
-    return subprocess.Popen(
-        [*argv, f"--chdir={tmp_path}", *opts], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e
-    )
+    argv = ["sbatch", f"--nodes={nodes}", "--ntasks-per-node=2", f"--output={tmp_path / 'job.out'}"]
+    return slurm_jobs.Job([*argv, f"--chdir={tmp_path}", *opts], e)
 
 
-def finish(job: subprocess.Popen, tmp_path: Path, timeout: float = 600) -> str:
+def finish(job: slurm_jobs.Job, tmp_path: Path, timeout: float = 600) -> str:
     """Wait for the job; keep its output for the CI log; fail on a non-zero exit."""
     try:
         _, err = job.communicate(timeout=timeout)
