@@ -98,12 +98,13 @@ def test_more_ranks_than_heads_is_refused_with_the_numbers(model_dir):
 
 
 def test_kept_as_the_file_stores_it_equals_the_dequantized_model(model_dir):
-    """The file's Q4_1 layers and Q8_0 embedding, read by the kernels, against the float32
-    model of the same weights dequantized by the gguf package: logits within 1e-4 of their
-    scale, the same greedy tokens; 106 MiB held instead of 621 MiB."""
+    """The file's Q4_1 layers and Q8_0 embedding, read by the kernels with float32
+    activations (the exact path), against the float32 model of the same weights
+    dequantized by the gguf package: logits within 1e-4 of their scale, the same greedy
+    tokens; 106 MiB held instead of 621 MiB."""
     from mpitp.models.llama import LlamaForCausalLM
 
-    blocks = LlamaForCausalLM.from_pretrained(model_dir)
+    blocks = LlamaForCausalLM.from_pretrained(model_dir, activations="float32")
     floats = LlamaForCausalLM.from_pretrained(model_dir, weights="float32")
     assert set(blocks.weight_formats()) == {"Q4_1", "Q8_0"} and blocks.weight_bytes() < 112 * 2**20
     ids = [[1, 504, 3575, 282, 4649, 314], [1, 19556, 905, 253, 655]]
@@ -133,3 +134,48 @@ def test_fine_tuning_starts_from_the_files_weights(model_dir, tmp_path):
     want = -np.take_along_axis(logp, targets[..., None], -1).mean()
     assert 0 < want < 5  # a trained model on plain English (a fresh one gives ln(49152) = 10.8)
     assert abs(got - want) <= 1e-4 * want
+
+
+TEXT = (
+    "The Rhine rises in the Swiss Alps and flows north through Germany and the Netherlands to the "
+    "North Sea. For centuries it carried timber, coal and grain, and the towns along its banks grew "
+    "rich on tolls. Today barges still move goods between Basel and Rotterdam, while tourists take "
+    "boats past the castles of the Middle Rhine. The river has also been a border: Romans built forts "
+    "along it, and later kingdoms fought over the land on either side of it. In winter the water runs "
+    "low and slow; in spring, when the snow melts in the mountains, it can rise by several metres in a "
+    "few days and flood the old quarters of Cologne."
+)
+
+
+def test_int8_activations_keep_the_accuracy_rule_on_the_default_model(model_dir):
+    """Teacher-forced over a paragraph of English (> 100 positions) against the same file
+    with float32 activations (DESIGN.md §10): one int8 digit (ggml's scheme) within mean
+    KL 5e-3, max 3e-2 and the same top-1 token wherever the float model's top-2 margin
+    exceeds 0.5; two digits (the default) within 1e-5 and the same top-1 wherever the
+    margin exceeds 0.01."""
+    from mpitp.kernels.cpu import supported
+    from mpitp.models.llama import LlamaForCausalLM
+    from mpitp.models.resolve import tokenizer
+
+    ids = np.array([tokenizer(model_dir).encode(TEXT).ids])
+    T = ids.shape[1]
+    assert T > 100
+
+    def log_probs(activations):
+        m = LlamaForCausalLM.from_pretrained(model_dir, activations=activations)
+        cache = m.new_cache(1, T)
+        cache.valid[:] = True
+        z = m.forward(ids, np.arange(T)[None], cache)[0].astype(np.float64)
+        z -= z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True)), m.arithmetic()
+
+    ref, how = log_probs("float32")
+    assert how == "float32 activations"
+    top2 = np.sort(ref, -1)[:, -2:]
+    margin = top2[:, 1] - top2[:, 0]
+    for mode, mean_kl, max_kl, sure in (("int8", 5e-3, 3e-2, 0.5), ("int8x2", 1e-5, 1e-5, 0.01)):
+        out, how = log_probs(mode)
+        assert how == f"{mode} activations ({supported()[0]})"
+        kl = (np.exp(ref) * (ref - out)).sum(-1)
+        flips = (ref.argmax(-1) != out.argmax(-1)) & (margin > sure)
+        assert kl.mean() <= mean_kl and kl.max() <= max_kl and not flips.any(), (mode, kl.mean(), kl.max(), flips.sum())

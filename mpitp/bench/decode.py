@@ -68,14 +68,14 @@ def step_times(model, comm, batches=BATCHES, context: int = 32, reps: int = 30) 
     return out
 
 
-def run(comm, model_name: str | None, weights: str, batches=BATCHES, say=print) -> dict:
+def run(comm, model_name: str | None, weights: str, batches=BATCHES, say=print, activations: str | None = None) -> dict:
     """Load the model (``None``: the default one) with ``weights``, time the steps, print
     the table on rank 0; returns the figures."""
     from ..models.llama import LlamaForCausalLM
     from ..models.resolve import model_dir
 
     path = model_dir(model_name, comm)
-    model = LlamaForCausalLM.from_pretrained(str(path), comm=comm, weights=weights)
+    model = LlamaForCausalLM.from_pretrained(str(path), comm=comm, weights=weights, activations=activations)
     held = comm.allgather_object(model.weight_bytes())
     streamed = comm.allreduce_object(model.streamed_bytes(), op="max")
     kinds = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(model.weight_formats().items()))
@@ -85,7 +85,7 @@ def run(comm, model_name: str | None, weights: str, batches=BATCHES, say=print) 
     steps = step_times(model, comm, batches)
     bw_floor = streamed / (ceiling * 1e9)
     floors = {B: max(bw_floor, B * madds / rate) for B in batches}
-    say(f"# mpitp bench decode: {path.name}, TP={comm.size}, --weights {weights}")
+    say(f"# mpitp bench decode: {path.name}, TP={comm.size}, --weights {weights}, {model.arithmetic()}")
     say(f"# weights per rank: {', '.join(f'{b / 2**20:.1f}' for b in held)} MiB (rank 0: {kinds})")
     say(
         f"# streamed per step by the busiest rank {streamed / 2**20:.1f} MiB; read bandwidth {ceiling:.2f} GB/s "

@@ -195,7 +195,13 @@ def run(args) -> int:
         if args.collective == "decode":
             from ..bench import decode
 
-            res = decode.run(comm, args.model, args.weights, say=print if comm.rank == 0 else (lambda *a, **k: None))
+            res = decode.run(
+                comm,
+                args.model,
+                args.weights,
+                activations=args.activations,
+                say=print if comm.rank == 0 else (lambda *a, **k: None),
+            )
             if args.json and comm.rank == 0:
                 with open(args.json, "w") as f:
                     json.dump(res, f, indent=1)

@@ -35,6 +35,16 @@ def add_weights_argument(p) -> None:
         "float32), float32 = dequantized, "
         "q8_0 = quantized at load (default auto)",
     )
+    p.add_argument(
+        "--activations",
+        default=None,
+        choices=["auto", "int8", "int8x2", "float32"],
+        help="how block weights multiply: int8 = each matmul input quantized to int8 blocks of 32 (as "
+        "llama.cpp does) and integer dot products (AVX-VNNI/AVX512-VNNI, AVX2, or portable); int8x2 = two "
+        "int8 digits per value (what one leaves, quantized again: ~15 bits, the same kernels); float32 = "
+        "float32 inputs, the exact reference; auto = int8x2 where the CPU has VNNI or AVX2, else float32 "
+        "(default: $MPITP_ACTIVATIONS or auto; $MPITP_ISA forces an instruction set)",
+    )
 
 
 def add_parser(sub) -> None:
@@ -130,7 +140,7 @@ def _generate(args, comm, LlamaForCausalLM) -> int:
         raise GenerationError(f"--max-batch must be at least 1, got {args.max_batch}")
     tok = tokenizer(Path(args.model))
     model = LlamaForCausalLM.from_pretrained(
-        args.model, comm=comm, dtype=args.dtype, device=args.device, weights=args.weights
+        args.model, comm=comm, dtype=args.dtype, device=args.device, weights=args.weights, activations=args.activations
     )
     if tok.get_vocab_size(with_added_tokens=True) > model.config.vocab_size:
         from ..log import get_logger
@@ -188,7 +198,7 @@ def _generate(args, comm, LlamaForCausalLM) -> int:
             f"weights per rank {', '.join(f'{b / 2**20:.1f} MiB' for b in per_rank)} "
             f"({' + '.join(f'{k} {v / 2**20:.1f}' for k, v in model.weight_formats().items())} on rank 0); "
             f"decode at {streamed * s['decode_tokens_per_s'] / (ceiling * 1e9):.0%} of the memcpy ceiling "
-            f"({ceiling:.1f} GB/s per rank, all ranks copying)",
+            f"({ceiling:.1f} GB/s per rank, all ranks copying); {model.arithmetic()}",
             file=sys.stderr,
         )
     return 0

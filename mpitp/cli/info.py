@@ -31,6 +31,7 @@ def collect(comm) -> dict:
 
     per, why = threads.CHOICE
     return {
+        **_cpu(),
         "mpitp": __version__,
         "python": platform.python_version(),
         "mpi4py": mpi4py.__version__,
@@ -48,6 +49,19 @@ def collect(comm) -> dict:
         "cuda_aware_mpi": backend.cuda_aware_mpi(),
         **backend.versions(),
     }
+
+
+def _cpu() -> dict:
+    """The CPU as the int8 kernels see it (llvmlite comes with numba; absent, none)."""
+    try:
+        from ..kernels import cpu
+    except ImportError:
+        return {"cpu": None, "int8_isas": [], "int8_isa": None, "activations": "float32"}
+    try:
+        chosen, act = cpu.isa(), cpu.activations()
+    except ValueError as e:
+        chosen, act = f"error: {e}", "error"
+    return {"cpu": cpu.host()[0], "int8_isas": list(cpu.supported()), "int8_isa": chosen, "activations": act}
 
 
 def mpi_library_path() -> tuple[str | None, str]:
@@ -88,6 +102,10 @@ def _info(args, comm) -> int:
             per = data["threads_per_rank"]
             print(f"BLAS threads:   {per if per else 'unchanged'} per rank ({data['threads_reason']})")
             print(f"world size:     {data['world_size']}")
+            print(
+                f"CPU:            {data['cpu']}; int8 dot products: {', '.join(data['int8_isas']) or 'none'}; "
+                f"in use: {data['int8_isa']}; activations of block weights: {data['activations']}"
+            )
             aware = "yes" if data["cuda_aware_mpi"] else "no (device arrays are staged through host memory)"
             print(f"CUDA-aware MPI: {aware}")
             print(f"numpy {data['numpy']}, cupy {data['cupy'] or 'not installed'}")

@@ -79,7 +79,9 @@ def _serve(args, comm) -> int:
         print(f"mpitp serve: no --model and no default model ({default.INSTALL})", file=sys.stderr)
         return 2
     model_dir = resolve.model_dir(args.model or None, comm)
-    model = LlamaForCausalLM.from_pretrained(str(model_dir), comm=comm, dtype=args.dtype, weights=args.weights)
+    model = LlamaForCausalLM.from_pretrained(
+        str(model_dir), comm=comm, dtype=args.dtype, weights=args.weights, activations=args.activations
+    )
     context = model.config.max_position_embeddings
     if args.max_model_len is not None and args.max_model_len > context:
         raise SystemExit(f"mpitp serve: --max-model-len {args.max_model_len} exceeds the model's context {context}")

@@ -40,6 +40,7 @@ class BlockWeight:
     d: np.ndarray | None  # None for f16/bf16
     m: np.ndarray | None
     source: str  # the file's type name (Q4_1, Q8_0, Q6_K->Q8_0, ...)
+    layout = "planar"  # (int8 kernels' tiles: mpitp.kernels.tiles)
 
     @property
     def shape(self) -> tuple[int, int]:

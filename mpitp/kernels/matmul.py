@@ -273,6 +273,8 @@ def warm(kind: str) -> None:
 
 
 def dequantize_rows(w, r0: int, r1: int) -> np.ndarray:
+    if getattr(w, "layout", "") == "tiles":  # int8 kernels' layout (:mod:`.tiles`)
+        return dequantize_rows(w.planar(r0, r1), 0, r1 - r0)
     out = np.empty((r1 - r0, w.shape[1]), np.float32)
     if w.kind in ("f16", "bf16"):
         from .half import half_dequantize
@@ -288,6 +290,10 @@ def dequantize_rows(w, r0: int, r1: int) -> np.ndarray:
 def take(w, ids: np.ndarray) -> np.ndarray:
     """Rows ``ids`` (1-D int64; -1 for a zero row) of ``w`` as float32 [len(ids), K]."""
     out = np.empty((ids.shape[0], w.shape[1]), np.float32)
+    if getattr(w, "layout", "") == "tiles":
+        for t, i in enumerate(ids):
+            out[t] = 0 if i < 0 else dequantize_rows(w, int(i), int(i) + 1)[0]
+        return out
     if w.kind in ("f16", "bf16"):
         from .half import half_take
 
@@ -303,6 +309,10 @@ def bind(w):
     """``(f, rows)``: ``f(x, y)`` writes ``x @ w.T`` into ``y`` [M, N] for a C-contiguous
     float32 ``x`` [M, K] of at most ``rows`` rows, the kernel chosen once (a decode step
     calls ~120 of them: :mod:`mpitp.models.decode_step`)."""
+    if getattr(w, "layout", "") == "tiles":
+        from . import int8
+
+        return int8.Bound(w), int8.SMALL
     if w.kind in ("f16", "bf16"):
         from .half import half_small
 
@@ -314,10 +324,15 @@ def bind(w):
 
 def matmul(x: np.ndarray, w) -> np.ndarray:
     """``x [..., K] @ w.T`` -> float32 [..., N] for a planar weight ``w`` [N, K]."""
-    N = w.qs.shape[0]
+    N = w.shape[0]
     x2 = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
     if x2.dtype != np.float32 or not x2.flags.c_contiguous:
         x2 = np.ascontiguousarray(x2, dtype=np.float32)
+    if getattr(w, "layout", "") == "tiles":
+        from . import int8
+
+        y = int8.matmul(x2, w)
+        return y if x.ndim == 2 else y.reshape(*x.shape[:-1], y.shape[1])
     M = x2.shape[0]
     y = np.empty((M, N), np.float32)
     half = w.kind in ("f16", "bf16")

@@ -226,6 +226,7 @@ class LlamaForCausalLM:
     def __init__(self, config: LlamaConfig, comm=None, dtype="float32", xp=np, weights: str = "float32"):
         self.config, self.comm, self.xp, self.dtype = config, comm, xp, np.dtype(dtype)
         self.weights = weights if xp is np else "float32"  # how matmul weights are kept (loader.WEIGHTS)
+        self.activations = "float32"  # of block weights' matmuls: int8 or float32 (set by the loader)
         c = config
         self.rotary = Rotary(
             c.head_dim, c.rope_theta, c.rope_scaling, min(c.max_position_embeddings, 4096), xp=xp, dtype=np.float32
@@ -253,11 +254,19 @@ class LlamaForCausalLM:
 
     @classmethod
     def from_pretrained(
-        cls, path, comm=None, dtype: str = "float32", device: str = "cpu", weights: str = "auto"
+        cls,
+        path,
+        comm=None,
+        dtype: str = "float32",
+        device: str = "cpu",
+        weights: str = "auto",
+        activations: str | None = None,
     ) -> LlamaForCausalLM:
         from .loader import load_pretrained
 
-        return load_pretrained(cls, path, comm=comm, dtype=dtype, device=device, weights=weights)
+        return load_pretrained(
+            cls, path, comm=comm, dtype=dtype, device=device, weights=weights, activations=activations
+        )
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         a = self.layers[0].self_attn
@@ -365,12 +374,40 @@ class LlamaForCausalLM:
             get_logger("models").warning(f"some weights kept as float32 on this rank: {'; '.join(sorted(why))}")
         if self.weights != "float32":  # block weights in reading order: the layers', then the head's
             mods = [m for _, m in self.named_modules() if getattr(m, "qweight", None) is not None]
+            if self.activations.startswith("int8"):
+                self._tile(mods, 2 if self.activations == "int8x2" else 1)
             self._arena = pack_blocks(mods[1:] + mods[:1] if mods and mods[0] is self.embed_tokens else mods)
             if mods:
                 from ..kernels.matmul import warm
 
                 for kind in sorted({m.qweight.kind for m in mods}):
                     warm(kind)
+                if self.activations.startswith("int8"):
+                    from ..kernels import int8
+
+                    for kind in sorted({m.qweight.kind for m in mods if m.qweight.layout == "tiles"}):
+                        int8.warm(kind, 2 if self.activations == "int8x2" else 1)
+
+    def arithmetic(self) -> str:
+        """What the matmuls multiply, for the ``[mpitp]`` line: "int8 activations (avx2)"."""
+        if self.weights == "float32" or self.activations == "float32":
+            return "float32 activations"
+        from ..kernels.cpu import isa
+
+        return f"{self.activations} activations ({isa()})"
+
+    @staticmethod
+    def _tile(mods, digits: int) -> None:
+        """q4/q8 weights into the int8 kernels' tiles (a tied head's once, shared)."""
+        from ..kernels.tiles import repack
+
+        done: dict[int, object] = {}
+        for m in mods:
+            w = m.qweight
+            if w.kind in ("q4", "q8"):
+                if id(w) not in done:
+                    done[id(w)] = repack(w, digits)
+                m.qweight = done[id(w)]
 
     @staticmethod
     def _held(m) -> list:

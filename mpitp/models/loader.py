@@ -141,11 +141,21 @@ def _holds_16_bit(path: Path) -> bool:
     return False
 
 
-def load_pretrained(cls, path, comm=None, dtype: str = "float32", device: str = "cpu", weights: str = "auto"):
+def load_pretrained(
+    cls,
+    path,
+    comm=None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    weights: str = "auto",
+    activations: str | None = None,
+):
     """``weights``: ``auto`` keeps the tensors as the files store them (GGUF block formats,
     F16 and BF16 of GGUF or safetensors; float32 stays float32), ``float32`` widens everything, ``q8_0`` quantizes
     the matmul weights at load. On a GPU, weights are always ``dtype`` (quantized files
-    dequantize)."""
+    dequantize). ``activations`` (int8, float32, auto: :func:`mpitp.kernels.cpu.activations`)
+    says how block weights multiply: int8 activations with the weights repacked in tiles
+    (:mod:`mpitp.kernels.int8`), or float32 activations, the exact reference."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such directory")
@@ -172,5 +182,12 @@ def load_pretrained(cls, path, comm=None, dtype: str = "float32", device: str = 
     elif weights == "auto" and not is_gguf_dir(path) and not _holds_16_bit(path):
         weights = "float32"  # a float32 checkpoint: nothing to keep, and the MLP's cut needs no blocks
     model = cls(cfg, comm=comm, dtype=dtype, xp=xp, weights=weights)
+    if weights != "float32":
+        from ..kernels.cpu import activations as resolve
+
+        try:
+            model.activations = resolve(activations)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     model.load_info = load_weights(model, path)
     return model

@@ -1,0 +1,72 @@
+"""Which integer dot-product instructions this CPU has, decided once per process.
+
+The int8 kernels (:mod:`.int8`) come in three instruction sets, as ggml's CPU backend::
+
+    vnni      vpdpbusd: 32 u8×s8 products summed in fours into 8 int32 lanes, one
+              instruction (AVX512-VNNI with AVX512-VL, or AVX-VNNI)
+    avx2      vpmaddubsw (u8×s8 pairs -> int16) + vpmaddwd (pairs -> int32): two
+    portable  the same sums in plain LLVM vector arithmetic, for any CPU LLVM targets
+
+``MPITP_ISA`` (vnni, avx2, portable) forces one; asking for instructions the CPU lacks is
+an error, not a crash. The features are LLVM's view of the host (what the JIT may use).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+ISAS = ("vnni", "avx2", "portable")
+
+
+@lru_cache(maxsize=1)
+def host() -> tuple[str, frozenset[str]]:
+    """(LLVM's name for this CPU, its enabled features)."""
+    import llvmlite.binding as llvm
+
+    feats = llvm.get_host_cpu_features()
+    return llvm.get_host_cpu_name(), frozenset(k for k, on in feats.items() if on)
+
+
+def supported(features: frozenset[str] | None = None) -> tuple[str, ...]:
+    """The instruction sets this CPU can run, best first."""
+    f = host()[1] if features is None else features
+    out = []
+    if "avx2" in f and ("avxvnni" in f or {"avx512vnni", "avx512vl"} <= f):
+        out.append("vnni")
+    if "avx2" in f:
+        out.append("avx2")
+    out.append("portable")
+    return tuple(out)
+
+
+def isa(environ=os.environ) -> str:
+    """The instruction set the kernels use: ``MPITP_ISA`` if set, else the best there is."""
+    want = environ.get("MPITP_ISA", "").strip().lower()
+    have = supported()
+    if not want:
+        return have[0]
+    if want not in ISAS:
+        raise ValueError(f"MPITP_ISA={want!r}: choose one of {', '.join(ISAS)}")
+    if want not in have:
+        raise ValueError(f"MPITP_ISA={want}: this CPU ({host()[0]}) has only {', '.join(have)}")
+    return want
+
+
+ACTIVATIONS = ("auto", "int8", "int8x2", "float32")
+
+
+def activations(choice: str | None = None, environ=os.environ) -> str:
+    """How block weights' matmul inputs are held: ``int8`` (one int8 digit per value, as
+    ggml quantizes them), ``int8x2`` (two digits, ~15 bits: the same integer kernels, a
+    second row of x each) or ``float32`` (the exact reference path). ``auto`` (the default,
+    or ``MPITP_ACTIVATIONS``) is int8x2 where the CPU has integer dot products (vnni,
+    avx2) and float32 elsewhere: one digit moves the default model's logits by a mean KL
+    of ~4e-3 and flips near-ties (it answers README's question differently), two digits by
+    ~1e-7, at a fraction of one digit's speed-up lost (docs/measurements.md)."""
+    choice = (choice or environ.get("MPITP_ACTIVATIONS", "") or "auto").strip().lower()
+    if choice not in ACTIVATIONS:
+        raise ValueError(f"activations {choice!r}: one of {', '.join(ACTIVATIONS)}")
+    if choice == "auto":
+        return "int8x2" if isa(environ) != "portable" else "float32"
+    return choice

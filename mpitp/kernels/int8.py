@@ -1,0 +1,107 @@
+"""``y = x @ Wᵀ`` with int8 activations, for weights in tiles (:mod:`.tiles`).
+
+x is quantized once per call (:mod:`.quantize`), then one compiled kernel (:mod:`.jit`,
+:mod:`.int8_ir`) per row count R in 1, 2, 4, 8, 16 walks the weights once for all rows
+(a row count in between runs the next R up; its extra rows are not stored). More than 16
+rows (prefill) go 16 at a time over column tiles of the weight small enough to stay in
+the cache while every chunk of rows passes over them (an int8 GEMM in tiles)::
+
+    for each span of TILES×8 output rows:      weights read from memory once
+        for each 16 rows of x:                 ... and reused from cache M/16 times
+            kernel r16(span, rows) -> y[rows, span]
+
+The result equals the float64 product of the dequantized int8 x and the weights up to
+float32 summation order (tests/test_int8.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import cpu, jit
+from .quantize import quantize_rows, quantize_rows2
+from .tiles import ROWS, TiledWeight
+
+KERNEL_ROWS = (1, 2, 4, 8, 16)
+SMALL = KERNEL_ROWS[-1]
+SPAN = 64  # tiles (of 8 rows) per column span in prefill: 512 rows
+
+
+def _ptr(a) -> int:
+    return 0 if a is None else a.ctypes.data
+
+
+def kernels(kind: str, digits: int = 1, isa: str | None = None) -> dict[int, Any]:
+    """The compiled kernels of one weight kind and digits of x, by row count."""
+    isa = isa or cpu.isa()
+    return dict(zip(KERNEL_ROWS, jit.functions([(kind, isa, r, digits) for r in KERNEL_ROWS])))
+
+
+def _quantizer(digits: int):
+    return quantize_rows if digits == 1 else quantize_rows2
+
+
+def rows_for(m: int) -> int:
+    return next(r for r in KERNEL_ROWS if r >= m)
+
+
+class Bound:
+    """``f(x, y)`` for one weight: quantization buffers allocated once, the kernel of each
+    row count looked up once, every pointer but x's quantized rows and y fixed."""
+
+    def __init__(self, w: TiledWeight, isa: str | None = None):
+        self.w, self.k, self.quantize = w, kernels(w.kind, w.digits, isa), _quantizer(w.digits)
+        N, K = w.shape
+        self.T, self.nb = w.qs.shape[0], K // 32
+        P = SMALL * w.digits
+        self.xq = np.zeros((P, K), np.int8)  # rows past M may hold old values: not stored
+        self.xd = np.zeros((P, self.nb), np.float32)
+        self.xs = np.zeros((P, self.nb), np.float32)
+        self.wp = (_ptr(w.qs), _ptr(w.d), _ptr(w.m))
+        self.xp = (_ptr(self.xq), _ptr(self.xd), _ptr(self.xs))
+        self.pad = np.empty((SMALL, self.T * ROWS), np.float32) if self.T * ROWS != N else None
+
+    def __call__(self, x: np.ndarray, y: np.ndarray) -> None:
+        M = x.shape[0]
+        self.quantize(x, self.xq, self.xd, self.xs)
+        out = y if self.pad is None else self.pad
+        self.k[rows_for(M)](*self.wp, *self.xp, out.ctypes.data, self.T, self.nb, M, out.shape[1])
+        if self.pad is not None:
+            y[:, :] = self.pad[:M, : y.shape[1]]
+
+
+def matmul(x2: np.ndarray, w: TiledWeight, isa: str | None = None) -> np.ndarray:
+    """float32 [M, K] C-contiguous @ w.T -> float32 [M, N], any M."""
+    M, K = x2.shape
+    N = w.shape[0]
+    T, nb = w.qs.shape[0], K // 32
+    if M <= SMALL:
+        y = np.empty((M, N), np.float32)
+        Bound(w, isa)(x2, y)
+        return y
+    D = w.digits
+    k = kernels(w.kind, D, isa)[SMALL]
+    P = -(-M // SMALL) * SMALL * D
+    xq = np.zeros((P, K), np.int8)
+    xd = np.zeros((P, nb), np.float32)
+    xs = np.zeros((P, nb), np.float32)
+    _quantizer(D)(x2, xq, xd, xs)
+    Y = np.empty((M, T * ROWS), np.float32)
+    tile_bytes = [w.qs[0].nbytes, w.d[0].nbytes, 0 if w.m is None else w.m[0].nbytes]
+    for t0 in range(0, T, SPAN):
+        span = min(SPAN, T - t0)
+        wp = [_ptr(a) + t0 * s if a is not None else 0 for a, s in zip((w.qs, w.d, w.m), tile_bytes)]
+        for r0 in range(0, M, SMALL):
+            xp = (_ptr(xq) + r0 * D * K, _ptr(xd) + r0 * D * nb * 4, _ptr(xs) + r0 * D * nb * 4)
+            yp = Y.ctypes.data + (r0 * T * ROWS + t0 * ROWS) * 4
+            k(*wp, *xp, yp, span, nb, min(SMALL, M - r0), T * ROWS)
+    return Y if T * ROWS == N else np.ascontiguousarray(Y[:, :N])
+
+
+def warm(kind: str, digits: int = 1) -> None:
+    """Compile this kind's kernels now (at load), not in the first forward."""
+    kernels(kind, digits)
+    x = np.zeros((1, 32), np.float32)
+    _quantizer(digits)(x, np.zeros((2, 32), np.int8), np.zeros((2, 1), np.float32), np.zeros((2, 1), np.float32))

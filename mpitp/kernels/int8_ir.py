@@ -1,0 +1,254 @@
+"""LLVM IR of the int8 matmul kernels: ``y = x @ Wᵀ`` with x quantized to int8 blocks.
+
+numba cannot emit the integer dot-product instructions (its int8 products widen to
+int64), so these kernels are written as LLVM IR, built here from a template, compiled by
+:mod:`.jit` with llvmlite (numba's own LLVM) and called through ctypes (which releases the
+GIL). One function per (weight format, instruction set, rows of x R, output rows C)::
+
+    for n in 0, C, 2C, ... N-C:                    weights walked once, C rows at a time
+        for b in blocks of 32 along K:
+            w_c  = block b of row n+c, as 32 bytes  (q4: nibbles 0..15 unsigned; q8: |w|)
+            for r < R:  isum = Σ₃₂ w_c · xq_r        <8 x i32>: 4 consecutive k per lane
+                        acc[c, r] += float(isum) · (d[n+c, b] · xd[r, b])      8 float lanes
+                        t[c, r]   += m[n+c, b] · xs[r, b]                     (q4 minimum)
+        y[r, n+c] = Σ lanes acc[c, r] + t[c, r]       for r < M (rows ≥ M are padding)
+
+The weights (:mod:`.formats`)::
+
+    q4  qs [N, K/2] u8: byte j of block b = k 32b+j (low nibble) and 32b+16+j (high)
+        d, m [N, K/32] f32                       w = d·q + m   (Q4_0: m = -8d)
+    q8  qs [N, K] i8, d [N, K/32] f32            w = d·q
+
+and the activations (:mod:`.quantize`): xq [R, K] i8, xd [R, K/32] f32 (w = xd·xq),
+xs [R, K/32] f32 = xd·Σ xq of the block (what the minimum multiplies).
+
+``isum`` in each instruction set (products and pair sums stay below 2¹⁵, so the 16-bit
+step of avx2 never saturates and all three give the same integers)::
+
+    vnni      vpdpbusd(0, w, x)
+    avx2      vpmaddwd(vpmaddubsw(w, x), 1)
+    portable  (zext w · sext x) as i16, neighbours added twice -> <8 x i32>
+
+q8's weights are signed: the unsigned operand is |w| and x takes w's sign (ggml's trick).
+"""
+
+from __future__ import annotations
+
+SIGNATURE = "ptr %qs, ptr %d, ptr %m, ptr %xq, ptr %xd, ptr %xs, ptr %y, i64 %T, i64 %nb, i64 %M, i64 %ldy"
+
+DECLARE = """
+declare <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8>, <32 x i8>)
+declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)
+declare <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32>, <32 x i8>, <32 x i8>)
+declare <8 x float> @llvm.fmuladd.v8f32(<8 x float>, <8 x float>, <8 x float>)
+declare float @llvm.fmuladd.f32(float, float, float)
+declare float @llvm.vector.reduce.fadd.v8f32(float, <8 x float>)
+declare <32 x i8> @llvm.abs.v32i8(<32 x i8>, i1)
+"""
+
+
+def splat(t: str, n: int, v) -> str:
+    return "<" + ", ".join(f"{t} {v}" for _ in range(n)) + ">"
+
+
+def idx(ix) -> str:
+    """A shufflevector mask."""
+    ix = list(ix)
+    return f"<{len(ix)} x i32> <" + ", ".join(f"i32 {i}" for i in ix) + ">"
+
+
+class _Body:
+    """Numbered SSA names and the lines that define them."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.n = 0
+
+    def __call__(self, expr: str, name: str = "v") -> str:
+        self.n += 1
+        ssa = f"%{name}{self.n}"
+        self.lines.append(f"  {ssa} = {expr}")
+        return ssa
+
+    def do(self, line: str) -> None:
+        self.lines.append("  " + line)
+
+
+def _isum(e: _Body, isa: str, u: str, s: str) -> str:
+    """<8 x i32>: lane i = Σ_{j<4} u[4i+j]·s[4i+j] (u unsigned, s signed bytes)."""
+    if isa == "vnni":
+        return e(
+            f"call <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32> zeroinitializer, <32 x i8> {u}, <32 x i8> {s})"
+        )
+    if isa == "avx2":
+        p = e(f"call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {u}, <32 x i8> {s})")
+        return e(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {p}, <16 x i16> {splat('i16', 16, 1)})")
+    return _pairs(e, u, s, "zext")
+
+
+def _pairs(e: _Body, u: str, s: str, uext: str) -> str:
+    """Portable: products as i16 (``uext`` widens the first operand), neighbours added twice."""
+    uw = e(f"{uext} <32 x i8> {u} to <32 x i16>")
+    sw = e(f"sext <32 x i8> {s} to <32 x i16>")
+    p = e(f"mul <32 x i16> {uw}, {sw}")
+    ev = e(f"shufflevector <32 x i16> {p}, <32 x i16> poison, {idx(range(0, 32, 2))}")
+    od = e(f"shufflevector <32 x i16> {p}, <32 x i16> poison, {idx(range(1, 32, 2))}")
+    p2 = e(f"add <16 x i16> {ev}, {od}")
+    q = e(f"sext <16 x i16> {p2} to <16 x i32>")
+    ev2 = e(f"shufflevector <16 x i32> {q}, <16 x i32> poison, {idx(range(0, 16, 2))}")
+    od2 = e(f"shufflevector <16 x i32> {q}, <16 x i32> poison, {idx(range(1, 16, 2))}")
+    return e(f"add <8 x i32> {ev2}, {od2}")
+
+
+def _load(e: _Body, ty: str, base: str, offset: str, elem: str = "i8") -> str:
+    p = e(f"getelementptr {elem}, ptr {base}, i64 {offset}", "p")
+    return e(f"load {ty}, ptr {p}, align 1")
+
+
+def _xgroups(e: _Body, row: str) -> list[str]:
+    """A row of xq, this block: 8 groups of 4 bytes, each broadcast to every lane."""
+    out = []
+    for g in range(8):
+        xo = e(f"add i64 {row}, %xo{g}", "xo")
+        p = e(f"getelementptr i8, ptr %xq, i64 {xo}", "p")
+        xi = e(f"load i32, ptr {p}, align 1")
+        v = e(f"insertelement <8 x i32> poison, i32 {xi}, i64 0")
+        sp = e(f"shufflevector <8 x i32> {v}, <8 x i32> poison, <8 x i32> zeroinitializer")
+        out.append(e(f"bitcast <8 x i32> {sp} to <32 x i8>"))
+    return out
+
+
+def kernel(fmt: str, isa: str, R: int, D: int = 1) -> tuple[str, str]:
+    """(name, IR text) of the kernel for R rows of x over whole tiles of 8 output rows,
+    each row of x held as D int8 digits (xq rows D·r + j; xs in row D·r)."""
+    if fmt not in ("q4", "q8") or isa not in ("vnni", "avx2", "portable") or D not in (1, 2):
+        raise ValueError(f"no int8 kernel for {fmt}/{isa}/{D} digits")
+    name = f"{fmt}_{isa}_r{R}_d{D}"
+    e = _Body()
+    for r in range(R):
+        e.do(f"%acc{r} = phi <8 x float> [zeroinitializer, %tile], [%acc{r}_n, %blk]")
+    e.do("%xb = shl i64 %b, 5")
+    e.do("%tb = add i64 %tnb, %b")  # (tile, block) index
+    e.do("%so = shl i64 %tb, 3")  # its 8 scales
+    for g in range(8):
+        e.do(f"%xo{g} = add i64 %xb, {4 * g}" if g else "%xo0 = add i64 %xb, 0")
+    dv = _load(e, "<8 x float>", "%d", "%so", "float")
+    mv = _load(e, "<8 x float>", "%m", "%so", "float") if fmt == "q4" else ""
+    u, w = [], []
+    if fmt == "q4":
+        e.do("%qo = shl i64 %tb, 7")
+        hi = []
+        for g in range(4):
+            qo = e(f"add i64 %qo, {32 * g}", "qo")
+            v = _load(e, "<32 x i8>", "%qs", qo)
+            u.append(e(f"and <32 x i8> {v}, {splat('i8', 32, 15)}"))
+            hi.append(e(f"lshr <32 x i8> {v}, {splat('i8', 32, 4)}"))
+        u += hi
+    else:
+        e.do("%qo = shl i64 %tb, 8")
+        for g in range(8):
+            qo = e(f"add i64 %qo, {32 * g}", "qo")
+            w.append(_load(e, "<32 x i8>", "%qs", qo))
+            if isa != "portable":
+                u.append(e(f"call <32 x i8> @llvm.abs.v32i8(<32 x i8> {w[g]}, i1 false)"))
+    for r in range(R):
+        terms = []  # (vector, scale vector): acc += vector · scale, in this order
+        for j in range(D):
+            xs = _xgroups(e, f"%xrow{r}_{j}")
+            f = e(f"sitofp <8 x i32> {_block_isum(e, fmt, isa, u, w, xs)} to <8 x float>")
+            xd = _load(e, "float", "%xd", e(f"add i64 %xdrow{r}_{j}, %b", "xb"), "float")
+            terms.append((f, e(f"fmul <8 x float> {dv}, {_bcast(e, xd)}")))
+        if fmt == "q4":
+            xsum = _load(e, "float", "%xs", e(f"add i64 %xdrow{r}_0, %b", "xb"), "float")
+            terms.append((mv, _bcast(e, xsum)))
+        a = f"%acc{r}"
+        for i, (v, sc) in enumerate(terms):
+            op = f"call <8 x float> @llvm.fmuladd.v8f32(<8 x float> {v}, <8 x float> {sc}, <8 x float> {a})"
+            if i + 1 < len(terms):
+                a = e(op)
+            else:
+                e.do(f"%acc{r}_n = {op}")
+    block = "\n".join(e.lines)
+    rowvars = "\n".join(
+        f"  %xrow{r}_{j} = mul i64 %K, {D * r + j}\n  %xdrow{r}_{j} = mul i64 %nb, {D * r + j}"
+        for r in range(R)
+        for j in range(D)
+    )
+    rowvars += "\n" + "\n".join(f"  %live{r} = icmp slt i64 {r}, %M\n  %yrow{r} = mul i64 %ldy, {r}" for r in range(R))
+    stores = "\n".join(
+        f"  %yo{r} = add i64 %yrow{r}, %y0\n  %yp{r} = getelementptr float, ptr %y, i64 %yo{r}\n"
+        f"  %dst{r} = select i1 %live{r}, ptr %yp{r}, ptr %scratch\n"  # rows ≥ M: padding, stored nowhere
+        f"  store <8 x float> %acc{r}_n, ptr %dst{r}, align 4"
+        for r in range(R)
+    )
+    text = f"""
+define void @{name}({SIGNATURE}) {{
+entry:
+  %scratch = alloca <8 x float>
+  %K = shl i64 %nb, 5
+{rowvars}
+  br label %tile
+tile:
+  %t = phi i64 [0, %entry], [%t1, %tileend]
+  %tnb = mul i64 %t, %nb
+  br label %blk
+blk:
+  %b = phi i64 [0, %tile], [%b1, %blk]
+{block}
+  %b1 = add i64 %b, 1
+  %more = icmp ult i64 %b1, %nb
+  br i1 %more, label %blk, label %tileend
+tileend:
+  %y0 = shl i64 %t, 3
+{stores}
+  %t1 = add i64 %t, 1
+  %again = icmp ult i64 %t1, %T
+  br i1 %again, label %tile, label %exit
+exit:
+  ret void
+}}
+"""
+    return name, text
+
+
+def _block_isum(e: _Body, fmt: str, isa: str, u: list[str], w: list[str], xs: list[str]) -> str:
+    """<8 x i32>: each lane's row of this block of weights · one row of x (8 groups of 4 k)."""
+    isum: str | None = None
+    p16: str | None = None
+    for g in range(8):
+        s = xs[g]
+        if fmt == "q8" and isa != "portable":  # x takes the sign of w, which became |w|
+            nx = e(f"sub <32 x i8> zeroinitializer, {s}")
+            neg = e(f"icmp slt <32 x i8> {w[g]}, zeroinitializer")
+            s = e(f"select <32 x i1> {neg}, <32 x i8> {nx}, <32 x i8> {s}")
+        if isa == "vnni":
+            acc = isum or "zeroinitializer"
+            isum = e(f"call <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32> {acc}, <32 x i8> {u[g]}, <32 x i8> {s})")
+        elif isa == "avx2" and fmt == "q4":  # 8 pair sums of ≤ 2·15·127 fit int16: one widening at the end
+            p = e(f"call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {u[g]}, <32 x i8> {s})")
+            p16 = p if p16 is None else e(f"add <16 x i16> {p16}, {p}")
+        else:
+            if isa == "avx2":
+                part = _isum(e, isa, u[g], s)
+            else:
+                part = _pairs(e, u[g] if fmt == "q4" else w[g], s, "zext" if fmt == "q4" else "sext")
+            isum = part if isum is None else e(f"add <8 x i32> {isum}, {part}")
+    if p16 is not None:
+        isum = e(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {p16}, <16 x i16> {splat('i16', 16, 1)})")
+    assert isum is not None
+    return isum
+
+
+def _bcast(e: _Body, s: str) -> str:
+    v = e(f"insertelement <8 x float> poison, float {s}, i64 0")
+    return e(f"shufflevector <8 x float> {v}, <8 x float> poison, <8 x i32> zeroinitializer")
+
+
+def module(fmt_isa_rc: list[tuple]) -> tuple[list[str], str]:
+    """(names, one module's IR) for several kernels."""
+    names, bodies = [], []
+    for spec in fmt_isa_rc:
+        n, t = kernel(*spec)
+        names.append(n)
+        bodies.append(t)
+    return names, DECLARE + "\n".join(bodies)

@@ -1,0 +1,82 @@
+"""Activations quantized once per matmul input, as ggml quantizes them (Q8_0 blocks)::
+
+    per 32 values:  d = amax / 127,  q = round(x / d) (half away from zero),  x ≈ d·q
+    and             s = d · Σ q      (what a weight's minimum multiplies: Σ (d_w q_w + m) d q)
+
+``q`` equals the ``gguf`` package's ``quantize(x, Q8_0)`` bit for bit (its reference
+rounding, ``q = roundf(x · (1/d))``). ggml then stores d as float16; here d stays float32
+(the value that quantized q), so small activations keep their scale.
+
+With two digits (``int8x2``), what one digit leaves, ``x - d·q`` (at most d/2 per value),
+is quantized the same way into a second int8 row: x ≈ d₁q₁ + d₂q₂, about 15 bits, the
+matmul two int8 dot products per value. It costs the decode kernels about a second row
+of x, and keeps the model's outputs within ~1e-5 KL of float32 activations.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+# no fastmath: x · (1/d) must round as the reference does, not become x / d
+EXACT = dict(cache=True, nogil=True, boundscheck=False)
+
+
+@njit(**EXACT)
+def _block(v, q):
+    """32 floats -> 32 int8 in ``q``; returns (d, Σq)."""
+    amax = np.float32(0.0)
+    for j in range(32):
+        amax = max(amax, abs(v[j]))
+    d = amax / np.float32(127.0)
+    inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+    total = 0
+    for j in range(32):
+        t = v[j] * inv
+        a = abs(t)
+        f = np.floor(a)
+        r = f + np.floor(np.float32(2.0) * (a - f))  # gguf's np_roundf: half away from zero
+        qi = np.int32(r) if t >= 0 else -np.int32(r)
+        q[j] = qi
+        total += qi
+    return d, total
+
+
+@njit(**EXACT)
+def quantize_rows(x, xq, xd, xs):
+    """x [M, K] float32 -> xq [≥M, K] int8, xd and xs [≥M, K/32] float32 (rows < M)."""
+    M, K = x.shape
+    for i in range(M):
+        for b in range(K // 32):
+            d, total = _block(x[i, 32 * b : 32 * b + 32], xq[i, 32 * b : 32 * b + 32])
+            xd[i, b] = d
+            xs[i, b] = d * np.float32(total)
+
+
+@njit(**EXACT)
+def quantize_rows2(x, xq, xd, xs):
+    """Two digits: row i of x -> xq rows 2i (x's blocks as above) and 2i+1 (what is left,
+    x - d·q, quantized the same way); xs[2i] = the sum over both digits."""
+    M, K = x.shape
+    rest = np.empty(32, np.float32)
+    for i in range(M):
+        for b in range(K // 32):
+            lo, hi = 32 * b, 32 * b + 32
+            d, total = _block(x[i, lo:hi], xq[2 * i, lo:hi])
+            for j in range(32):
+                rest[j] = x[i, lo + j] - d * np.float32(xq[2 * i, lo + j])
+            d2, total2 = _block(rest, xq[2 * i + 1, lo:hi])
+            xd[2 * i, b] = d
+            xd[2 * i + 1, b] = d2
+            xs[2 * i, b] = d * np.float32(total) + d2 * np.float32(total2)
+
+
+def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q, d, s) of a float32 [M, K] (K a multiple of 32)."""
+    x = np.ascontiguousarray(x, np.float32)
+    M, K = x.shape
+    q = np.empty((M, K), np.int8)
+    d = np.empty((M, K // 32), np.float32)
+    s = np.empty_like(d)
+    quantize_rows(x, q, d, s)
+    return q, d, s

@@ -1,0 +1,173 @@
+"""The int8 kernels (:mod:`mpitp.kernels.int8`): the activation quantizer against the
+``gguf`` package's Q8_0 quantizer, the tiles against the planar weights bit for bit, and
+every instruction set this CPU runs against the float64 product of the dequantized int8
+x and the dequantized weights, for shapes that are multiples of nothing convenient (rows
+of x 1-16: the decode kernels; more: prefill in tiles). The VNNI kernels, where this CPU
+lacks VNNI, are compiled for CPUs that have it and their machine code checked."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("numba")
+
+from mpitp.kernels import (  # noqa: E402
+    cpu,
+    formats,  # noqa: E402
+    int8,
+    jit,
+    tiles,
+)
+from mpitp.kernels.quantize import quantize, quantize_rows2  # noqa: E402
+
+NATIVE = ["Q4_0", "Q4_1", "Q8_0"]
+RUNNABLE = list(cpu.supported())  # this CPU's instruction sets (portable always)
+
+
+def dequantized_x(q, d):
+    m, k = q.shape
+    return (q.reshape(m, k // 32, 32).astype(np.float64) * d[..., None].astype(np.float64)).reshape(m, k)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    m=st.integers(1, 9),
+    blocks=st.integers(1, 12),
+    seed=st.integers(0, 2**31),
+    scale=st.sampled_from([1e-6, 1e-2, 1, 300]),
+)
+def test_quantizer_equals_gguf_q8_0(m, blocks, seed, scale):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((m, 32 * blocks)) * scale).astype(np.float32)
+    x[0, :32] = 0  # an all-zero block: d = 0, q = 0
+    x[-1, 5] = x[-1, 5:37].max() * 1.0000001 if blocks > 1 else x[-1, 5]
+    q, d, s = quantize(x)
+    raw = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0).reshape(m, blocks, 34)
+    assert np.array_equal(q.reshape(m, blocks, 32), raw[:, :, 2:].view(np.int8))  # q bit for bit
+    assert np.array_equal(d.astype(np.float16), raw[:, :, :2].copy().view(np.float16)[..., 0])  # gguf stores d in fp16
+    assert np.allclose(s, d * q.reshape(m, blocks, 32).sum(-1, dtype=np.int64), rtol=1e-6, atol=0)
+
+
+def test_two_digits_hold_what_one_leaves():
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((5, 96)) * np.exp(rng.standard_normal((1, 96)) * 2)).astype(np.float32)
+    xq, xd, xs = np.zeros((10, 96), np.int8), np.zeros((10, 3), np.float32), np.zeros((10, 3), np.float32)
+    quantize_rows2(x, xq, xd, xs)
+    one = dequantized_x(xq[0::2], xd[0::2])
+    two = one + dequantized_x(xq[1::2], xd[1::2])
+    q1, d1, _ = quantize(x)
+    assert np.array_equal(xq[0::2], q1) and np.array_equal(xd[0::2], d1)  # digit 1 is the one-digit quantization
+    err1, err2 = np.abs(one - x).max(), np.abs(two - x).max()
+    assert err2 <= np.repeat(xd[1::2], 32, axis=1).max() / 2 * 1.001 + 1e-12 and err2 < err1 / 100, (err1, err2)
+    assert np.allclose(
+        xs[0::2],
+        (xd[0::2] * xq[0::2].reshape(5, 3, 32).sum(-1) + xd[1::2] * xq[1::2].reshape(5, 3, 32).sum(-1)),
+        rtol=1e-5,
+    )
+
+
+@settings(max_examples=20, deadline=None)
+@given(t=st.sampled_from(NATIVE), n=st.integers(1, 70), blocks=st.integers(1, 9), seed=st.integers(0, 2**31))
+def test_tiles_hold_the_planar_values(t, n, blocks, seed):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, 32 * blocks)).astype(np.float32)
+    bw = formats.from_ggml(gguf.quants.quantize(w, gguf.GGMLQuantizationType[t]), t)
+    tw = tiles.repack(bw)
+    assert tw.shape == bw.shape and tw.qs.shape[0] == -(-n // 8)
+    assert np.array_equal(tw.dequantize(), bw.dequantize())
+    a = int(rng.integers(0, n))
+    b = int(rng.integers(a, n)) + 1
+    assert np.array_equal(tw.planar(a, b).dequantize(), bw.rows(a, b).dequantize())
+
+
+def _weight(rng, t, n, k):
+    w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 3)
+    return formats.from_ggml(gguf.quants.quantize(w, gguf.GGMLQuantizationType[t]), t)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    t=st.sampled_from(NATIVE),
+    isa=st.sampled_from(RUNNABLE),
+    digits=st.sampled_from([1, 2]),
+    n=st.integers(1, 300),
+    blocks=st.integers(1, 23),
+    m=st.one_of(st.integers(1, 16), st.integers(17, 40)),
+    seed=st.integers(0, 2**31),
+)
+def test_kernels_equal_the_float64_product_of_what_they_multiply(t, isa, digits, n, blocks, m, seed):
+    rng = np.random.default_rng(seed)
+    k = 32 * blocks
+    bw = _weight(rng, t, n, k)
+    tw = tiles.repack(bw, digits)
+    x = (rng.standard_normal((m, k)) * np.exp(rng.standard_normal((1, k)))).astype(np.float32)
+    if digits == 1:
+        q, d, _ = quantize(x)
+        xf = dequantized_x(q, d)
+    else:
+        xq, xd = np.zeros((2 * m, k), np.int8), np.zeros((2 * m, blocks), np.float32)
+        quantize_rows2(x, xq, xd, np.zeros_like(xd))
+        xf = dequantized_x(xq[0::2], xd[0::2]) + dequantized_x(xq[1::2], xd[1::2])
+    ref = xf @ bw.dequantize().astype(np.float64).T
+    y = int8.matmul(x, tw, isa)
+    assert y.dtype == np.float32 and y.shape == (m, n)
+    scale = np.abs(ref).max() + 1e-30
+    assert np.abs(y - ref).max() <= 1e-5 * scale, np.abs(y - ref).max() / scale
+    if m <= int8.SMALL:  # the bound form (the decode loop's) gives the same numbers
+        y2 = np.full((m, n), np.nan, np.float32)
+        int8.Bound(tw, isa)(x, y2)
+        assert np.array_equal(y, y2)
+
+
+def test_every_instruction_set_gives_the_same_integers():
+    """avx2's 16-bit pair sums never saturate: its results equal the portable ones exactly
+    (the float accumulation is the same code)."""
+    rng = np.random.default_rng(7)
+    for t in NATIVE:
+        tw = tiles.repack(_weight(rng, t, 37, 32 * 11))
+        x = (rng.standard_normal((5, 32 * 11)) * 50).astype(np.float32)
+        x[:, ::7] = 127  # large values everywhere: the worst pair sums
+        outs = [int8.matmul(x, tw, isa) for isa in RUNNABLE]
+        for o in outs[1:]:
+            np.testing.assert_allclose(o, outs[0], rtol=1e-6, atol=1e-6 * np.abs(outs[0]).max())
+
+
+@pytest.mark.parametrize(
+    "cpu_name,isa,instruction",
+    [("sapphirerapids", "vnni", "vpdpbusd"), ("alderlake", "vnni", "vpdpbusd"), ("znver4", "vnni", "vpdpbusd"),
+     ("haswell", "avx2", "vpmaddubsw"), ("x86-64", "portable", "pmaddwd")],
+)  # fmt: skip
+def test_each_instruction_set_compiles_to_its_instructions(cpu_name, isa, instruction):
+    """What a CPU this machine may lack would run: the kernels compiled for it use the
+    instruction (AVX512-VNNI + VL, AVX-VNNI), and the portable ones use no AVX at all."""
+    if not jit.target_machine("portable").triple.startswith("x86_64"):
+        pytest.skip("x86 kernels")
+    asm = jit.assembly([("q4", isa, 1, 1), ("q8", isa, 4, 2)], cpu_name, "")
+    assert instruction in asm
+    if isa == "portable":
+        assert "ymm" not in asm and "vpdpbusd" not in asm
+    if isa != "vnni":
+        assert "vpdpbusd" not in asm
+
+
+def test_the_choice_of_instruction_set(monkeypatch):
+    have = cpu.supported()
+    assert have[-1] == "portable" and cpu.isa({}) == have[0]
+    assert cpu.isa({"MPITP_ISA": "portable"}) == "portable"
+    assert cpu.supported(frozenset({"avx2", "avxvnni"}))[0] == "vnni"
+    assert cpu.supported(frozenset({"avx2", "avx512vnni", "avx512vl"}))[0] == "vnni"
+    assert cpu.supported(frozenset({"avx2", "avx512vnni"}))[0] == "avx2"  # 256-bit VNNI needs VL
+    assert cpu.supported(frozenset({"sse4.2"})) == ("portable",)
+    with pytest.raises(ValueError, match="choose one of"):
+        cpu.isa({"MPITP_ISA": "sse9"})
+    if "vnni" not in have:
+        with pytest.raises(ValueError, match="has only"):
+            cpu.isa({"MPITP_ISA": "vnni"})
+    assert cpu.activations("float32") == "float32" and cpu.activations("int8") == "int8"
+    assert cpu.activations(None, {"MPITP_ACTIVATIONS": "int8"}) == "int8"
+    assert cpu.activations("auto", {}) == ("int8x2" if have[0] != "portable" else "float32")
+    assert cpu.activations(None, {"MPITP_ISA": "portable"}) == "float32"  # auto: no integer instructions
+    with pytest.raises(ValueError, match="one of"):
+        cpu.activations("int4")
