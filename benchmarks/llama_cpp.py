@@ -1,7 +1,7 @@
 """mpitp against llama.cpp on the same GGUF file and the same cores, in one run.
 
     python benchmarks/llama_cpp.py                      # the embedded default model
-    python benchmarks/llama_cpp.py --llama-bin DIR --model FILE.gguf --tp 1,2
+    python benchmarks/llama_cpp.py --llama-bin DIR --model FILE.gguf --tp 1,2 --activations int8x2,int8,float32
 
 llama.cpp's ``llama-bench`` and ``llama-server`` are found in --llama-bin, $LLAMA_CPP_BIN
 or on PATH; without them its rows say so and mpitp is measured alone. Build them from
@@ -17,7 +17,10 @@ each round, llama.cpp with as many threads as mpitp has ranks);
 one decode step at batch 1-16 (mpitp: ``forward`` of one token per row, median of 25);
 a server (llama-server -np 8, mpitp serve --max-batch 8) answering the same 8 chat
 prompts greedily with the same max_tokens, one client at a time and 8 at once (output
-tokens/s = completion tokens over wall time); weights in memory per rank; and the decode
+tokens/s = completion tokens over wall time); prefill of a ~500-token prompt against
+``llama-bench -p 512`` and decode steps against ``llama-batched-bench`` at 1-16 sequences
+(where found); each of mpitp's rows for each --activations mode (int8x2, the default;
+int8, ggml's one digit; float32, the exact path); weights in memory per rank; and the decode
 rate's share of two ceilings measured in the same run: the bytes a rank streams per token
 over one core's read bandwidth alone, and (as ``mpitp generate`` prints it) over the
 memcpy bandwidth of ``mpitp bench`` with every rank copying at once. Every rank has one
@@ -110,6 +113,32 @@ def llama_bench(bin_: str, model: str, threads: int) -> float:
     return float(json.loads(out.stdout)[0]["avg_ts"])
 
 
+def llama_prefill(bin_: str, model: str, threads: int) -> float:
+    """pp512 tokens/s."""
+    out = subprocess.run(
+        [bin_, "-m", model, "-t", str(threads), "-p", "512", "-n", "0", "-r", "3", "-o", "json"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=ENV,
+    )
+    return float(json.loads(out.stdout)[0]["avg_ts"])
+
+
+def llama_batched(bin_: str, model: str, threads: int, batches=(1, 2, 4, 8, 16)) -> dict[int, float]:
+    """Decode tokens/s of ``llama-batched-bench`` at each number of parallel sequences
+    (a 128-token prompt each, 32 new tokens)."""
+    argv = [bin_, "-m", model, "-t", str(threads), "-c", "8192", "-npp", "128", "-ntg", "32"]
+    argv += ["-npl", ",".join(map(str, batches)), "--output-format", "jsonl"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=1800, env=ENV)
+    rates = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            rates[int(r["pl"])] = float(r["speed_tg"])
+    return rates
+
+
 def llama_server(bin_: str, model: str, clients: list[int], max_tokens: int) -> dict:
     port = free_port()
     argv = [bin_, "-m", model, "-t", "2", "-np", "8", "-c", "8192", "--port", str(port), "--host", "127.0.0.1"]
@@ -129,26 +158,33 @@ def mpirun(tp: int, argv: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=launch.environment(ENV, timeout=900), capture_output=True, text=True, timeout=960)
 
 
-def mpitp_generate(tp: int, model: str | None) -> tuple[float, str]:
-    argv = [sys.executable, "-m", "mpitp.cli.main", "generate", "--no-chat", "--prompt", "Once upon a time"]
-    argv += ["--max-new-tokens", "128", "--stop", "999999999"] + (["--model", model] if model else [])
+PREFILL_PROMPT = " ".join(["Once upon a time there was a river that ran from the mountains to the sea."] * 28)
+
+
+def mpitp_generate(tp: int, model: str | None, act: str, prompt: str = "Once upon a time", new: int = 128):
+    """(decode tokens/s, the rest of the [mpitp] line from the weights on, prefill s, prompt tokens)."""
+    argv = [sys.executable, "-m", "mpitp.cli.main", "generate", "--no-chat", "--prompt", prompt]
+    argv += ["--max-new-tokens", str(new), "--stop", "999999999", "--activations", act]
+    argv += ["--model", model] if model else []
     res = mpirun(tp, argv)
     line = [s for s in res.stderr.splitlines() if s.startswith("[mpitp]")]
     if res.returncode or not line:
         raise RuntimeError(res.stderr[-2000:])
     rate = float(re.search(r"decode \d+ tokens at ([\d.]+) tokens/s", line[0]).group(1))  # type: ignore[union-attr]
-    return rate, line[0].split("weights per rank ")[1]
+    pre = re.search(r"prefill (\d+) tokens in ([\d.]+) ms", line[0])
+    assert pre is not None
+    return rate, line[0].split("weights per rank ")[1], float(pre.group(2)) / 1e3, int(pre.group(1))
 
 
-def mpitp_steps(tp: int, model: str | None) -> dict:
-    argv = [sys.executable, __file__, "--worker-steps"] + (["--model", model] if model else [])
+def mpitp_steps(tp: int, model: str | None, act: str) -> dict:
+    argv = [sys.executable, __file__, "--worker-steps", "--activations", act] + (["--model", model] if model else [])
     res = mpirun(tp, argv)
     if res.returncode:
         raise RuntimeError(res.stderr[-2000:])
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def worker_steps(model: str | None) -> None:
+def worker_steps(model: str | None, act: str) -> None:
     """(under mpiexec) one decode step's time at batch 1-16, and the bytes a rank streams."""
     from mpitp.bench.decode import step_times
     from mpitp.comm import Communicator
@@ -158,7 +194,7 @@ def worker_steps(model: str | None) -> None:
 
     comm = Communicator()
     path = resolve(model, comm) if model else default.ensure(comm)
-    m = LlamaForCausalLM.from_pretrained(path, comm=comm)
+    m = LlamaForCausalLM.from_pretrained(path, comm=comm, activations=act)
     out: dict = {"streamed": comm.allreduce_object(m.streamed_bytes(), op="max")}
     out.update(step_times(m, comm))
     if comm.rank == 0:
@@ -177,10 +213,12 @@ def main() -> int:
     ap.add_argument("--tp", default="1,2", help="mpitp tensor-parallel sizes (default 1,2)")
     ap.add_argument("--max-tokens", type=int, default=64, help="per server request (default 64)")
     ap.add_argument("--rounds", type=int, default=3, help="decode rounds, llama.cpp and mpitp alternated (default 3)")
+    ap.add_argument("--activations", default="int8x2,int8,float32", help="mpitp's modes to measure (comma list)")
+    ap.add_argument("--no-server", action="store_true", help="skip the server rows")
     ap.add_argument("--worker-steps", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_steps:
-        worker_steps(args.model)
+        worker_steps(args.model, args.activations)
         return 0
     from mpitp.models import default
 
@@ -189,20 +227,23 @@ def main() -> int:
         print(f"no model: pass --model FILE.gguf or {default.INSTALL}", file=sys.stderr)
         return 2
     tps = [int(t) for t in args.tp.split(",")]
+    acts = args.activations.split(",")
+    runs = [(tp, a) for tp in tps for a in acts]
     bw = read_bandwidth()  # mpitp.bench.decode's, one process
     print(f"# {Path(gguf).name}, {os.cpu_count()} cores; single-core read bandwidth {bw:.1f} GB/s (the ceiling)")
     bench, server = find("llama-bench", args.llama_bin), find("llama-server", args.llama_bin)
+    batched = find("llama-batched-bench", args.llama_bin)
     rows: list[tuple[str, str]] = []
     lcpp: dict[int, list[float]] = {2: [], 1: []}
-    ours: dict[int, list[float]] = {tp: [] for tp in tps}
-    held_by: dict[int, str] = {}
+    ours: dict[tuple, list[float]] = {r: [] for r in runs}
+    held_by: dict[tuple, str] = {}
     for _ in range(args.rounds):  # alternated: a shared machine's speed drifts between minutes
         if bench:
             for t in lcpp:
                 lcpp[t].append(llama_bench(bench, gguf, t))
-        for tp in tps:
-            rate, held_by[tp] = mpitp_generate(tp, args.model)
-            ours[tp].append(rate)
+        for tp, a in runs:
+            rate, held_by[tp, a], _, _ = mpitp_generate(tp, args.model, a)
+            ours[tp, a].append(rate)
     if bench:
         for t, rates in lcpp.items():
             rows.append((f"llama.cpp {t} thread(s): decode tok/s", f"{median(rates):.1f} {rounds(rates)}"))
@@ -210,21 +251,32 @@ def main() -> int:
         rows.append(("llama.cpp", "llama-bench not found (--llama-bin, $LLAMA_CPP_BIN or PATH): skipped"))
     size = Path(gguf).stat().st_size / 2**20
     rows.append(("llama.cpp weights in memory", f"{size:.1f} MiB (the file, memory-mapped)"))
-    for tp in tps:
-        rate = median(ours[tp])
-        steps = mpitp_steps(tp, args.model)
+    for tp, a in runs:
+        rate = median(ours[tp, a])
+        steps = mpitp_steps(tp, args.model, a)
         share = steps["streamed"] * rate / (bw * 1e9)
-        held, _, ceiling = held_by[tp].partition("; decode at ")
-        rows.append((f"mpitp TP={tp}: decode tok/s", f"{rate:.1f} {rounds(ours[tp])} ({share:.0%} of one core's read "
-                     f"bandwidth alone; {ceiling})"))  # fmt: skip
+        held, _, ceiling = held_by[tp, a].partition("; decode at ")
+        rows.append((f"mpitp TP={tp} {a}: decode tok/s", f"{rate:.1f} {rounds(ours[tp, a])} ({share:.0%} of one core's "
+                     f"read bandwidth alone; {ceiling.split(';')[0]})"))  # fmt: skip
         if bench and tp in lcpp:
-            per = [a / b for a, b in zip(ours[tp], lcpp[tp])]
-            rows.append((f"mpitp TP={tp} / llama.cpp {tp} thread(s)", f"{median(per):.2f}x {rounds(per, 'x')}"))
-        rows.append((f"mpitp TP={tp}: weights per rank", held))
+            per = [x / y for x, y in zip(ours[tp, a], lcpp[tp])]
+            rows.append((f"mpitp TP={tp} {a} / llama.cpp {tp} thread(s)", f"{median(per):.2f}x {rounds(per, 'x')}"))
+        rows.append((f"mpitp TP={tp} {a}: weights per rank", held))
         b1 = steps["1"]
         cells = ", ".join(f"{b}: {steps[str(b)] * 1e3:.1f} ms ({steps[str(b)] / b1:.2f}x)" for b in (1, 2, 4, 8, 16))
-        rows.append((f"mpitp TP={tp}: decode step by batch", cells))
+        rows.append((f"mpitp TP={tp} {a}: decode step by batch", cells))
+    if batched:
+        lb = llama_batched(batched, gguf, 2)
+        rows.append(("llama-batched-bench 2 threads: decode tok/s", ", ".join(f"{b}: {r:.1f}" for b, r in lb.items())))
+    if bench:
+        pp = llama_prefill(bench, gguf, 2)
+        rows.append(("llama.cpp 2 threads: prefill pp512 tok/s", f"{pp:.1f}"))
+    for tp, a in runs:
+        _, _, secs, n = mpitp_generate(tp, args.model, a, PREFILL_PROMPT, new=1)
+        rows.append((f"mpitp TP={tp} {a}: prefill tok/s", f"{n / secs:.1f} ({n} tokens in {secs * 1e3:.0f} ms)"))
     clients = [1, 8]
+    if args.no_server:
+        server, tps = None, []
     if server:
         r = llama_server(server, gguf, clients, args.max_tokens)
         rows.append(("llama-server -np 8, 2 threads: tok/s", ", ".join(f"{n} client(s) {r[n]:.1f}" for n in clients)))
@@ -233,6 +285,7 @@ def main() -> int:
     for tp in tps:
         port = free_port()
         argv = [sys.executable, "-m", "mpitp.cli.main", "serve", "--port", str(port), "--max-batch", "8"]
+        argv += ["--activations", acts[0]]
         argv += ["--model", args.model] if args.model else []
         quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         env = launch.environment(ENV, timeout=3600)
@@ -243,7 +296,7 @@ def main() -> int:
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=60)
-        rows.append((f"mpitp serve TP={tp}: tok/s", ", ".join(f"{n} client(s) {r[n]:.1f}" for n in clients)
+        rows.append((f"mpitp serve TP={tp} {acts[0]}: tok/s", ", ".join(f"{n} client(s) {r[n]:.1f}" for n in clients)
                      + f" ({r[8] / r[1]:.2f}x)"))  # fmt: skip
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

@@ -9,6 +9,7 @@ import sys
 import numpy as np
 
 from ..bench import collectives as bc
+from ..models.config import ConfigError
 from .generate import add_weights_argument
 
 EPILOG = """\
@@ -100,7 +101,15 @@ def add_parser(sub) -> None:
         "tuning file that algorithm='auto' reads",
     )
     p.add_argument("--model", help="decode: as mpitp generate takes it (default: the embedded model)")
-    add_weights_argument(p)
+    p.add_argument(
+        "--shape",
+        choices=["llama-3.2-1b", "llama-3.2-3b"],
+        help="decode: a model of this shape with random weights (written once into the cache as a GGUF "
+        "file llama.cpp loads too; the default model's tokenizer), in the file type --weights names",
+    )
+    add_weights_argument(
+        p, ("q4_0", "q4_k_m"), "; with --shape: the file's type, q4_0 (default), q4_k_m or q8_0, kept as stored"
+    )
     p.add_argument(
         "--tune-file", default=None, help="where --tune writes (default: MPITP_TUNING or ~/.config/mpitp/tuning.json)"
     )
@@ -195,10 +204,15 @@ def run(args) -> int:
         if args.collective == "decode":
             from ..bench import decode
 
+            model, weights = args.model, args.weights
+            if args.shape:
+                model, weights = _shape_file(comm, args.shape, "q4_0" if weights == "auto" else weights), "auto"
+            elif weights in ("q4_0", "q4_k_m"):
+                raise ConfigError(f"--weights {weights} names a --shape file's type; give --shape")
             res = decode.run(
                 comm,
-                args.model,
-                args.weights,
+                model,
+                weights,
                 activations=args.activations,
                 say=print if comm.rank == 0 else (lambda *a, **k: None),
             )
@@ -207,6 +221,24 @@ def run(args) -> int:
                     json.dump(res, f, indent=1)
             return 0
         return _bench(args, comm)
+
+
+def _shape_file(comm, shape: str, ftype: str) -> str:
+    """Rank 0 writes the shape's file (once); every rank gets its path."""
+    from ..bench import shapes
+
+    if ftype == "float32":
+        raise ConfigError("--shape files are q4_0, q4_k_m or q8_0")
+    err, path = None, None
+    if comm.rank == 0:
+        try:
+            path = str(shapes.ensure(shape, ftype))
+        except (OSError, RuntimeError, ValueError) as e:
+            err = str(e)
+    err, path = comm.bcast_object((err, path))
+    if err:
+        raise ConfigError(err)
+    return path
 
 
 def _bench(args, comm) -> int:

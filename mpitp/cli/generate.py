@@ -24,16 +24,16 @@ def _pick(given, configured, default):
     return given if given is not None else (configured if configured is not None else default)
 
 
-def add_weights_argument(p) -> None:
-    """--weights, as generate and serve take it."""
+def add_weights_argument(p, extra: tuple[str, ...] = (), note: str = "") -> None:
+    """--weights, as generate and serve take it (bench decode adds the --shape file types)."""
     p.add_argument(
         "--weights",
         default="auto",
-        choices=["auto", "float32", "q8_0"],
+        choices=["auto", "float32", "q8_0", *extra],
         help="how matmul weights are kept: auto = as the file stores them (a GGUF file's Q4_0/Q4_1/Q8_0 "
         "blocks as they are, K-quants as Q8_0; F16/BF16 of GGUF or safetensors at 16 bits; float32 as "
         "float32), float32 = dequantized, "
-        "q8_0 = quantized at load (default auto)",
+        "q8_0 = quantized at load (default auto)" + note,
     )
     p.add_argument(
         "--activations",
