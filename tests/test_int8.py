@@ -171,3 +171,52 @@ def test_the_choice_of_instruction_set(monkeypatch):
     assert cpu.activations(None, {"MPITP_ISA": "portable"}) == "float32"  # auto: no integer instructions
     with pytest.raises(ValueError, match="one of"):
         cpu.activations("int4")
+
+
+def _k_blocks(rng, t, n, k):
+    """Random blocks of type t (sane scales, any quants) as the file holds them."""
+    from mpitp.bench.shapes import random_blocks
+
+    raw = random_blocks(rng, t, n, k)
+    if t in ("Q4_K", "Q6_K"):  # scales of either sign and size per super-block
+        per = raw.reshape(-1, 144 if t == "Q4_K" else 210)
+        at = slice(0, 2) if t == "Q4_K" else slice(208, 210)
+        d = per[:, at].copy().view(np.float16)[:, 0] * rng.uniform(-3, 3, per.shape[0]).astype(np.float16)
+        per[:, at] = d.astype(np.float16).reshape(-1, 1).view(np.uint8)
+    return raw
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    t=st.sampled_from(["Q4_K", "Q6_K", "Q5_0"]),
+    n=st.integers(1, 40),
+    supers=st.integers(1, 4),
+    m=st.sampled_from([1, 3, 16, 21]),
+    isa=st.sampled_from(RUNNABLE),
+    seed=st.integers(0, 2**31),
+)
+def test_k_quants_are_repacked_exactly_and_multiplied(t, n, supers, m, isa, seed):
+    """Q4_K -> q4 (per-32 d·sc, -dmin·m), Q6_K -> q8 with a scale per 16, Q5_0 -> q8: the
+    values equal the gguf package's dequantization bit for bit, a column cut on any
+    32-boundary inside a super-block too; both activation paths multiply them right."""
+    rng = np.random.default_rng(seed)
+    k = 256 * supers
+    raw = _k_blocks(rng, t, n, k)
+    ref_w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[t]).astype(np.float32).reshape(n, k)
+    bw = formats.from_ggml(raw, t)
+    assert bw.source == t and bw.shape == (n, k) and np.array_equal(bw.dequantize(), ref_w)
+    a = 32 * int(rng.integers(0, k // 32))
+    b = 32 * int(rng.integers(a // 32 + 1, k // 32 + 1))
+    assert np.array_equal(bw.cols(a, b).contiguous().dequantize(), ref_w[:, a:b])
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    exact = x.astype(np.float64) @ ref_w.astype(np.float64).T
+    from mpitp.kernels import matmul as mm
+
+    y = mm.matmul(x, bw)  # float32 activations: up to summation order
+    assert np.abs(y - exact).max() <= 1e-5 * np.abs(exact).max()
+    tw = tiles.repack(bw)
+    assert np.array_equal(tw.dequantize(), ref_w)
+    q, d, _ = quantize(x)
+    ref = dequantized_x(q, d) @ ref_w.astype(np.float64).T
+    y8 = int8.matmul(x, tw, isa)
+    assert np.abs(y8 - ref).max() <= 1e-5 * np.abs(ref).max()

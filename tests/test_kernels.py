@@ -110,14 +110,17 @@ def k_quant(t, rows, superblocks, rng):
     scales = lambda n: rng.uniform(1e-3, 2e-2, (rows, superblocks, n)).astype(np.float16).view(np.uint8)
     if t == "Q6_K":  # ql, qh, int8 scales, then d
         raw[..., -2:] = scales(1)
+    elif t == "Q2_K":  # scales, qs, then d, dmin
+        raw[..., -4:] = scales(2)
     else:  # Q4_K, Q5_K: d, dmin first
         raw[..., :4] = scales(2)
     return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("t", ["Q4_K", "Q5_K", "Q6_K"])
-def test_k_quants_become_q8_0_within_half_a_step(t):
-    """Converted once at load: each value within half a Q8_0 step (d = amax/127 of its block),
+@pytest.mark.parametrize("t", ["Q5_K", "Q2_K"])
+def test_other_k_quants_become_q8_0_within_half_a_step(t):
+    """K-quants with no exact repack (Q4_K, Q6_K have one: tests/test_int8.py) are
+    converted once at load: each value within half a Q8_0 step (d = amax/127 of its block),
     plus the step's own rounding to fp16 (q·|d - fp16(d)| <= 127·d·2⁻¹¹)."""
     rng = np.random.default_rng(5)
     raw = k_quant(t, 12, 3, rng)

@@ -49,6 +49,8 @@ def random_blocks(rng, type_name: str, rows: int, cols: int) -> np.ndarray:
         raw[:, :2] = _f16(SPREAD / 73, n)
         q = raw[:, 2:].view(np.int8)
         q[q == -128] = -127
+    elif type_name == "Q5_0":  # d, 32 fifth bits, nibbles: w = d(q - 16), q uniform 0..31 (std 9.2)
+        raw[:, :2] = _f16(SPREAD / 9.2, n)
     elif type_name == "Q4_K":  # d, dmin, 12 bytes of 6-bit scales and mins, nibbles: w = d·sc·q - dmin·m
         d = SPREAD / (32 * 4.6)
         raw[:, :2], raw[:, 2:4] = _f16(d, n), _f16(7.5 * d, n)
@@ -114,14 +116,14 @@ def write(shape: str, ftype: str, out: Path, say=print) -> None:
     w = gguf.GGUFWriter(str(out), "llama")
     w.add_name(f"mpitp bench {shape} (random weights)")
     w.add_context_length(8192)
-    w.add_embedding_length(s["hidden"])
-    w.add_block_count(s["layers"])
-    w.add_feed_forward_length(s["ffn"])
-    w.add_head_count(s["heads"])
-    w.add_head_count_kv(s["kv_heads"])
+    w.add_embedding_length(int(s["hidden"]))
+    w.add_block_count(int(s["layers"]))
+    w.add_feed_forward_length(int(s["ffn"]))
+    w.add_head_count(int(s["heads"]))
+    w.add_head_count_kv(int(s["kv_heads"]))
     w.add_rope_freq_base(s["rope_theta"])
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(s["hidden"] // s["heads"])
+    w.add_rope_dimension_count(int(s["hidden"] // s["heads"]))
     w.add_vocab_size(vocab)
     w.add_file_type(FILE_TYPES[ftype])
     for key, f in reader.fields.items():  # the default model's tokenizer, as it stores it
@@ -129,11 +131,11 @@ def write(shape: str, ftype: str, out: Path, say=print) -> None:
             sub = f.types[1] if len(f.types) > 1 else None
             w.add_key_value(key, f.contents(), f.types[0], sub)
     rng = np.random.default_rng(0)
-    H, F, hd = s["hidden"], s["ffn"], s["hidden"] // s["heads"]
-    kv = s["kv_heads"] * hd
+    H, F, hd = int(s["hidden"]), int(s["ffn"]), int(s["hidden"] // s["heads"])
+    kv = int(s["kv_heads"]) * hd
     ones = np.ones(H, np.float32)
     mats = [("token_embd", -1, vocab, H)]
-    for i in range(s["layers"]):
+    for i in range(int(s["layers"])):
         mats += [("attn_q", i, H, H), ("attn_k", i, kv, H), ("attn_v", i, kv, H), ("attn_output", i, H, H)]
         mats += [("ffn_gate", i, F, H), ("ffn_up", i, F, H), ("ffn_down", i, H, F)]
     bar = Progress(len(mats), "random blocks", "tensor")

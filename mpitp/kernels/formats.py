@@ -12,9 +12,20 @@ as ggml's own CPU backend does): ``qs`` [N, K/2] uint8 or [N, K] int8, and the s
 (and minimums) as float32 [N, K/32], converted once at load so that the inner loop
 multiplies without a conversion (numba has no float16). The values are exactly the
 file's: Q4_0 becomes the q4 case ``m = -8d`` (exact in float32). It costs 2 bytes per
-32 weights over the file (4 for Q4_1). K-quants (Q4_K, Q5_K, Q6_K, ...) and the other
-types the ``gguf`` package decodes are converted once at load to Q8_0, whose error
-(half a step of amax/127 per block of 32) is far below theirs.
+32 weights over the file (4 for Q4_1). Other types are repacked exactly where a planar
+form holds them::
+
+    Q4_K  per 256: fp16 d, dmin, 8 six-bit scales sc and mins m, 4-bit q
+          -> q4, per 32: d·sc and -dmin·m (float32, exact), q as Q4_0 lays it out
+    Q6_K  per 256: 6-bit q (4 + 2 bits), int8 scale per 16, fp16 d
+          -> q8 with a scale per 16 (d·sc, exact), q - 32 as int8
+    Q5_0  per 32: fp16 d, 5-bit q  -> q8: q - 16 as int8
+
+and the values equal the ``gguf`` package's dequantization bit for bit. The remaining
+types the ``gguf`` package decodes (Q5_K, Q2_K, ...) are converted once at load to Q8_0,
+whose error (half a step of amax/127 per block of 32) is far below theirs.
+
+``q8`` scales are per 32 weights, or per 16 (Q6_K): ``group`` = K / scales per row.
 
 F16 and BF16 tensors stay 16-bit (kinds ``f16``/``bf16``: ``qs`` [N, K] uint16, the
 file's bits; no scales), widened to float32 inside the kernels (:mod:`.half`).
@@ -44,9 +55,14 @@ class BlockWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        if self.d is None:  # 16-bit floats: one weight per element
-            return self.qs.shape[0], self.qs.shape[1]
-        return self.qs.shape[0], self.d.shape[1] * BLOCK
+        if self.kind == "q4":  # two weights a byte
+            return self.qs.shape[0], self.qs.shape[1] * 2
+        return self.qs.shape[0], self.qs.shape[1]  # q8: int8, f16/bf16: 16 bits a weight
+
+    @property
+    def group(self) -> int:
+        """Weights per scale (32; 16 for Q6_K's)."""
+        return BLOCK if self.d is None else self.shape[1] // self.d.shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -64,7 +80,8 @@ class BlockWeight:
         per = BLOCK // 2 if self.kind == "q4" else BLOCK
         ba, bb = a // BLOCK, b // BLOCK
         m = None if self.m is None else self.m[:, ba:bb]
-        return BlockWeight(self.kind, self.qs[:, ba * per : bb * per], self.d[:, ba:bb], m, self.source)
+        g = self.group
+        return BlockWeight(self.kind, self.qs[:, ba * per : bb * per], self.d[:, a // g : b // g], m, self.source)
 
     def contiguous(self) -> BlockWeight:
         d, m = (None if f is None else np.ascontiguousarray(f) for f in (self.d, self.m))
@@ -118,12 +135,63 @@ def from_ggml(raw: np.ndarray, type_name: str) -> BlockWeight:
         blk = raw.reshape(n, -1, 18)
         d = blk[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
         return BlockWeight("q4", blk[:, :, 2:].reshape(n, -1).copy(), d, -8 * d, "Q4_0")
+    if type_name in REPACK:
+        return REPACK[type_name](np.ascontiguousarray(raw).view(np.uint8).reshape(n, -1))
     import gguf
 
     w = gguf.quants.dequantize(np.ascontiguousarray(raw), gguf.GGMLQuantizationType[type_name])
     q = quantize_q8_0(np.asarray(w, np.float32).reshape(n, -1))
     q.source = f"{type_name}->Q8_0"
     return q
+
+
+def _f16(a: np.ndarray) -> np.ndarray:
+    """Bytes [..., 2] of float16 -> float32 [...]."""
+    return a.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def from_q4_k(raw: np.ndarray) -> BlockWeight:
+    """Q4_K rows [N, 144·K/256] -> q4 (the ``gguf`` package's Q4_K.get_scale_min unpacking)."""
+    n = raw.shape[0]
+    blk = raw.reshape(n, -1, 144)
+    d, dmin = _f16(blk[..., 0:2]), _f16(blk[..., 2:4])  # [N, S]
+    sc6 = blk[..., 4:16].reshape(n, -1, 3, 4)
+    a, b, c = sc6[..., 0, :], sc6[..., 1, :], sc6[..., 2, :]
+    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=-1)  # [N, S, 8]
+    mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=-1)
+    nib = blk[..., 16:].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+    q = (nib & 0x0F).reshape(n, -1, 8, 32)  # [N, S, sub-block, 32 weights]
+    packed = q[..., :16] | (q[..., 16:] << 4)  # as Q4_0 lays a block out
+    scale = (d[..., None] * sc.astype(np.float32)).reshape(n, -1)
+    low = -(dmin[..., None] * mn.astype(np.float32)).reshape(n, -1)
+    return BlockWeight("q4", packed.reshape(n, -1), scale, low, "Q4_K")
+
+
+def from_q6_k(raw: np.ndarray) -> BlockWeight:
+    """Q6_K rows [N, 210·K/256] -> q8 with a scale per 16 weights."""
+    n = raw.shape[0]
+    blk = raw.reshape(n, -1, 210)
+    lo4 = blk[..., :128].reshape(n, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+    hi2 = blk[..., 128:192].reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
+    ql, qh = (lo4 & 0x0F).reshape(n, -1, 2, 128), (hi2 & 0x03).reshape(n, -1, 2, 128)
+    q = (ql | (qh << 4)).astype(np.int8) - np.int8(32)
+    sc = blk[..., 192:208].copy().view(np.int8).astype(np.float32)  # [N, S, 16]
+    d = _f16(blk[..., 208:210])
+    return BlockWeight("q8", q.reshape(n, -1), (d[..., None] * sc).reshape(n, -1), None, "Q6_K")
+
+
+def from_q5_0(raw: np.ndarray) -> BlockWeight:
+    """Q5_0 rows [N, 22·K/32] -> q8 (q - 16 as int8)."""
+    n = raw.shape[0]
+    blk = raw.reshape(n, -1, 22)
+    d = _f16(blk[..., 0:2])
+    qh = blk[..., 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)  # [N, B, 32]
+    ql = blk[..., 6:22].reshape(n, -1, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    q = (ql & 0x0F).reshape(n, -1, 32) | (((qh & 1).astype(np.uint8)) << 4)
+    return BlockWeight("q8", (q.astype(np.int8) - np.int8(16)).reshape(n, -1), d, None, "Q5_0")
+
+
+REPACK = {"Q4_K": from_q4_k, "Q6_K": from_q6_k, "Q5_0": from_q5_0}
 
 
 def quantize_q8_0(w: np.ndarray) -> BlockWeight:

@@ -33,10 +33,10 @@ def _ptr(a) -> int:
     return 0 if a is None else a.ctypes.data
 
 
-def kernels(kind: str, digits: int = 1, isa: str | None = None) -> dict[int, Any]:
-    """The compiled kernels of one weight kind and digits of x, by row count."""
+def kernels(kind: str, digits: int = 1, isa: str | None = None, group: int = 32) -> dict[int, Any]:
+    """The compiled kernels of one weight kind, digits of x and scale group, by row count."""
     isa = isa or cpu.isa()
-    return dict(zip(KERNEL_ROWS, jit.functions([(kind, isa, r, digits) for r in KERNEL_ROWS])))
+    return dict(zip(KERNEL_ROWS, jit.functions([(kind, isa, r, digits, group) for r in KERNEL_ROWS])))
 
 
 def _quantizer(digits: int):
@@ -52,7 +52,7 @@ class Bound:
     row count looked up once, every pointer but x's quantized rows and y fixed."""
 
     def __init__(self, w: TiledWeight, isa: str | None = None):
-        self.w, self.k, self.quantize = w, kernels(w.kind, w.digits, isa), _quantizer(w.digits)
+        self.w, self.k, self.quantize = w, kernels(w.kind, w.digits, isa, w.group), _quantizer(w.digits)
         N, K = w.shape
         self.T, self.nb = w.qs.shape[0], K // 32
         P = SMALL * w.digits
@@ -82,7 +82,7 @@ def matmul(x2: np.ndarray, w: TiledWeight, isa: str | None = None) -> np.ndarray
         Bound(w, isa)(x2, y)
         return y
     D = w.digits
-    k = kernels(w.kind, D, isa)[SMALL]
+    k = kernels(w.kind, D, isa, w.group)[SMALL]
     P = -(-M // SMALL) * SMALL * D
     xq = np.zeros((P, K), np.int8)
     xd = np.zeros((P, nb), np.float32)
@@ -100,8 +100,8 @@ def matmul(x2: np.ndarray, w: TiledWeight, isa: str | None = None) -> np.ndarray
     return Y if T * ROWS == N else np.ascontiguousarray(Y[:, :N])
 
 
-def warm(kind: str, digits: int = 1) -> None:
+def warm(kind: str, digits: int = 1, group: int = 32) -> None:
     """Compile this kind's kernels now (at load), not in the first forward."""
-    kernels(kind, digits)
+    kernels(kind, digits, None, group)
     x = np.zeros((1, 32), np.float32)
     _quantizer(digits)(x, np.zeros((2, 32), np.int8), np.zeros((2, 1), np.float32), np.zeros((2, 1), np.float32))

@@ -118,12 +118,14 @@ def _xgroups(e: _Body, row: str) -> list[str]:
     return out
 
 
-def kernel(fmt: str, isa: str, R: int, D: int = 1) -> tuple[str, str]:
+def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32) -> tuple[str, str]:
     """(name, IR text) of the kernel for R rows of x over whole tiles of 8 output rows,
-    each row of x held as D int8 digits (xq rows D·r + j; xs in row D·r)."""
-    if fmt not in ("q4", "q8") or isa not in ("vnni", "avx2", "portable") or D not in (1, 2):
-        raise ValueError(f"no int8 kernel for {fmt}/{isa}/{D} digits")
-    name = f"{fmt}_{isa}_r{R}_d{D}"
+    each row of x held as D int8 digits (xq rows D·r + j; xs in row D·r), the weights
+    with a scale per G = 32 weights (or 16: q8 only, d [T, K/16, 8])."""
+    bad = fmt not in ("q4", "q8") or isa not in ("vnni", "avx2", "portable") or D not in (1, 2)
+    if bad or G not in (16, 32) or (G == 16 and fmt != "q8"):
+        raise ValueError(f"no int8 kernel for {fmt}/{isa}/{D} digits/scales per {G}")
+    name = f"{fmt}_{isa}_r{R}_d{D}_g{G}"
     e = _Body()
     for r in range(R):
         e.do(f"%acc{r} = phi <8 x float> [zeroinitializer, %tile], [%acc{r}_n, %blk]")
@@ -132,7 +134,12 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1) -> tuple[str, str]:
     e.do("%so = shl i64 %tb, 3")  # its 8 scales
     for g in range(8):
         e.do(f"%xo{g} = add i64 %xb, {4 * g}" if g else "%xo0 = add i64 %xb, 0")
-    dv = _load(e, "<8 x float>", "%d", "%so", "float")
+    if G == 32:
+        dvs = [_load(e, "<8 x float>", "%d", "%so", "float")]
+    else:  # two scales a block: d[t, 2b] and d[t, 2b + 1], 8 rows each
+        so = e("shl i64 %tb, 4", "so")
+        so1 = e(f"add i64 {so}, 8", "so")
+        dvs = [_load(e, "<8 x float>", "%d", so, "float"), _load(e, "<8 x float>", "%d", so1, "float")]
     mv = _load(e, "<8 x float>", "%m", "%so", "float") if fmt == "q4" else ""
     u, w = [], []
     if fmt == "q4":
@@ -155,9 +162,11 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1) -> tuple[str, str]:
         terms = []  # (vector, scale vector): acc += vector · scale, in this order
         for j in range(D):
             xs = _xgroups(e, f"%xrow{r}_{j}")
-            f = e(f"sitofp <8 x i32> {_block_isum(e, fmt, isa, u, w, xs)} to <8 x float>")
-            xd = _load(e, "float", "%xd", e(f"add i64 %xdrow{r}_{j}, %b", "xb"), "float")
-            terms.append((f, e(f"fmul <8 x float> {dv}, {_bcast(e, xd)}")))
+            xd = _bcast(e, _load(e, "float", "%xd", e(f"add i64 %xdrow{r}_{j}, %b", "xb"), "float"))
+            halves = [range(8)] if G == 32 else [range(4), range(4, 8)]  # k 0-15, 16-31
+            for dv, gs in zip(dvs, halves):
+                f = e(f"sitofp <8 x i32> {_block_isum(e, fmt, isa, u, w, xs, gs)} to <8 x float>")
+                terms.append((f, e(f"fmul <8 x float> {dv}, {xd}")))
         if fmt == "q4":
             xsum = _load(e, "float", "%xs", e(f"add i64 %xdrow{r}_0, %b", "xb"), "float")
             terms.append((mv, _bcast(e, xsum)))
@@ -211,11 +220,12 @@ exit:
     return name, text
 
 
-def _block_isum(e: _Body, fmt: str, isa: str, u: list[str], w: list[str], xs: list[str]) -> str:
-    """<8 x i32>: each lane's row of this block of weights · one row of x (8 groups of 4 k)."""
+def _block_isum(e: _Body, fmt: str, isa: str, u: list[str], w: list[str], xs: list[str], groups=range(8)) -> str:
+    """<8 x i32>: each lane's row of this block of weights · one row of x (the groups of 4
+    k asked for: all 8, or a half for a scale per 16)."""
     isum: str | None = None
     p16: str | None = None
-    for g in range(8):
+    for g in groups:
         s = xs[g]
         if fmt == "q8" and isa != "portable":  # x takes the sign of w, which became |w|
             nx = e(f"sub <32 x i8> zeroinitializer, {s}")

@@ -6,7 +6,7 @@ rows in one array and the per-block scale (and minimum) as float32 beside it::
     q4:  qs [N, K/2] uint8   byte j of block b = weight 32b+j (low nibble), 32b+16+j (high)
          d, m [N, K/32]      w = d·q + m          (Q4_0 is the case m = -8d)
     q8:  qs [N, K] int8
-         d [N, K/32]         w = d·q
+         d [N, K/32]         w = d·q   (or [N, K/16]: Q6_K's scale per 16)
 
 Decoding (few rows of x, ``M <= SMALL``) walks W once, row by row. With one row of x, one
 running sum per output row over the whole row, the block's scale broadcast inside it
@@ -117,23 +117,23 @@ def _q4_rows4(qs, d, m, xlo, xhi, y, i):
 
 
 @njit(**OPTS)
-def _q8_rows1(qs, d, x, y):
+def _q8_rows1(qs, d, sh, x, y):
     N, K = qs.shape
     for n in range(N):
         s = np.float32(0.0)
         for k in range(K):
-            s += d[n, k >> 5] * (np.float32(qs[n, k]) * x[0, k])
+            s += d[n, k >> sh] * (np.float32(qs[n, k]) * x[0, k])
         y[0, n] = s
 
 
 @njit(**OPTS)
-def _q8_rows2(qs, d, x, y, i):
+def _q8_rows2(qs, d, sh, x, y, i):
     N, K = qs.shape
     for n in range(N):
         s0 = np.float32(0.0)
         s1 = np.float32(0.0)
         for k in range(K):
-            a = d[n, k >> 5] * np.float32(qs[n, k])
+            a = d[n, k >> sh] * np.float32(qs[n, k])
             s0 += a * x[i, k]
             s1 += a * x[i + 1, k]
         y[i, n] = s0
@@ -141,7 +141,7 @@ def _q8_rows2(qs, d, x, y, i):
 
 
 @njit(**OPTS)
-def _q8_rows4(qs, d, x, y, i):
+def _q8_rows4(qs, d, sh, x, y, i):
     N, K = qs.shape
     for n in range(N):
         s0 = np.float32(0.0)
@@ -149,7 +149,7 @@ def _q8_rows4(qs, d, x, y, i):
         s2 = np.float32(0.0)
         s3 = np.float32(0.0)
         for k in range(K):
-            a = d[n, k >> 5] * np.float32(qs[n, k])
+            a = d[n, k >> sh] * np.float32(qs[n, k])
             s0 += a * x[i, k]
             s1 += a * x[i + 1, k]
             s2 += a * x[i + 2, k]
@@ -177,11 +177,12 @@ def q4_dequantize(qs, d, m, r0, r1, out):
 @njit(**OPTS)
 def q8_dequantize(qs, d, r0, r1, out):
     B = d.shape[1]
+    G = qs.shape[1] // B  # weights per scale: 32, or 16 (Q6_K)
     for n in range(r0, r1):
         for b in range(B):
             sc = d[n, b]
-            for j in range(32):
-                out[n - r0, 32 * b + j] = sc * np.float32(qs[n, 32 * b + j])
+            for j in range(G):
+                out[n - r0, G * b + j] = sc * np.float32(qs[n, G * b + j])
 
 
 @njit(**OPTS)
@@ -229,8 +230,9 @@ def q4_small(qs, d, m, x, y):
 @njit(**OPTS)
 def q8_small(qs, d, x, y):
     M, K = x.shape
+    sh = 5 if d.shape[1] * 32 == K else 4  # a scale per 32 weights, or per 16
     if M == 1:
-        _q8_rows1(qs, d, x, y)
+        _q8_rows1(qs, d, sh, x, y)
         return
     P = M + M % 2
     xp = x
@@ -239,9 +241,9 @@ def q8_small(qs, d, x, y):
         xp[:M] = x
     yp = np.empty((P, y.shape[1]), np.float32) if P > M else y
     for i in range(0, P - P % 4, 4):
-        _q8_rows4(qs, d, xp, yp, i)
+        _q8_rows4(qs, d, sh, xp, yp, i)
     if P % 4:
-        _q8_rows2(qs, d, xp, yp, P - 2)
+        _q8_rows2(qs, d, sh, xp, yp, P - 2)
     if P > M:
         y[:, :] = yp[:M]
 

@@ -9,6 +9,7 @@ padded with zero rows), each tile a run of K/32 blocks::
                                                             row 8t+i, k 32b+16+4g+j  (high nibble)
     q8  qs [T, K/32, 8, 32] i8   vector g (0..7), byte 4i+j:  row 8t+i, k 32b+4g+j
     d, m [T, K/32, 8] f32       the 8 rows' scale (and minimum) of block b, one vector load
+                                (q8 with a scale per 16, Q6_K's: d [T, K/16, 8])
 
 The values are the planar weight's exactly (the same quants and float32 scales, moved):
 :meth:`TiledWeight.dequantize` equals the planar one bit for bit.
@@ -38,7 +39,11 @@ class TiledWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.n, self.d.shape[1] * BLOCK
+        return self.n, self.qs.shape[1] * BLOCK
+
+    @property
+    def group(self) -> int:
+        return self.shape[1] // self.d.shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -48,9 +53,9 @@ class TiledWeight:
         """Rows [r0, r1) back in the planar layout (for lookups and prefill tiles)."""
         r1 = self.n if r1 is None else r1
         t0, t1 = r0 // ROWS, -(-r1 // ROWS)
-        T, nb = t1 - t0, self.d.shape[1]
-        d = self.d[t0:t1].transpose(0, 2, 1).reshape(T * ROWS, nb)
-        m = None if self.m is None else self.m[t0:t1].transpose(0, 2, 1).reshape(T * ROWS, nb)
+        T, nb, ng = t1 - t0, self.qs.shape[1], self.d.shape[1]
+        d = self.d[t0:t1].transpose(0, 2, 1).reshape(T * ROWS, ng)
+        m = None if self.m is None else self.m[t0:t1].transpose(0, 2, 1).reshape(T * ROWS, ng)
         # [T, nb, G, 8 rows, 4 k] -> [T, 8 rows, nb, G, 4 k]
         G = self.qs.shape[2]
         q = self.qs[t0:t1].reshape(T, nb, G, ROWS, 4).transpose(0, 3, 1, 2, 4)
@@ -79,7 +84,7 @@ def repack(w: BlockWeight, digits: int = 1) -> TiledWeight:
         return np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)]) if pad else a
 
     def scales(a: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(rows(a).reshape(T, ROWS, nb).transpose(0, 2, 1))
+        return np.ascontiguousarray(rows(a).reshape(T, ROWS, a.shape[1]).transpose(0, 2, 1))
 
     G = 4 if w.kind == "q4" else 8  # 4-byte groups per block (q4: each byte holds two k)
     q = rows(w.qs).reshape(T, ROWS, nb, G, 4).transpose(0, 2, 3, 1, 4)  # [T, nb, G, 8 rows, 4]

@@ -385,8 +385,9 @@ class LlamaForCausalLM:
                 if self.activations.startswith("int8"):
                     from ..kernels import int8
 
-                    for kind in sorted({m.qweight.kind for m in mods if m.qweight.layout == "tiles"}):
-                        int8.warm(kind, 2 if self.activations == "int8x2" else 1)
+                    tiled = {(m.qweight.kind, m.qweight.group) for m in mods if m.qweight.layout == "tiles"}
+                    for kind, group in sorted(tiled):
+                        int8.warm(kind, 2 if self.activations == "int8x2" else 1, group)
 
     def arithmetic(self) -> str:
         """What the matmuls multiply, for the ``[mpitp]`` line: "int8 activations (avx2)"."""
