@@ -42,6 +42,8 @@ class Settings:
     log_level: str | None = None  # MPITP_LOG_LEVEL
     log_dir: str | None = None  # MPITP_LOG_DIR
     timeline: str | None = None  # MPITP_TIMELINE
+    activations: str | None = None  # MPITP_ACTIVATIONS (mpitp.kernels.cpu checks the value)
+    isa: str | None = None  # MPITP_ISA (the same)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Settings:
@@ -127,6 +129,8 @@ _PARSE = {
     "log_level": _level,
     "log_dir": _text,
     "timeline": _text,
+    "activations": _text,
+    "isa": _text,
 }
 
 VARIABLES = {"MPITP_" + f.name.upper(): f.name for f in fields(Settings)}

@@ -13,7 +13,6 @@ an error, not a crash. The features are LLVM's view of the host (what the JIT ma
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 ISAS = ("vnni", "avx2", "portable")
@@ -40,9 +39,16 @@ def supported(features: frozenset[str] | None = None) -> tuple[str, ...]:
     return tuple(out)
 
 
-def isa(environ=os.environ) -> str:
-    """The instruction set the kernels use: ``MPITP_ISA`` if set, else the best there is."""
-    want = environ.get("MPITP_ISA", "").strip().lower()
+def _env(environ):
+    from .. import settings
+
+    return settings.current() if environ is None else settings.Settings.from_env(environ)
+
+
+def isa(environ=None) -> str:
+    """The instruction set the kernels use: ``MPITP_ISA`` if set, else the best there is
+    (``environ``: a mapping to read instead of the process's environment)."""
+    want = (_env(environ).isa or "").lower()
     have = supported()
     if not want:
         return have[0]
@@ -56,7 +62,7 @@ def isa(environ=os.environ) -> str:
 ACTIVATIONS = ("auto", "int8", "int8x2", "float32")
 
 
-def activations(choice: str | None = None, environ=os.environ) -> str:
+def activations(choice: str | None = None, environ=None) -> str:
     """How block weights' matmul inputs are held: ``int8`` (one int8 digit per value, as
     ggml quantizes them), ``int8x2`` (two digits, ~15 bits: the same integer kernels, a
     second row of x each) or ``float32`` (the exact reference path). ``auto`` (the default,
@@ -64,7 +70,7 @@ def activations(choice: str | None = None, environ=os.environ) -> str:
     avx2) and float32 elsewhere: one digit moves the default model's logits by a mean KL
     of ~4e-3 and flips near-ties (it answers README's question differently), two digits by
     ~1e-7, at a fraction of one digit's speed-up lost (docs/measurements.md)."""
-    choice = (choice or environ.get("MPITP_ACTIVATIONS", "") or "auto").strip().lower()
+    choice = (choice or _env(environ).activations or "auto").strip().lower()
     if choice not in ACTIVATIONS:
         raise ValueError(f"activations {choice!r}: one of {', '.join(ACTIVATIONS)}")
     if choice == "auto":
