@@ -220,3 +220,28 @@ def test_k_quants_are_repacked_exactly_and_multiplied(t, n, supers, m, isa, seed
     ref = dequantized_x(q, d) @ ref_w.astype(np.float64).T
     y8 = int8.matmul(x, tw, isa)
     assert np.abs(y8 - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_mixed_pieces_of_a_merged_weight_are_joined():
+    """A merged layer (qkv) of a Q4_K_M file: Q4_K q and k beside a Q6_K v. The q8 pieces
+    keep their values exactly (a per-32 scale repeated beside the per-16 ones); the q4
+    pieces become Q8_0 (within half a step); the whole is one q8 weight, in both layouts."""
+    rng = np.random.default_rng(11)
+    k = 512
+    q = formats.from_ggml(_k_blocks(rng, "Q4_K", 24, k), "Q4_K")
+    v6 = formats.from_ggml(_k_blocks(rng, "Q6_K", 8, k), "Q6_K")
+    v8 = formats.from_ggml(
+        gguf.quants.quantize(rng.standard_normal((8, k)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0), "Q8_0"
+    )
+    joined = formats.concat_rows([formats.to_q8_0(q), v6, v8])
+    assert joined.kind == "q8" and joined.group == 16 and joined.shape == (40, k)
+    got = joined.dequantize()
+    assert np.array_equal(got[24:32], v6.dequantize()) and np.array_equal(got[32:], v8.dequantize())
+    ref = q.dequantize()
+    step = np.repeat(np.abs(ref).reshape(24, -1, 32).max(-1) / 127, 32, axis=1)
+    assert (np.abs(got[:24] - ref) <= step * (0.5 + 127 * 2.0**-11) + 1e-7).all()
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    qx, dx, _ = quantize(x)
+    exact = dequantized_x(qx, dx) @ got.astype(np.float64).T
+    y = int8.matmul(x, tiles.repack(joined))
+    assert np.abs(y - exact).max() <= 1e-5 * np.abs(exact).max()

@@ -109,7 +109,11 @@ def concat_rows(parts: list[BlockWeight]) -> BlockWeight:
     kinds = {p.kind for p in parts}
     if len(kinds) != 1 or len({p.shape[1] for p in parts}) != 1:
         raise ValueError("concat_rows: parts differ in kind or width")
-    d = None if parts[0].d is None else np.concatenate([p.d for p in parts])
+    if parts[0].d is None:
+        d = None
+    else:  # q8 with a scale per 32 beside one per 16 (Q6_K): each per-32 scale twice, exactly
+        g = min(p.group for p in parts)
+        d = np.concatenate([np.repeat(p.d, p.group // g, axis=1) for p in parts])
     m = None if parts[0].m is None else np.concatenate([p.m for p in parts])
     sources = sorted({p.source for p in parts})
     return BlockWeight(parts[0].kind, np.concatenate([p.qs for p in parts]), d, m, "+".join(sources))
@@ -192,6 +196,13 @@ def from_q5_0(raw: np.ndarray) -> BlockWeight:
 
 
 REPACK = {"Q4_K": from_q4_k, "Q6_K": from_q6_k, "Q5_0": from_q5_0}
+
+
+def to_q8_0(w: BlockWeight) -> BlockWeight:
+    """A q4 weight quantized to Q8_0 (within half a step of amax/127 per block)."""
+    q = quantize_q8_0(w.dequantize())
+    q.source = f"{w.source}->Q8_0"
+    return q
 
 
 def quantize_q8_0(w: np.ndarray) -> BlockWeight:

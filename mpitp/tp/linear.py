@@ -84,12 +84,16 @@ class LinearBase:
         return formats.quantize_q8_0(src.rows(*rows) if rows is not None else src.cols(*cols))
 
     def finish(self) -> None:
-        """After loading: join the block pieces into ``qweight`` (pieces of different
-        kinds, or a part left as floats, fall back to float32 for the whole weight)."""
+        """After loading: join the block pieces into ``qweight``. q4 and q8 pieces together
+        (a Q4_K_M file's Q4_K q/k beside its Q6_K v) become q8, the q4 ones quantized to
+        Q8_0 as K-quants were before their exact repack; pieces of other different kinds,
+        or a part left as floats, fall back to float32 for the whole weight."""
         parts, self._parts = sorted(self._parts.items()), {}
         if not parts:
             return
         covered = sum(p.shape[0] for _, p in parts) == self.out_features
+        if {p.kind for _, p in parts} == {"q4", "q8"}:
+            parts = [(off, formats.to_q8_0(p) if p.kind == "q4" else p) for off, p in parts]
         if covered and len({p.kind for _, p in parts}) == 1:
             self.qweight = parts[0][1].contiguous() if len(parts) == 1 else formats.concat_rows([p for _, p in parts])
             self._wt = self.weight = None  # the float array was never written: no memory held
