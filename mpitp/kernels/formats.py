@@ -113,7 +113,10 @@ def concat_rows(parts: list[BlockWeight]) -> BlockWeight:
         d = None
     else:  # q8 with a scale per 32 beside one per 16 (Q6_K): each per-32 scale twice, exactly
         g = min(p.group for p in parts)
-        d = np.concatenate([np.repeat(p.d, p.group // g, axis=1) for p in parts])
+        scales = [p.d for p in parts if p.d is not None]
+        if len(scales) != len(parts):
+            raise ValueError("concat_rows: some parts have no scales")
+        d = np.concatenate([np.repeat(s, p.group // g, axis=1) for s, p in zip(scales, parts)])
     m = None if parts[0].m is None else np.concatenate([p.m for p in parts])
     sources = sorted({p.source for p in parts})
     return BlockWeight(parts[0].kind, np.concatenate([p.qs for p in parts]), d, m, "+".join(sources))
