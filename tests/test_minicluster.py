@@ -106,6 +106,7 @@ def test_suite_across_nodes(cluster, suite):
     suite_report.judge(f"{suite} across 2 nodes x 2 ranks", suite, across_nodes())
 
 
+@pytest.mark.openmpi  # in the Open MPI line only (pyproject.toml)
 def test_open_mpi_across_nodes(cluster):
     if not (OMPI / "mpiexec").exists():
         pytest.skip("no Open MPI environment at .venv-ompi")

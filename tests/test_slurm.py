@@ -143,6 +143,7 @@ def test_hostfile_from_allocation(tmp_path):
     assert (tmp_path / "h.out").read_text() == f"{host}:2\n"
 
 
+@pytest.mark.openmpi  # in the Open MPI line only (pyproject.toml)
 @pytest.mark.skipif(not (OMPI_VENV / "bin" / "python").exists(), reason="no Open MPI venv (.venv-ompi)")
 def test_demo_job_with_open_mpi_over_pmix(tmp_path):
     res, out = sbatch("demo.sbatch", tmp_path, venv=str(OMPI_VENV))

@@ -126,6 +126,7 @@ def test_train_job_tp_inside_nodes_fsdp_across(nodes, tmp_path):
     assert meta["mesh"] == {"dp": 2, "tp": 2} and meta["world_size"] == 4
 
 
+@pytest.mark.openmpi  # in the Open MPI line only (pyproject.toml)
 @pytest.mark.skipif(not (OMPI_VENV / "bin" / "python").exists(), reason="no Open MPI venv (.venv-ompi)")
 def test_demo_job_with_open_mpi_over_pmix_across_two_nodes(nodes, tmp_path):
     text = sbatch(
@@ -163,7 +164,7 @@ def test_train_job_survives_a_lost_node(nodes, tmp_path, lost):
     finishes the planned steps, and says how many it did again. Its losses after the
     restart equal, to the bit, those of a job that resumes from that checkpoint on the
     same nodes and nothing interrupts; log.jsonl holds each step once."""
-    steps, every = 24, 6
+    steps, every = 12, 4  # killed past step 6, ~5 s before the end at 0.85 s a step
     env = dict(
         MPITP_STEPS=str(steps),
         MPITP_SEQ="32",
@@ -183,7 +184,7 @@ def test_train_job_survives_a_lost_node(nodes, tmp_path, lost):
     still = ["mtp-n1", "mtp-n2"] if lost == "ranks" else ["mtp-n1"]
     left = f"on {len(still)} node(s) ({','.join(still)})"
     assert "restart 1 of 2: the training step failed" in text and left in text, text
-    resumed = text.split("resuming from ")[1].split()[0]  # step-000006 or a later one
+    resumed = text.split("resuming from ")[1].split()[0]  # step-000004 or a later one
     at = int(resumed.split("-")[1])
     assert f"resuming at step {at}: the log had reached step" in text and "step(s) are done again" in text
     records = [json.loads(line) for line in log.read_text().splitlines()]
