@@ -88,9 +88,9 @@ def test_hostfile_from_a_two_node_allocation(nodes, tmp_path):
 def test_bench_job_across_two_nodes(nodes, tmp_path):
     """MPICH through srun --mpi=pmi2: 4 ranks on 2 nodes, every result checked (--check
     fails the job on a wrong element), the ring's channels within nodes only."""
-    text = sbatch(tmp_path, str(ROOT / "slurm" / "bench.sbatch"), MPITP_MIN_BYTES="1M", MPITP_MAX_BYTES="4M")
+    text = sbatch(tmp_path, str(ROOT / "slurm" / "bench.sbatch"), MPITP_MIN_BYTES="256K", MPITP_MAX_BYTES="1M")
     assert "world of 4 rank(s) on 2 node(s): OK" in text
-    assert "MPI point-to-point between nodes" in text and "hierarchical" in text and "4 MiB" in text
+    assert "MPI point-to-point between nodes" in text and "hierarchical" in text and "1 MiB" in text
 
 
 def test_generate_job_across_two_nodes(nodes, tmp_path):
