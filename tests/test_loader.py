@@ -3,6 +3,7 @@ tensor or config field and the numbers."""
 
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -140,3 +141,44 @@ def test_weight_map_names_exactly_the_checkpoint_tensors(name):
     assert set(names) == saved
     tied = model.config.tie_word_embeddings
     assert ("lm_head.weight" in saved) == (not tied)
+
+
+def test_gguf_tensor_table_equals_gguf_readers(tmp_path):
+    """mpitp's tensor-table reader (which skips the metadata's values by their lengths)
+    gives every tensor as gguf.GGUFReader does: name, type, shape, dtype and bytes; with a
+    vocabulary of strings and other arrays before the tensors, a non-default alignment, and
+    native and quantized types. A file cut anywhere raises."""
+    import gguf
+
+    from mpitp.models.gguf_tensors import read_tensors
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_custom_alignment(64)
+    w.add_token_list([f"tok{i}" * (i % 7) for i in range(3000)])  # strings of 0..~30 bytes
+    w.add_array("tokenizer.ggml.scores", [float(i) for i in range(3000)])
+    w.add_array("some.nested", [[1, 2], [3]])
+    w.add_string("general.name", "t")
+    w.add_float32("x.f", 1.5)
+    w.add_bool("x.b", True)
+    w.add_tensor("a.weight", rng.standard_normal((5, 96)).astype(np.float32))
+    w.add_tensor("b.weight", rng.standard_normal((3, 64)).astype(np.float16))
+    q = gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("c.weight", q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("d.weight", rng.integers(0, 9, 7).astype(np.int32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    mine, theirs = read_tensors(path), gguf.GGUFReader(str(path)).tensors
+    assert [t.name for t in mine] == [t.name for t in theirs] == ["a.weight", "b.weight", "c.weight", "d.weight"]
+    for a, b in zip(mine, theirs):
+        assert a.type_name == b.tensor_type.name and a.shape == tuple(int(d) for d in b.shape)
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape and np.array_equal(a.data, b.data)
+    data = path.read_bytes()
+    last = theirs[-1].data_offset + 1  # inside the last tensor's bytes
+    for cut in (3, 23, 200, len(data) // 3, last):  # header, metadata, tensor infos, data
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        with pytest.raises((ValueError, struct.error)):
+            read_tensors(tmp_path / "cut.gguf")

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..tp.source import GGUFSource
 from .gguf_import import GGUFError, hf_name, unpermute
+from .gguf_tensors import read_tensors
 
 FILE = "model.gguf"
 
@@ -29,18 +30,16 @@ def _perm(rows: int, heads: int) -> np.ndarray:
 
 
 def sources(path: Path, heads: int, kv_heads: int, dtype=np.float32) -> Iterator[tuple[str, GGUFSource]]:
-    import gguf
-
     f = Path(path) / FILE
     try:
-        reader = gguf.GGUFReader(str(f))
+        tensors = read_tensors(f)
     except Exception as e:
         raise GGUFError(f"{f}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-    for t in reader.tensors:
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    for t in tensors:
+        shape = tuple(reversed(t.shape))
         perm = None
         if t.name.endswith("attn_q.weight"):
             perm = _perm(shape[0], heads)
         elif t.name.endswith("attn_k.weight"):
             perm = _perm(shape[0], kv_heads)
-        yield hf_name(t.name), GGUFSource(hf_name(t.name), t.data, t.tensor_type.name, shape, perm, dtype)
+        yield hf_name(t.name), GGUFSource(hf_name(t.name), t.data, t.type_name, shape, perm, dtype)
