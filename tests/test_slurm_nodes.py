@@ -88,7 +88,14 @@ def test_hostfile_from_a_two_node_allocation(nodes, tmp_path):
 def test_bench_job_across_two_nodes(nodes, tmp_path):
     """MPICH through srun --mpi=pmi2: 4 ranks on 2 nodes, every result checked (--check
     fails the job on a wrong element), the ring's channels within nodes only."""
-    text = sbatch(tmp_path, str(ROOT / "slurm" / "bench.sbatch"), MPITP_MIN_BYTES="256K", MPITP_MAX_BYTES="1M")
+    text = sbatch(
+        tmp_path,
+        str(ROOT / "slurm" / "bench.sbatch"),
+        MPITP_MIN_BYTES="256K",
+        MPITP_MAX_BYTES="1M",
+        MPITP_ITERS="10",
+        MPITP_TRIALS="2",
+    )
     assert "world of 4 rank(s) on 2 node(s): OK" in text
     assert "MPI point-to-point between nodes" in text and "hierarchical" in text and "1 MiB" in text
 
