@@ -247,3 +247,58 @@ def test_threads_follow_cpus_per_task_under_srun(tmp_path, tasks, cpus):
     assert res.returncode == 0, res.stderr + text
     lines = [ln for ln in text.splitlines() if "SLURM_CPUS_PER_TASK" in ln]
     assert len(lines) == tasks and all(ln.split()[1] == str(cpus) for ln in lines), text
+
+
+def test_serve_job_answers_as_generate_and_ends_on_scancel(tmp_path):
+    """slurm/serve.sbatch at TP = 2 on the testbed's node: the OpenAI API answers a greedy
+    completion with generate's text, and ``scancel --signal=TERM`` (SIGTERM to the step's
+    ranks) ends the job with every rank stopping cleanly (COMPLETED, exit 0; a plain
+    scancel ends it the same way but SLURM records CANCELLED)."""
+    import socket
+    import time
+    import urllib.request
+
+    from references import greedy
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fixture = ROOT / "tests" / "fixtures" / "mha"
+    want = greedy(str(fixture), [("the quick brown", False)], 8)[("the quick brown", False)]
+    env = dict(os.environ, SLURM_CONF=CONF, MPITP_HOME=str(ROOT), MPITP_VENV=sys.prefix)
+    env.update(MPITP_MODEL=str(fixture), MPITP_PORT=str(port), MPITP_MAX_BATCH="2")
+    for k in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID"):
+        env.pop(k, None)
+    out = tmp_path / "job.out"
+    job = slurm_jobs.Job(
+        ["sbatch", f"--output={out}", f"--chdir={tmp_path}", str(ROOT / "slurm" / "serve.sbatch")], env
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert job.poll() is None, out.read_text() if out.exists() else job.stderr
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the server did not answer in 120 s"
+            time.sleep(0.3)
+        body = {"model": "mha", "prompt": "the quick brown", "max_tokens": 8, "temperature": 0}
+        req = urllib.request.Request(
+            url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            got = json.loads(r.read())["choices"][0]["text"]
+    finally:
+        subprocess.run(["scancel", "--signal=TERM", job.id], capture_output=True, env=env)  # a drain
+        job.communicate(timeout=120)
+        text = out.read_text() if out.exists() else ""
+        keep = SLURM_DIR / "out"
+        keep.mkdir(parents=True, exist_ok=True)
+        (keep / "serve.sbatch.out").write_text(text)
+    assert got == want, (got, want)
+    assert "world of 2 rank(s) on 1 node(s): OK" in text and "SIGTERM" in text, text
+    assert job.returncode == 0, text
