@@ -37,10 +37,23 @@ def slurm_up() -> bool:
 pytestmark = pytest.mark.skipif(not slurm_up(), reason="no SLURM controller answering (slurm/testbed.sh up starts one)")
 
 
-def sbatch(script: str, tmp_path: Path, *opts: str, venv: str | None = None, **env):
+def job_env(venv: str | None = None, **env) -> dict:
+    """The environment a test submits with: the testbed's SLURM_CONF, this checkout and venv,
+    and none of an enclosing job's SLURM_* variables."""
     e = dict(os.environ, SLURM_CONF=CONF, MPITP_HOME=str(ROOT), MPITP_VENV=venv or sys.prefix, **env)
     for k in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID"):
         e.pop(k, None)
+    return e
+
+
+def keep(name: str, text: str) -> None:
+    """A job's output, kept in $MPITP_SLURM_DIR/out for the CI log."""
+    (SLURM_DIR / "out").mkdir(parents=True, exist_ok=True)
+    (SLURM_DIR / "out" / name).write_text(text)
+
+
+def sbatch(script: str, tmp_path: Path, *opts: str, venv: str | None = None, **env):
+    e = job_env(venv, **env)
     out = tmp_path / "job.out"
     res = slurm_jobs.run(
         ["sbatch", "--wait", f"--output={out}", f"--chdir={tmp_path}", *opts, str(ROOT / "slurm" / script)],
@@ -51,9 +64,7 @@ def sbatch(script: str, tmp_path: Path, *opts: str, venv: str | None = None, **e
         timeout=600,
     )
     text = out.read_text() if out.exists() else ""
-    keep = SLURM_DIR / "out"
-    keep.mkdir(parents=True, exist_ok=True)
-    (keep / f"{script}-{tmp_path.name}.out").write_text(text)
+    keep(f"{script}-{tmp_path.name}.out", text)
     return res, text
 
 
@@ -254,21 +265,16 @@ def test_serve_job_answers_as_generate_and_ends_on_scancel(tmp_path):
     completion with generate's text, and ``scancel --signal=TERM`` (SIGTERM to the step's
     ranks) ends the job with every rank stopping cleanly (COMPLETED, exit 0; a plain
     scancel ends it the same way but SLURM records CANCELLED)."""
-    import socket
     import time
     import urllib.request
 
     from references import greedy
+    from test_serve import FIX as fixture
+    from test_serve import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    fixture = ROOT / "tests" / "fixtures" / "mha"
+    port = free_port()
     want = greedy(str(fixture), [("the quick brown", False)], 8)[("the quick brown", False)]
-    env = dict(os.environ, SLURM_CONF=CONF, MPITP_HOME=str(ROOT), MPITP_VENV=sys.prefix)
-    env.update(MPITP_MODEL=str(fixture), MPITP_PORT=str(port), MPITP_MAX_BATCH="2")
-    for k in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID"):
-        env.pop(k, None)
+    env = job_env(MPITP_MODEL=str(fixture), MPITP_PORT=str(port), MPITP_MAX_BATCH="2")
     out = tmp_path / "job.out"
     job = slurm_jobs.Job(
         ["sbatch", f"--output={out}", f"--chdir={tmp_path}", str(ROOT / "slurm" / "serve.sbatch")], env
@@ -296,9 +302,7 @@ def test_serve_job_answers_as_generate_and_ends_on_scancel(tmp_path):
         subprocess.run(["scancel", "--signal=TERM", job.id], capture_output=True, env=env)  # a drain
         job.communicate(timeout=120)
         text = out.read_text() if out.exists() else ""
-        keep = SLURM_DIR / "out"
-        keep.mkdir(parents=True, exist_ok=True)
-        (keep / "serve.sbatch.out").write_text(text)
+        keep("serve.sbatch.out", text)
     assert got == want, (got, want)
     assert "world of 2 rank(s) on 1 node(s): OK" in text and "SIGTERM" in text, text
     assert job.returncode == 0, text
