@@ -44,6 +44,7 @@ class Settings:
     timeline: str | None = None  # MPITP_TIMELINE
     activations: str | None = None  # MPITP_ACTIVATIONS (mpitp.kernels.cpu checks the value)
     isa: str | None = None  # MPITP_ISA (the same)
+    threads: int = 1  # MPITP_THREADS (threads per rank in the int8 kernels: mpitp.kernels.parallel)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Settings:
@@ -131,6 +132,7 @@ _PARSE = {
     "timeline": _text,
     "activations": _text,
     "isa": _text,
+    "threads": _int(1),
 }
 
 VARIABLES = {"MPITP_" + f.name.upper(): f.name for f in fields(Settings)}

@@ -10,7 +10,8 @@ only where the launcher says there are several ranks here (or SLURM says how man
 task has), only for variables the user has not set, and only if NumPy has not been
 imported yet (its BLAS reads them once, at load). ``CHOICE`` says what was decided and
 why (``mpitp info`` prints it).
-``bin/mpitp-rank-env --threads N`` sets them explicitly on clusters.
+``MPITP_THREADS=N`` (the int8 kernels' threads per rank, :mod:`mpitp.kernels.parallel`)
+gives BLAS the same N; ``bin/mpitp-rank-env --threads N`` sets them explicitly on clusters.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def local_rank(environ=os.environ) -> int | None:
 
 def choose(environ=os.environ) -> tuple[int | None, str]:
     """(threads per rank, why); None: leave the BLAS default."""
+    own = environ.get("MPITP_THREADS", "").strip()
+    if own.isdigit() and int(own) > 0:  # the kernels' threads per rank: BLAS (prefill of float weights) the same
+        return int(own), "MPITP_THREADS"
     cpus = environ.get("SLURM_CPUS_PER_TASK", "").strip()
     if cpus.isdigit() and int(cpus) > 0 and environ.get("SLURM_STEP_ID") is not None:
         return int(cpus), "SLURM_CPUS_PER_TASK"

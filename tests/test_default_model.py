@@ -4,6 +4,7 @@ under mpiexec."""
 
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -82,13 +83,23 @@ def tp1(model_dir):
     return one
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_generate_cli_at_any_tp_matches_tp1(tp1, n):
-    """9 query heads / 3 KV heads at 2 and 4 ranks too: uneven, GQA-aware cuts."""
-    one, many = tp1, launch.run(n, GEN + ASK, timeout=300)
+@pytest.mark.parametrize("n,threads", [(2, 1), (3, 1), (4, 1), (1, 2)])
+def test_generate_cli_at_any_tp_matches_tp1(tp1, n, threads):
+    """9 query heads / 3 KV heads at 2 and 4 ranks too: uneven, GQA-aware cuts; and one
+    rank with two threads (each matmul's rows split: the same numbers)."""
+    many = launch.run(n, GEN + ASK + ["--threads", str(threads)], timeout=300)
     assert many.returncode == 0, many.stderr
     assert "Paris" in many.stdout
-    assert many.stdout == one.stdout and f"TP={n}: prefill" in many.stderr
+    assert (
+        many.stdout == tp1.stdout and f"TP={n} × {threads} thread{'s' if threads > 1 else ''}: prefill" in many.stderr
+    )
+    if threads > 1 and "int8" in many.stderr:
+        assert f"{threads} threads per rank" in many.stderr
+
+
+def test_bad_thread_counts_are_refused_before_loading():
+    res = subprocess.run(GEN + ["--threads", "0"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "threads per rank must be at least 1, got 0" in res.stderr, res.stderr
 
 
 def test_more_ranks_than_heads_is_refused_with_the_numbers(model_dir):

@@ -33,7 +33,7 @@ def test_greedy_text_is_the_same_at_every_tp(n):
     assert one.returncode == 0 and many.returncode == 0, one.stderr + many.stderr
     assert one.stdout.startswith("the quick brown fox") and len(one.stdout) > len("the quick brown fox")
     assert many.stdout == one.stdout  # rank 0 alone prints, same tokens
-    assert f"TP={n}: prefill" in many.stderr and "tokens/s" in many.stderr
+    assert f"TP={n} × 1 thread: prefill" in many.stderr and "tokens/s" in many.stderr
     assert many.stderr.count("MiB") == n  # weights per rank, one figure per rank
 
 

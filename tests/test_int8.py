@@ -245,3 +245,48 @@ def test_mixed_pieces_of_a_merged_weight_are_joined():
     exact = dequantized_x(qx, dx) @ got.astype(np.float64).T
     y = int8.matmul(x, tiles.repack(joined))
     assert np.abs(y - exact).max() <= 1e-5 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("t,digits", [("Q4_1", 2), ("Q8_0", 1), ("Q4_0", 1)])
+def test_threads_split_the_output_rows_and_change_no_bit(monkeypatch, t, digits):
+    """--threads N: each thread a contiguous range of tiles (prefill: of column spans);
+    every row is the one-thread kernel's on the same data, so equal bit for bit, for tile
+    counts that do not divide (1, 3, 37 tiles; 300 rows: a part-filled last tile) and
+    more threads than tiles."""
+    from mpitp.kernels import parallel
+
+    rng = np.random.default_rng(7)
+    monkeypatch.setattr(parallel, "MIN_WORK", 0)  # split even the smallest, to cut odd counts
+    for n, blocks in [(5, 3), (24, 7), (296, 5), (300, 9)]:
+        tw = tiles.repack(_weight(rng, t, n, 32 * blocks), digits)
+        for m in (1, 3, 16, 17, 70):
+            x = rng.standard_normal((m, 32 * blocks)).astype(np.float32)
+            monkeypatch.setenv("MPITP_THREADS", "1")
+            one = int8.matmul(x, tw)
+            for threads in ("2", "3"):
+                monkeypatch.setenv("MPITP_THREADS", threads)
+                if int(threads) > parallel.numba.config.NUMBA_NUM_THREADS:
+                    continue
+                assert np.array_equal(int8.matmul(x, tw), one), (n, blocks, m, threads)
+                if m <= int8.SMALL:
+                    y = np.full((m, n), np.nan, np.float32)
+                    b = int8.Bound(tw)
+                    assert b.threads == int(threads)
+                    b(x, y)
+                    assert np.array_equal(y, one), (n, blocks, m, threads)
+
+
+def test_threads_per_rank_are_checked(monkeypatch):
+    from mpitp.kernels import parallel
+    from mpitp.kernels.parallel import ThreadsError as ConfigError
+
+    with pytest.raises(ConfigError, match="at least 1, got 0"):
+        parallel.check(0)
+    top = parallel.numba.config.NUMBA_NUM_THREADS
+    with pytest.raises(ConfigError, match=f"{top + 1} threads per rank asked, but numba's pool has {top}"):
+        parallel.check(top + 1)
+    monkeypatch.setenv("MPITP_THREADS", "0")
+    from mpitp.settings import SettingsError, current
+
+    with pytest.raises(SettingsError, match="MPITP_THREADS"):
+        current()

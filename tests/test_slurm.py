@@ -169,7 +169,7 @@ def test_generate_job(tmp_path):
     )
     assert res.returncode == 0, res.stderr + out
     assert "world of 2 rank(s)" in out and out.count("the quick brown") == 1
-    assert "TP=2: prefill" in out and "tokens/s" in out
+    assert "TP=2 × 1 thread: prefill" in out and "tokens/s" in out
 
 
 def test_train_job_then_resume(tmp_path):

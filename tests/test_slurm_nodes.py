@@ -108,7 +108,7 @@ def test_generate_job_across_two_nodes(nodes, tmp_path):
         MPITP_PROMPT="the quick brown",
         MPITP_MAX_NEW_TOKENS="8",
     )
-    assert "world of 4 rank(s) on 2 node(s): OK" in text and "TP=4: prefill" in text
+    assert "world of 4 rank(s) on 2 node(s): OK" in text and "TP=4 × 1 thread: prefill" in text
     assert text.count("the quick brown") == 1
 
 

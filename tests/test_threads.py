@@ -74,3 +74,8 @@ def test_each_rank_picks_its_own_gpu_under_mpiexec():
     # each its own GPU; which rank gets which follows the launcher's local-rank numbering
     # (Open MPI 5's need not follow world rank order)
     assert sorted(ast.literal_eval(res.stdout.strip())) == [0, 1, 2], res.stdout
+
+
+def test_mpitp_threads_gives_blas_the_kernels_count():
+    env = {"MPITP_THREADS": "3", "MPI_LOCALNRANKS": "2", "SLURM_CPUS_PER_TASK": "8", "SLURM_STEP_ID": "0"}
+    assert choose(env) == (3, "MPITP_THREADS")

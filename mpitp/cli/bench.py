@@ -10,7 +10,7 @@ import numpy as np
 
 from ..bench import collectives as bc
 from ..models.config import ConfigError
-from .generate import add_weights_argument
+from .generate import add_weights_argument, apply_threads
 
 EPILOG = """\
 columns: size and count of the buffer, dtype, reduction op, algorithm, time of one call
@@ -205,6 +205,7 @@ def run(args) -> int:
             from ..bench import decode
 
             model, weights = args.model, args.weights
+            apply_threads(args)
             if args.shape:
                 model, weights = _shape_file(comm, args.shape, "q4_0" if weights == "auto" else weights), "auto"
             elif weights in ("q4_0", "q4_k_m"):

@@ -45,6 +45,26 @@ def add_weights_argument(p, extra: tuple[str, ...] = (), note: str = "") -> None
         "float32 inputs, the exact reference; auto = int8x2 where the CPU has VNNI or AVX2, else float32 "
         "(default: $MPITP_ACTIVATIONS or auto; $MPITP_ISA forces an instruction set)",
     )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="threads per rank in the int8 matmul kernels: each matmul's output rows split over N threads "
+        "(as MPI + OpenMP codes run a rank per socket); ranks × threads should not exceed the cores "
+        "(default: $MPITP_THREADS or 1)",
+    )
+
+
+def apply_threads(args) -> int:
+    """--threads into MPITP_THREADS (what the kernels read), checked on every rank; the count."""
+    import os
+
+    from ..kernels import parallel
+
+    if getattr(args, "threads", None) is not None:
+        os.environ["MPITP_THREADS"] = str(parallel.check(args.threads))
+    return parallel.check(parallel.threads())
 
 
 def add_parser(sub) -> None:
@@ -138,6 +158,7 @@ def _generate(args, comm, LlamaForCausalLM) -> int:
     )  # before loading anything
     if args.max_batch < 1:
         raise GenerationError(f"--max-batch must be at least 1, got {args.max_batch}")
+    nthreads = apply_threads(args)
     tok = tokenizer(Path(args.model))
     model = LlamaForCausalLM.from_pretrained(
         args.model, comm=comm, dtype=args.dtype, device=args.device, weights=args.weights, activations=args.activations
@@ -193,7 +214,8 @@ def _generate(args, comm, LlamaForCausalLM) -> int:
             for p, text in zip(prompts, texts):
                 print((p if isinstance(p, str) else p[-1].get("content", "")) + ("\n" if chat else "") + text)
         print(
-            f"\n[mpitp] TP={comm.size}: prefill {s['prompt_tokens']} tokens in {s['prefill_s'] * 1e3:.1f} ms, "
+            f"\n[mpitp] TP={comm.size} × {nthreads} thread{'s' if nthreads > 1 else ''}: "
+            f"prefill {s['prompt_tokens']} tokens in {s['prefill_s'] * 1e3:.1f} ms, "
             f"decode {s['new_tokens']} tokens at {s['decode_tokens_per_s']:.1f} tokens/s, "
             f"weights per rank {', '.join(f'{b / 2**20:.1f} MiB' for b in per_rank)} "
             f"({' + '.join(f'{k} {v / 2**20:.1f}' for k, v in model.weight_formats().items())} on rank 0); "

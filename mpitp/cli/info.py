@@ -61,7 +61,19 @@ def _cpu() -> dict:
         chosen, act = cpu.isa(), cpu.activations()
     except ValueError as e:
         chosen, act = f"error: {e}", "error"
-    return {"cpu": cpu.host()[0], "int8_isas": list(cpu.supported()), "int8_isa": chosen, "activations": act}
+    from ..kernels import parallel
+
+    try:
+        kernel_threads: int | str = parallel.check(parallel.threads())
+    except ValueError as e:
+        kernel_threads = f"error: {e}"
+    return {
+        "cpu": cpu.host()[0],
+        "int8_isas": list(cpu.supported()),
+        "int8_isa": chosen,
+        "activations": act,
+        "kernel_threads": kernel_threads,
+    }
 
 
 def mpi_library_path() -> tuple[str | None, str]:
@@ -104,7 +116,8 @@ def _info(args, comm) -> int:
             print(f"world size:     {data['world_size']}")
             print(
                 f"CPU:            {data['cpu']}; int8 dot products: {', '.join(data['int8_isas']) or 'none'}; "
-                f"in use: {data['int8_isa']}; activations of block weights: {data['activations']}"
+                f"in use: {data['int8_isa']}; activations of block weights: {data['activations']}; "
+                f"kernel threads per rank: {data.get('kernel_threads', 1)} (MPITP_THREADS, --threads)"
             )
             aware = "yes" if data["cuda_aware_mpi"] else "no (device arrays are staged through host memory)"
             print(f"CUDA-aware MPI: {aware}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .generate import add_weights_argument
+from .generate import add_weights_argument, apply_threads
 
 
 def add_parser(sub) -> None:
@@ -79,6 +79,7 @@ def _serve(args, comm) -> int:
         print(f"mpitp serve: no --model and no default model ({default.INSTALL})", file=sys.stderr)
         return 2
     model_dir = resolve.model_dir(args.model or None, comm)
+    apply_threads(args)
     model = LlamaForCausalLM.from_pretrained(
         str(model_dir), comm=comm, dtype=args.dtype, weights=args.weights, activations=args.activations
     )

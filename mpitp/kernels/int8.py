@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from . import cpu, jit
+from . import cpu, jit, parallel
 from .quantize import quantize_rows, quantize_rows2
 from .tiles import ROWS, TiledWeight
 
@@ -62,14 +62,29 @@ class Bound:
         self.wp = (_ptr(w.qs), _ptr(w.d), _ptr(w.m))
         self.xp = (_ptr(self.xq), _ptr(self.xd), _ptr(self.xs))
         self.pad = np.empty((SMALL, self.T * ROWS), np.float32) if self.T * ROWS != N else None
+        self.threads = parallel.threads()
+        if self.T * self.nb < self.threads * parallel.MIN_WORK:
+            self.threads = 1
+        self.tile_bytes = _tile_bytes(w)
 
     def __call__(self, x: np.ndarray, y: np.ndarray) -> None:
         M = x.shape[0]
         self.quantize(x, self.xq, self.xd, self.xs)
         out = y if self.pad is None else self.pad
-        self.k[rows_for(M)](*self.wp, *self.xp, out.ctypes.data, self.T, self.nb, M, out.shape[1])
+        if self.threads > 1:
+            parallel.run_tiles(
+                self.k[rows_for(M)], self.threads, self.wp, self.tile_bytes, self.xp, out.ctypes.data,
+                self.T, self.nb, M, out.shape[1],
+            )  # fmt: skip
+        else:
+            self.k[rows_for(M)](*self.wp, *self.xp, out.ctypes.data, self.T, self.nb, M, out.shape[1])
         if self.pad is not None:
             y[:, :] = self.pad[:M, : y.shape[1]]
+
+
+def _tile_bytes(w: TiledWeight) -> tuple[int, int, int]:
+    """Bytes one tile of 8 output rows takes in qs, d and m."""
+    return w.qs[0].nbytes, w.d[0].nbytes, 0 if w.m is None else w.m[0].nbytes
 
 
 def matmul(x2: np.ndarray, w: TiledWeight, isa: str | None = None) -> np.ndarray:
@@ -89,19 +104,30 @@ def matmul(x2: np.ndarray, w: TiledWeight, isa: str | None = None) -> np.ndarray
     xs = np.zeros((P, nb), np.float32)
     _quantizer(D)(x2, xq, xd, xs)
     Y = np.empty((M, T * ROWS), np.float32)
-    tile_bytes = [w.qs[0].nbytes, w.d[0].nbytes, 0 if w.m is None else w.m[0].nbytes]
+    tile_bytes = _tile_bytes(w)
+    n = parallel.threads()
+    if n > 1 and T * nb >= n * parallel.MIN_WORK:
+        span = min(SPAN, -(-T // n))  # every thread a span at least
+        wp = (_ptr(w.qs), _ptr(w.d), _ptr(w.m))
+        xp = (_ptr(xq), _ptr(xd), _ptr(xs))
+        parallel.run_spans(
+            k, n, span, SMALL, wp, tile_bytes, xp, (D * K, D * nb * 4), Y.ctypes.data, T, nb, M, T * ROWS
+        )
+        return Y if T * ROWS == N else np.ascontiguousarray(Y[:, :N])
     for t0 in range(0, T, SPAN):
         span = min(SPAN, T - t0)
-        wp = [_ptr(a) + t0 * s if a is not None else 0 for a, s in zip((w.qs, w.d, w.m), tile_bytes)]
+        tp = [_ptr(a) + t0 * s if a is not None else 0 for a, s in zip((w.qs, w.d, w.m), tile_bytes)]
         for r0 in range(0, M, SMALL):
             xp = (_ptr(xq) + r0 * D * K, _ptr(xd) + r0 * D * nb * 4, _ptr(xs) + r0 * D * nb * 4)
             yp = Y.ctypes.data + (r0 * T * ROWS + t0 * ROWS) * 4
-            k(*wp, *xp, yp, span, nb, min(SMALL, M - r0), T * ROWS)
+            k(*tp, *xp, yp, span, nb, min(SMALL, M - r0), T * ROWS)
     return Y if T * ROWS == N else np.ascontiguousarray(Y[:, :N])
 
 
 def warm(kind: str, digits: int = 1, group: int = 32) -> None:
     """Compile this kind's kernels now (at load), not in the first forward."""
-    kernels(kind, digits, None, group)
+    k = kernels(kind, digits, None, group)
+    if parallel.threads() > 1:
+        parallel.warm(k[1])
     x = np.zeros((1, 32), np.float32)
     _quantizer(digits)(x, np.zeros((2, 32), np.int8), np.zeros((2, 1), np.float32), np.zeros((2, 1), np.float32))

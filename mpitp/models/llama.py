@@ -394,8 +394,10 @@ class LlamaForCausalLM:
         if self.weights == "float32" or self.activations == "float32":
             return "float32 activations"
         from ..kernels.cpu import isa
+        from ..kernels.parallel import threads
 
-        return f"{self.activations} activations ({isa()})"
+        n = threads()
+        return f"{self.activations} activations ({isa()}{f', {n} threads per rank' if n > 1 else ''})"
 
     @staticmethod
     def _tile(mods, digits: int) -> None:

@@ -1,0 +1,104 @@
+"""Threads inside a rank: each int8 matmul's output tiles split over N threads.
+
+An MPI + OpenMP code runs one rank per socket (or node) and threads inside it; mpitp runs
+one rank per core by default, or ``--threads N`` / ``MPITP_THREADS`` threads per rank.
+The int8 kernels (:mod:`.int8`) are plain functions of pointers; here numba's parallel
+loop (its OpenMP or workqueue pool, ~5 µs a launch) calls them on contiguous ranges of a
+weight's tiles of 8 output rows, each range its own rows of y::
+
+    tiles 0 .. T-1 of W      thread 0: tiles [0, T/N)   -> y[:, 0 .. 8T/N)
+                             thread 1: tiles [T/N, 2T/N) -> ...
+
+Every output row is computed by the same kernel on the same data whatever N is, so the
+result is bit for bit the one-thread result. Prefill splits its column spans (each a
+block of weight tiles kept in cache while every 16 rows of x pass over it) the same way.
+With one thread (the default) none of this runs: the kernel is called directly.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numba
+
+from ..errors import MpitpError
+
+
+class ThreadsError(MpitpError, ValueError):
+    """A thread count the kernels cannot run."""
+
+
+MIN_WORK = 1200  # tiles × blocks of 32 (256 weights each) per thread below which a matmul is not
+# split: a launch costs ~8 µs, ~1000 of them (docs/measurements.md)
+
+
+def threads(environ=None) -> int:
+    """Threads per rank for the kernels: ``MPITP_THREADS`` (default 1)."""
+    from .. import settings
+
+    s = settings.current() if environ is None else settings.Settings.from_env(environ)
+    return s.threads
+
+
+def check(n: int) -> int:
+    """``n`` if numba's pool can run that many threads, else a clear error."""
+    if n < 1:
+        raise ThreadsError(f"threads per rank must be at least 1, got {n}")
+    if n > 1:
+        top = numba.config.NUMBA_NUM_THREADS
+        if n > top:
+            raise ThreadsError(
+                f"{n} threads per rank asked, but numba's pool has {top} (NUMBA_NUM_THREADS, the CPUs it saw): "
+                f"set NUMBA_NUM_THREADS={n} to oversubscribe on purpose"
+            )
+    return n
+
+
+@lru_cache(maxsize=1)
+def _drivers():
+    """The parallel loops, compiled on first use (only when threads > 1)."""
+    from numba import njit, prange
+
+    @njit(parallel=True, nogil=True, cache=True)
+    def tiles(fn, parts, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm):
+        for j in prange(parts):
+            t0 = T * j // parts
+            t1 = T * (j + 1) // parts
+            if t1 > t0:
+                mj = m + t0 * sm if sm else m
+                fn(qs + t0 * sq, d + t0 * sd, mj, xq, xd, xs, y + t0 * 32, t1 - t0, nb, M, ldy)
+
+    @njit(parallel=True, nogil=True, cache=True)
+    def spans(fn, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr):
+        n = (T + span - 1) // span
+        for s in prange(n):
+            t0 = s * span
+            cnt = min(span, T - t0)
+            mj = m + t0 * sm if sm else m
+            for r0 in range(0, M, rows):
+                yo = y + (r0 * ldy + t0 * 8) * 4
+                fn(qs + t0 * sq, d + t0 * sd, mj, xq + r0 * xqr, xd + r0 * xdr, xs + r0 * xdr, yo, cnt, nb,
+                   min(rows, M - r0), ldy)  # fmt: skip
+
+    return tiles, spans
+
+
+def run_tiles(fn, n: int, wp, tile_bytes, xp, y: int, T: int, nb: int, M: int, ldy: int) -> None:
+    """``fn`` over tiles 0..T-1 in ``n`` contiguous ranges, one per thread."""
+    numba.set_num_threads(n)
+    _drivers()[0](fn, n, *wp, *xp, y, T, nb, M, ldy, *tile_bytes)
+
+
+def run_spans(fn, n: int, span: int, rows: int, wp, tile_bytes, xp, x_row_bytes, y, T, nb, M, ldy) -> None:
+    """Prefill: spans of ``span`` tiles over the threads, each span taking every ``rows``
+    rows of x in turn (``x_row_bytes``: bytes of xq and of xd/xs a row of x advances)."""
+    numba.set_num_threads(n)
+    _drivers()[1](fn, span, rows, *wp, *xp, y, T, nb, M, ldy, *tile_bytes, *x_row_bytes)
+
+
+def warm(fn) -> None:
+    """Compile the drivers for kernels of ``fn``'s type now (at load), not inside the first
+    forward: both run on zero tiles."""
+    tiles, spans = _drivers()
+    tiles(fn, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 8, 0, 0, 0)
+    spans(fn, 1, 16, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 8, 0, 0, 0, 0, 0)
