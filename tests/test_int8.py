@@ -198,7 +198,9 @@ def _k_blocks(rng, t, n, k):
 def test_k_quants_are_repacked_exactly_and_multiplied(t, n, supers, m, isa, seed):
     """Q4_K -> q4 (per-32 d·sc, -dmin·m), Q6_K -> q8 with a scale per 16, Q5_0 -> q8: the
     values equal the gguf package's dequantization bit for bit, a column cut on any
-    32-boundary inside a super-block too; both activation paths multiply them right."""
+    32-boundary inside a super-block too; both activation paths multiply them right. In
+    tiles, Q4_K and Q6_K keep their integer scales (q4k, q6k: within 1.1x the file's bytes,
+    padding rows to 8 aside); a cut inside a super-block takes the planar scales."""
     rng = np.random.default_rng(seed)
     k = 256 * supers
     raw = _k_blocks(rng, t, n, k)
@@ -214,37 +216,66 @@ def test_k_quants_are_repacked_exactly_and_multiplied(t, n, supers, m, isa, seed
 
     y = mm.matmul(x, bw)  # float32 activations: up to summation order
     assert np.abs(y - exact).max() <= 1e-5 * np.abs(exact).max()
-    tw = tiles.repack(bw)
-    assert np.array_equal(tw.dequantize(), ref_w)
     q, d, _ = quantize(x)
     ref = dequantized_x(q, d) @ ref_w.astype(np.float64).T
-    y8 = int8.matmul(x, tw, isa)
-    assert np.abs(y8 - ref).max() <= 1e-5 * np.abs(ref).max()
+    cut = bw.cols(a, b).contiguous()
+    for w, cols in ((bw, slice(None)), (cut, slice(a, b))):
+        tw = tiles.repack(w)
+        compact = t != "Q5_0" and w.ks is not None
+        assert tw.kind == {"Q4_K": "q4k", "Q6_K": "q6k"}[t] if compact else tw.kind in ("q4", "q8")
+        if compact:
+            assert tw.nbytes <= 1.1 * raw.nbytes * w.shape[1] / k * -(-n // 8) * 8 / n
+        assert np.array_equal(tw.dequantize(), ref_w[:, cols])
+        assert np.array_equal(tw.planar(n // 2, n).dequantize(), ref_w[n // 2 :, cols])
+        xs = np.ascontiguousarray(x[:, cols])
+        q, d, _ = quantize(xs)
+        ref = dequantized_x(q, d) @ ref_w[:, cols].astype(np.float64).T
+        y8 = int8.matmul(xs, tw, isa)
+        assert np.abs(y8 - ref).max() <= 1e-5 * np.abs(ref).max()
+        for digits in (1, 2):  # the bound (decode) form, two digits too
+            if m <= int8.SMALL:
+                tw2 = tiles.repack(w, digits)
+                y2 = np.full((m, n), np.nan, np.float32)
+                int8.Bound(tw2, isa)(xs, y2)
+                assert np.array_equal(y2, int8.matmul(xs, tw2, isa))
 
 
-def test_mixed_pieces_of_a_merged_weight_are_joined():
-    """A merged layer (qkv) of a Q4_K_M file: Q4_K q and k beside a Q6_K v. The q8 pieces
-    keep their values exactly (a per-32 scale repeated beside the per-16 ones); the q4
-    pieces become Q8_0 (within half a step); the whole is one q8 weight, in both layouts."""
+def test_mixed_pieces_of_a_merged_weight_are_kept_exactly():
+    """A merged layer (qkv) of a Q4_K_M file: Q4_K q and k beside a Q6_K v and a Q8_0 piece.
+    Runs of one kind are joined (q4: q and k; q8: the Q6_K and Q8_0 rows, a per-32 scale
+    repeated beside the per-16 ones), the runs kept side by side, every value the file's
+    bit for bit; each piece's kernel writes its columns: the float32 path up to summation
+    order, the int8 tiles (q4k for the Q4_K run) against the float64 product of what they
+    multiply, the bound (decode) form equal to the matmul."""
+    from mpitp.kernels import matmul as mm
+
     rng = np.random.default_rng(11)
     k = 512
     q = formats.from_ggml(_k_blocks(rng, "Q4_K", 24, k), "Q4_K")
+    kk = formats.from_ggml(_k_blocks(rng, "Q4_K", 8, k), "Q4_K")
     v6 = formats.from_ggml(_k_blocks(rng, "Q6_K", 8, k), "Q6_K")
     v8 = formats.from_ggml(
-        gguf.quants.quantize(rng.standard_normal((8, k)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0), "Q8_0"
+        gguf.quants.quantize(rng.standard_normal((5, k)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0), "Q8_0"
     )
-    joined = formats.concat_rows([formats.to_q8_0(q), v6, v8])
-    assert joined.kind == "q8" and joined.group == 16 and joined.shape == (40, k)
-    got = joined.dequantize()
-    assert np.array_equal(got[24:32], v6.dequantize()) and np.array_equal(got[32:], v8.dequantize())
-    ref = q.dequantize()
-    step = np.repeat(np.abs(ref).reshape(24, -1, 32).max(-1) / 127, 32, axis=1)
-    assert (np.abs(got[:24] - ref) <= step * (0.5 + 127 * 2.0**-11) + 1e-7).all()
+    joined = formats.join_pieces([q, kk, v6, v8])
+    assert joined.layout == "pieces" and [p.kind for p in joined.parts] == ["q4", "q8"]
+    assert joined.shape == (45, k) and joined.source == "Q4_K+Q6_K+Q8_0"
+    want = np.concatenate([w.dequantize() for w in (q, kk, v6, v8)])
+    assert np.array_equal(joined.dequantize(), want)
     x = rng.standard_normal((3, k)).astype(np.float32)
+    exact = x.astype(np.float64) @ want.astype(np.float64).T
+    assert np.abs(mm.matmul(x, joined) - exact).max() <= 1e-5 * np.abs(exact).max()
+    tiled = formats.Pieces([tiles.repack(p) for p in joined.parts])
+    assert tiled.parts[0].kind == "q4k" and np.array_equal(tiled.dequantize(), want)
     qx, dx, _ = quantize(x)
-    exact = dequantized_x(qx, dx) @ got.astype(np.float64).T
-    y = int8.matmul(x, tiles.repack(joined))
-    assert np.abs(y - exact).max() <= 1e-5 * np.abs(exact).max()
+    ref = dequantized_x(qx, dx) @ want.astype(np.float64).T
+    y = mm.matmul(x, tiled)
+    assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
+    f, rows = mm.bind(tiled)
+    y2 = np.full((3, 45), np.nan, np.float32)
+    f(x, y2)
+    assert rows == int8.SMALL and np.array_equal(y, y2)
+    assert formats.join_pieces([q, kk]).layout == "planar"  # one kind: one weight
 
 
 @pytest.mark.parametrize("t,digits", [("Q4_1", 2), ("Q8_0", 1), ("Q4_0", 1)])

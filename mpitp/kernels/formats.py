@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 BLOCK = 32
+SUPER = 256  # weights per K-quant super-block
 HALF = {"F16": "f16", "BF16": "bf16"}  # ggml type -> kind of the 16-bit floats kept as bits
 
 
@@ -51,6 +52,12 @@ class BlockWeight:
     d: np.ndarray | None  # None for f16/bf16
     m: np.ndarray | None
     source: str  # the file's type name (Q4_1, Q8_0, Q6_K->Q8_0, ...)
+    # Q4_K / Q6_K: the file's super-block form beside the planar one, for the int8 tiles
+    # (mpitp.kernels.tiles), each array [N, K/per] (per = 32, 16 or 256 weights):
+    #   Q4_K  sc, mn uint8 per 32; d, dmin float32 per 256   planar d = d·sc, m = -(dmin·mn)
+    #   Q6_K  sc int8 per 16; d float32 per 256               planar d = d·sc
+    # None where a cut missed a super-block boundary or pieces of other types were joined.
+    ks: dict[str, np.ndarray] | None = None
     layout = "planar"  # (int8 kernels' tiles: mpitp.kernels.tiles)
 
     @property
@@ -70,7 +77,8 @@ class BlockWeight:
 
     def rows(self, a: int, b: int) -> BlockWeight:
         d, m = (None if f is None else f[a:b] for f in (self.d, self.m))
-        return BlockWeight(self.kind, self.qs[a:b], d, m, self.source)
+        ks = None if self.ks is None else {k: v[a:b] for k, v in self.ks.items()}
+        return BlockWeight(self.kind, self.qs[a:b], d, m, self.source, ks)
 
     def cols(self, a: int, b: int) -> BlockWeight:
         if self.d is None:
@@ -81,11 +89,16 @@ class BlockWeight:
         ba, bb = a // BLOCK, b // BLOCK
         m = None if self.m is None else self.m[:, ba:bb]
         g = self.group
-        return BlockWeight(self.kind, self.qs[:, ba * per : bb * per], self.d[:, a // g : b // g], m, self.source)
+        ks = None  # kept only for a cut on super-block boundaries
+        if self.ks is not None and a % SUPER == 0 and b % SUPER == 0:
+            K = self.shape[1]
+            ks = {k: v[:, a * v.shape[1] // K : b * v.shape[1] // K] for k, v in self.ks.items()}
+        return BlockWeight(self.kind, self.qs[:, ba * per : bb * per], self.d[:, a // g : b // g], m, self.source, ks)
 
     def contiguous(self) -> BlockWeight:
         d, m = (None if f is None else np.ascontiguousarray(f) for f in (self.d, self.m))
-        return BlockWeight(self.kind, np.ascontiguousarray(self.qs), d, m, self.source)
+        ks = None if self.ks is None else {k: np.ascontiguousarray(v) for k, v in self.ks.items()}
+        return BlockWeight(self.kind, np.ascontiguousarray(self.qs), d, m, self.source, ks)
 
     def dequantize(self) -> np.ndarray:
         from .matmul import dequantize_rows
@@ -93,9 +106,70 @@ class BlockWeight:
         return dequantize_rows(self.contiguous(), 0, self.shape[0])
 
 
-def empty(kind: str, n: int, k: int, source: str) -> BlockWeight:
-    """Zeros (value 0: d = 0, m = 0) of ``n`` rows, ``k`` columns."""
+@dataclass
+class Pieces:
+    """A merged weight whose row ranges are held in different kinds (a Q4_K_M file's qkv:
+    Q4_K q and k beside a Q6_K v), each piece exactly as its file holds it::
+
+        rows [0, n0)        piece 0   (q4: q and k)
+        rows [n0, n0 + n1)  piece 1   (q8: v)
+
+    The matmul runs each piece's kernel into its columns of y."""
+
+    parts: list  # BlockWeight or TiledWeight, in row order
+    kind = "pieces"
+    layout = "pieces"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def source(self) -> str:
+        return "+".join(dict.fromkeys(p.source for p in self.parts))
+
+    @property
+    def starts(self) -> list[int]:
+        out, at = [], 0
+        for p in self.parts:
+            out.append(at)
+            at += p.shape[0]
+        return out
+
+    def dequantize(self) -> np.ndarray:
+        return np.concatenate([p.dequantize() for p in self.parts])
+
+
+def leaves(w) -> list:
+    """The weights that hold arrays: a :class:`Pieces`' parts, else ``w`` itself."""
+    return list(w.parts) if getattr(w, "layout", "") == "pieces" else [w]
+
+
+def join_pieces(parts: list[BlockWeight]) -> BlockWeight | Pieces:
+    """Row pieces of one weight: one weight where they are of one kind, else runs of the
+    same kind joined, each kept exactly as it is."""
+    runs: list[list[BlockWeight]] = []
+    for p in parts:
+        if runs and runs[-1][0].kind == p.kind:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    joined = [r[0].contiguous() if len(r) == 1 else concat_rows(r) for r in runs]
+    return joined[0] if len(joined) == 1 else Pieces(joined)
+
+
+def empty(kind: str, n: int, k: int, source: str, like: BlockWeight | None = None) -> BlockWeight:
+    """Zeros (value 0: d = 0, m = 0) of ``n`` rows, ``k`` columns (with a super-block form
+    of zeros too where ``like`` has one, so that joining them keeps it)."""
     nb = k // BLOCK
+    if like is not None and like.ks is not None:
+        z = empty(kind, n, k, source)
+        z.ks = {key: np.zeros((n,) + v.shape[1:], v.dtype) for key, v in like.ks.items()}
+        return z
     if kind in HALF.values():
         return BlockWeight(kind, np.zeros((n, k), np.uint16), None, None, source)
     if kind == "q4":
@@ -119,7 +193,11 @@ def concat_rows(parts: list[BlockWeight]) -> BlockWeight:
         d = np.concatenate([np.repeat(s, p.group // g, axis=1) for s, p in zip(scales, parts)])
     m = None if parts[0].m is None else np.concatenate([p.m for p in parts])
     sources = sorted({p.source for p in parts})
-    return BlockWeight(parts[0].kind, np.concatenate([p.qs for p in parts]), d, m, "+".join(sources))
+    ks = None
+    if len(sources) == 1 and all(p.ks is not None for p in parts):
+        keys = parts[0].ks.keys()  # type: ignore[union-attr]
+        ks = {k: np.concatenate([p.ks[k] for p in parts]) for k in keys}  # type: ignore[index]
+    return BlockWeight(parts[0].kind, np.concatenate([p.qs for p in parts]), d, m, "+".join(sources), ks)
 
 
 def from_ggml(raw: np.ndarray, type_name: str) -> BlockWeight:
@@ -171,7 +249,8 @@ def from_q4_k(raw: np.ndarray) -> BlockWeight:
     packed = q[..., :16] | (q[..., 16:] << 4)  # as Q4_0 lays a block out
     scale = (d[..., None] * sc.astype(np.float32)).reshape(n, -1)
     low = -(dmin[..., None] * mn.astype(np.float32)).reshape(n, -1)
-    return BlockWeight("q4", packed.reshape(n, -1), scale, low, "Q4_K")
+    ks = {"sc": sc.reshape(n, -1), "mn": mn.reshape(n, -1), "d": d, "dmin": dmin}
+    return BlockWeight("q4", packed.reshape(n, -1), scale, low, "Q4_K", ks)
 
 
 def from_q6_k(raw: np.ndarray) -> BlockWeight:
@@ -182,9 +261,10 @@ def from_q6_k(raw: np.ndarray) -> BlockWeight:
     hi2 = blk[..., 128:192].reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
     ql, qh = (lo4 & 0x0F).reshape(n, -1, 2, 128), (hi2 & 0x03).reshape(n, -1, 2, 128)
     q = (ql | (qh << 4)).astype(np.int8) - np.int8(32)
-    sc = blk[..., 192:208].copy().view(np.int8).astype(np.float32)  # [N, S, 16]
+    sci = blk[..., 192:208].copy().view(np.int8)  # [N, S, 16]
     d = _f16(blk[..., 208:210])
-    return BlockWeight("q8", q.reshape(n, -1), (d[..., None] * sc).reshape(n, -1), None, "Q6_K")
+    ks = {"sc": sci.reshape(n, -1), "d": d}
+    return BlockWeight("q8", q.reshape(n, -1), (d[..., None] * sci.astype(np.float32)).reshape(n, -1), None, "Q6_K", ks)
 
 
 def from_q5_0(raw: np.ndarray) -> BlockWeight:
@@ -199,13 +279,6 @@ def from_q5_0(raw: np.ndarray) -> BlockWeight:
 
 
 REPACK = {"Q4_K": from_q4_k, "Q6_K": from_q6_k, "Q5_0": from_q5_0}
-
-
-def to_q8_0(w: BlockWeight) -> BlockWeight:
-    """A q4 weight quantized to Q8_0 (within half a step of amax/127 per block)."""
-    q = quantize_q8_0(w.dequantize())
-    q.source = f"{w.source}->Q8_0"
-    return q
 
 
 def quantize_q8_0(w: np.ndarray) -> BlockWeight:

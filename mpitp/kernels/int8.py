@@ -58,7 +58,7 @@ class Bound:
         P = SMALL * w.digits
         self.xq = np.zeros((P, K), np.int8)  # rows past M may hold old values: not stored
         self.xd = np.zeros((P, self.nb), np.float32)
-        self.xs = np.zeros((P, self.nb), np.float32)
+        self.xs = np.zeros((P, K // w.xs_group), np.float32)
         self.wp = (_ptr(w.qs), _ptr(w.d), _ptr(w.m))
         self.xp = (_ptr(self.xq), _ptr(self.xd), _ptr(self.xs))
         self.pad = np.empty((SMALL, self.T * ROWS), np.float32) if self.T * ROWS != N else None
@@ -101,7 +101,8 @@ def matmul(x2: np.ndarray, w: TiledWeight, isa: str | None = None) -> np.ndarray
     P = -(-M // SMALL) * SMALL * D
     xq = np.zeros((P, K), np.int8)
     xd = np.zeros((P, nb), np.float32)
-    xs = np.zeros((P, nb), np.float32)
+    ns = K // w.xs_group  # x's sums per row (per 32, or per 16 for q6k)
+    xs = np.zeros((P, ns), np.float32)
     _quantizer(D)(x2, xq, xd, xs)
     Y = np.empty((M, T * ROWS), np.float32)
     tile_bytes = _tile_bytes(w)
@@ -111,14 +112,14 @@ def matmul(x2: np.ndarray, w: TiledWeight, isa: str | None = None) -> np.ndarray
         wp = (_ptr(w.qs), _ptr(w.d), _ptr(w.m))
         xp = (_ptr(xq), _ptr(xd), _ptr(xs))
         parallel.run_spans(
-            k, n, span, SMALL, wp, tile_bytes, xp, (D * K, D * nb * 4), Y.ctypes.data, T, nb, M, T * ROWS
+            k, n, span, SMALL, wp, tile_bytes, xp, (D * K, D * nb * 4, D * ns * 4), Y.ctypes.data, T, nb, M, T * ROWS
         )
         return Y if T * ROWS == N else np.ascontiguousarray(Y[:, :N])
     for t0 in range(0, T, SPAN):
         span = min(SPAN, T - t0)
         tp = [_ptr(a) + t0 * s if a is not None else 0 for a, s in zip((w.qs, w.d, w.m), tile_bytes)]
         for r0 in range(0, M, SMALL):
-            xp = (_ptr(xq) + r0 * D * K, _ptr(xd) + r0 * D * nb * 4, _ptr(xs) + r0 * D * nb * 4)
+            xp = (_ptr(xq) + r0 * D * K, _ptr(xd) + r0 * D * nb * 4, _ptr(xs) + r0 * D * ns * 4)
             yp = Y.ctypes.data + (r0 * T * ROWS + t0 * ROWS) * 4
             k(*tp, *xp, yp, span, nb, min(SMALL, M - r0), T * ROWS)
     return Y if T * ROWS == N else np.ascontiguousarray(Y[:, :N])
@@ -130,4 +131,5 @@ def warm(kind: str, digits: int = 1, group: int = 32) -> None:
     if parallel.threads() > 1:
         parallel.warm(k[1])
     x = np.zeros((1, 32), np.float32)
-    _quantizer(digits)(x, np.zeros((2, 32), np.int8), np.zeros((2, 1), np.float32), np.zeros((2, 1), np.float32))
+    for sums in (1, 2):  # per 32 and per 16 (q6k)
+        _quantizer(digits)(x, np.zeros((2, 32), np.int8), np.zeros((2, 1), np.float32), np.zeros((2, sums), np.float32))

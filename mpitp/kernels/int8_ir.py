@@ -122,27 +122,35 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32) -> tuple[str, st
     """(name, IR text) of the kernel for R rows of x over whole tiles of 8 output rows,
     each row of x held as D int8 digits (xq rows D·r + j; xs in row D·r), the weights
     with a scale per G = 32 weights (or 16: q8 only, d [T, K/16, 8])."""
-    bad = fmt not in ("q4", "q8") or isa not in ("vnni", "avx2", "portable") or D not in (1, 2)
-    if bad or G not in (16, 32) or (G == 16 and fmt != "q8"):
+    known = fmt in ("q4", "q8", "q4k", "q6k") and isa in ("vnni", "avx2", "portable") and D in (1, 2)
+    if not known or G not in (16, 32) or (G == 16 and fmt != "q8") or (fmt in ("q4k", "q6k") and G != 32):
         raise ValueError(f"no int8 kernel for {fmt}/{isa}/{D} digits/scales per {G}")
     name = f"{fmt}_{isa}_r{R}_d{D}_g{G}"
     e = _Body()
     for r in range(R):
         e.do(f"%acc{r} = phi <8 x float> [zeroinitializer, %tile], [%acc{r}_n, %blk]")
     e.do("%xb = shl i64 %b, 5")
+    e.do("%b20 = shl i64 %b, 1")  # x's sums per 16 of this block: 2b, 2b + 1
+    e.do("%b21 = add i64 %b20, 1")
+    e.do("%bs = lshr i64 %b, 3")  # its super-block (K-quants)
+    e.do("%ts = add i64 %tS, %bs")
     e.do("%tb = add i64 %tnb, %b")  # (tile, block) index
     e.do("%so = shl i64 %tb, 3")  # its 8 scales
     for g in range(8):
         e.do(f"%xo{g} = add i64 %xb, {4 * g}" if g else "%xo0 = add i64 %xb, 0")
-    if G == 32:
+    mins: list[tuple[str, int]] = []  # (minimum vector, which per-16 sum of x: 0/1; -1 per 32)
+    if fmt in ("q4k", "q6k"):
+        dvs, mins = _k_scales(e, fmt)
+    elif G == 32:
         dvs = [_load(e, "<8 x float>", "%d", "%so", "float")]
     else:  # two scales a block: d[t, 2b] and d[t, 2b + 1], 8 rows each
         so = e("shl i64 %tb, 4", "so")
         so1 = e(f"add i64 {so}, 8", "so")
         dvs = [_load(e, "<8 x float>", "%d", so, "float"), _load(e, "<8 x float>", "%d", so1, "float")]
-    mv = _load(e, "<8 x float>", "%m", "%so", "float") if fmt == "q4" else ""
-    u, w = [], []
     if fmt == "q4":
+        mins = [(_load(e, "<8 x float>", "%m", "%so", "float"), -1)]
+    u, w = [], []
+    if fmt in ("q4", "q4k"):
         e.do("%qo = shl i64 %tb, 7")
         hi = []
         for g in range(4):
@@ -151,6 +159,8 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32) -> tuple[str, st
             u.append(e(f"and <32 x i8> {v}, {splat('i8', 32, 15)}"))
             hi.append(e(f"lshr <32 x i8> {v}, {splat('i8', 32, 4)}"))
         u += hi
+    elif fmt == "q6k":
+        u = _q6_quants(e)
     else:
         e.do("%qo = shl i64 %tb, 8")
         for g in range(8):
@@ -163,12 +173,16 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32) -> tuple[str, st
         for j in range(D):
             xs = _xgroups(e, f"%xrow{r}_{j}")
             xd = _bcast(e, _load(e, "float", "%xd", e(f"add i64 %xdrow{r}_{j}, %b", "xb"), "float"))
-            halves = [range(8)] if G == 32 else [range(4), range(4, 8)]  # k 0-15, 16-31
+            halves = [range(8)] if len(dvs) == 1 else [range(4), range(4, 8)]  # k 0-15, 16-31
             for dv, gs in zip(dvs, halves):
                 f = e(f"sitofp <8 x i32> {_block_isum(e, fmt, isa, u, w, xs, gs)} to <8 x float>")
                 terms.append((f, e(f"fmul <8 x float> {dv}, {xd}")))
-        if fmt == "q4":
-            xsum = _load(e, "float", "%xs", e(f"add i64 %xdrow{r}_0, %b", "xb"), "float")
+        for mv, h in mins:
+            if h < 0:  # x's sum per 32: xs [R·D, nb]
+                xsum = _load(e, "float", "%xs", e(f"add i64 %xdrow{r}_0, %b", "xb"), "float")
+            else:  # per 16: xs [R·D, 2·nb]
+                at = e(f"add i64 %xsrow{r}, %b2{h}", "xb")
+                xsum = _load(e, "float", "%xs", at, "float")
             terms.append((mv, _bcast(e, xsum)))
         a = f"%acc{r}"
         for i, (v, sc) in enumerate(terms):
@@ -184,6 +198,8 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32) -> tuple[str, st
         for j in range(D)
     )
     rowvars += "\n" + "\n".join(f"  %live{r} = icmp slt i64 {r}, %M\n  %yrow{r} = mul i64 %ldy, {r}" for r in range(R))
+    rowvars += "\n  %nb2 = shl i64 %nb, 1\n  %S = lshr i64 %nb, 3\n"
+    rowvars += "\n".join(f"  %xsrow{r} = mul i64 %nb2, {D * r}" for r in range(R))
     stores = "\n".join(
         f"  %yo{r} = add i64 %yrow{r}, %y0\n  %yp{r} = getelementptr float, ptr %y, i64 %yo{r}\n"
         f"  %dst{r} = select i1 %live{r}, ptr %yp{r}, ptr %scratch\n"  # rows ≥ M: padding, stored nowhere
@@ -200,6 +216,7 @@ entry:
 tile:
   %t = phi i64 [0, %entry], [%t1, %tileend]
   %tnb = mul i64 %t, %nb
+  %tS = mul i64 %t, %S
   br label %blk
 blk:
   %b = phi i64 [0, %tile], [%b1, %blk]
@@ -220,6 +237,52 @@ exit:
     return name, text
 
 
+def _k_scales(e: _Body, fmt: str) -> tuple[list[str], list[tuple[str, int]]]:
+    """The K-quants' float scales of this block's 8 rows, formed from the integer ones as
+    the planar weight forms them (:mod:`.tiles`): (scale vectors, minimum vectors)."""
+    ko = e("shl i64 %tb, 4", "ko")  # 16 bytes of integer scales per (tile, block)
+    raw = _load(e, "<16 x i8>", "%d", ko)
+    lo = e(f"shufflevector <16 x i8> {raw}, <16 x i8> poison, {idx(range(8))}")
+    hi = e(f"shufflevector <16 x i8> {raw}, <16 x i8> poison, {idx(range(8, 16))}")
+    if fmt == "q4k":  # sc | mn (unsigned 6 bits); m: d | dmin per super-block
+        so = e("shl i64 %ts, 4", "so")
+        dd = _load(e, "<8 x float>", "%m", so, "float")
+        dmin = _load(e, "<8 x float>", "%m", e(f"add i64 {so}, 8", "so"), "float")
+        sc = e(f"uitofp <8 x i8> {lo} to <8 x float>")
+        mn = e(f"uitofp <8 x i8> {hi} to <8 x float>")
+        ndmin = e(f"fneg <8 x float> {dmin}")
+        return [e(f"fmul <8 x float> {dd}, {sc}")], [(e(f"fmul <8 x float> {ndmin}, {mn}"), -1)]
+    so = e("shl i64 %ts, 3", "so")  # q6k: signed scales of k 0-15 | 16-31; m: d per super-block
+    dd = _load(e, "<8 x float>", "%m", so, "float")
+    dvs = [e(f"fmul <8 x float> {dd}, {e(f'sitofp <8 x i8> {v} to <8 x float>')}") for v in (lo, hi)]
+    m32 = splat("float", 8, "-32.0")
+    return dvs, [(e(f"fmul <8 x float> {dv}, {m32}"), h) for h, dv in enumerate(dvs)]
+
+
+def _q6_quants(e: _Body) -> list[str]:
+    """q6k: the 8 vectors of this block's unsigned 6-bit quants (0..63), low 4 bits from
+    the nibble vectors 0-3, high 2 bits from vectors 4-5."""
+    e.do("%qo = mul i64 %tb, 192")
+    nib: list[str] = []
+    high: list[str] = []
+    for g in range(6):
+        qo = e(f"add i64 %qo, {32 * g}", "qo")
+        (nib if g < 4 else high).append(_load(e, "<32 x i8>", "%qs", qo))
+    u = []
+    for g in range(8):
+        if g < 4:
+            lo = e(f"and <32 x i8> {nib[g]}, {splat('i8', 32, 15)}")
+        else:
+            lo = e(f"lshr <32 x i8> {nib[g - 4]}, {splat('i8', 32, 4)}")
+        h = high[g // 4]
+        if g % 4:
+            h = e(f"lshr <32 x i8> {h}, {splat('i8', 32, 2 * (g % 4))}")
+        h = e(f"and <32 x i8> {h}, {splat('i8', 32, 3)}")
+        h = e(f"shl <32 x i8> {h}, {splat('i8', 32, 4)}")
+        u.append(e(f"or <32 x i8> {lo}, {h}"))
+    return u
+
+
 def _block_isum(e: _Body, fmt: str, isa: str, u: list[str], w: list[str], xs: list[str], groups=range(8)) -> str:
     """<8 x i32>: each lane's row of this block of weights · one row of x (the groups of 4
     k asked for: all 8, or a half for a scale per 16)."""
@@ -234,14 +297,15 @@ def _block_isum(e: _Body, fmt: str, isa: str, u: list[str], w: list[str], xs: li
         if isa == "vnni":
             acc = isum or "zeroinitializer"
             isum = e(f"call <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32> {acc}, <32 x i8> {u[g]}, <32 x i8> {s})")
-        elif isa == "avx2" and fmt == "q4":  # 8 pair sums of ≤ 2·15·127 fit int16: one widening at the end
+        elif isa == "avx2" and fmt in ("q4", "q4k"):  # 8 pair sums of ≤ 2·15·127 fit int16: one widening
             p = e(f"call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {u[g]}, <32 x i8> {s})")
             p16 = p if p16 is None else e(f"add <16 x i16> {p16}, {p}")
         else:
             if isa == "avx2":
                 part = _isum(e, isa, u[g], s)
             else:
-                part = _pairs(e, u[g] if fmt == "q4" else w[g], s, "zext" if fmt == "q4" else "sext")
+                signed = fmt == "q8"
+                part = _pairs(e, w[g] if signed else u[g], s, "sext" if signed else "zext")
             isum = part if isum is None else e(f"add <8 x i32> {isum}, {part}")
     if p16 is not None:
         isum = e(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {p16}, <16 x i16> {splat('i16', 16, 1)})")

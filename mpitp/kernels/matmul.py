@@ -275,6 +275,8 @@ def warm(kind: str) -> None:
 
 
 def dequantize_rows(w, r0: int, r1: int) -> np.ndarray:
+    if getattr(w, "layout", "") == "pieces":
+        return w.dequantize()[r0:r1]
     if getattr(w, "layout", "") == "tiles":  # int8 kernels' layout (:mod:`.tiles`)
         return dequantize_rows(w.planar(r0, r1), 0, r1 - r0)
     out = np.empty((r1 - r0, w.shape[1]), np.float32)
@@ -311,6 +313,19 @@ def bind(w):
     """``(f, rows)``: ``f(x, y)`` writes ``x @ w.T`` into ``y`` [M, N] for a C-contiguous
     float32 ``x`` [M, K] of at most ``rows`` rows, the kernel chosen once (a decode step
     calls ~120 of them: :mod:`mpitp.models.decode_step`)."""
+    if getattr(w, "layout", "") == "pieces":  # each piece's kernel into its columns of y
+        bound = [bind(p) for p in w.parts]
+        spans = [(a, a + p.shape[0]) for a, p in zip(w.starts, w.parts)]
+        rows = min(r for _, r in bound)
+        bufs = [np.empty((rows, b - a), np.float32) for a, b in spans]
+
+        def pieces(x, y):
+            M = x.shape[0]
+            for (f, _), (a, b), buf in zip(bound, spans, bufs):
+                f(x, buf[:M])
+                y[:, a:b] = buf[:M]
+
+        return pieces, rows
     if getattr(w, "layout", "") == "tiles":
         from . import int8
 
@@ -330,6 +345,9 @@ def matmul(x: np.ndarray, w) -> np.ndarray:
     x2 = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
     if x2.dtype != np.float32 or not x2.flags.c_contiguous:
         x2 = np.ascontiguousarray(x2, dtype=np.float32)
+    if getattr(w, "layout", "") == "pieces":
+        y = np.concatenate([matmul(x2, p) for p in w.parts], axis=1)
+        return y if x.ndim == 2 else y.reshape(*x.shape[:-1], y.shape[1])
     if getattr(w, "layout", "") == "tiles":
         from . import int8
 

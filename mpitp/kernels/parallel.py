@@ -69,7 +69,7 @@ def _drivers():
                 fn(qs + t0 * sq, d + t0 * sd, mj, xq, xd, xs, y + t0 * 32, t1 - t0, nb, M, ldy)
 
     @njit(parallel=True, nogil=True, cache=True)
-    def spans(fn, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr):
+    def spans(fn, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr, xsr):
         n = (T + span - 1) // span
         for s in prange(n):
             t0 = s * span
@@ -77,7 +77,7 @@ def _drivers():
             mj = m + t0 * sm if sm else m
             for r0 in range(0, M, rows):
                 yo = y + (r0 * ldy + t0 * 8) * 4
-                fn(qs + t0 * sq, d + t0 * sd, mj, xq + r0 * xqr, xd + r0 * xdr, xs + r0 * xdr, yo, cnt, nb,
+                fn(qs + t0 * sq, d + t0 * sd, mj, xq + r0 * xqr, xd + r0 * xdr, xs + r0 * xsr, yo, cnt, nb,
                    min(rows, M - r0), ldy)  # fmt: skip
 
     return tiles, spans
@@ -91,7 +91,7 @@ def run_tiles(fn, n: int, wp, tile_bytes, xp, y: int, T: int, nb: int, M: int, l
 
 def run_spans(fn, n: int, span: int, rows: int, wp, tile_bytes, xp, x_row_bytes, y, T, nb, M, ldy) -> None:
     """Prefill: spans of ``span`` tiles over the threads, each span taking every ``rows``
-    rows of x in turn (``x_row_bytes``: bytes of xq and of xd/xs a row of x advances)."""
+    rows of x in turn (``x_row_bytes``: bytes of xq, xd and xs a row of x advances)."""
     numba.set_num_threads(n)
     _drivers()[1](fn, span, rows, *wp, *xp, y, T, nb, M, ldy, *tile_bytes, *x_row_bytes)
 
@@ -101,4 +101,4 @@ def warm(fn) -> None:
     forward: both run on zero tiles."""
     tiles, spans = _drivers()
     tiles(fn, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 8, 0, 0, 0)
-    spans(fn, 1, 16, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 8, 0, 0, 0, 0, 0)
+    spans(fn, 1, 16, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 8, 0, 0, 0, 0, 0, 0)

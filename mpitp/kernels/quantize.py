@@ -43,14 +43,33 @@ def _block(v, q):
 
 
 @njit(**EXACT)
+def _sums(q, lo, d, xs, row, b, halves):
+    """xs[row, b] = d·Σ q[lo:lo+32], or with ``halves`` xs[row, 2b + h] = d·Σ of each 16
+    (Q6_K's scales are per 16: its minimum term multiplies per-16 sums)."""
+    if not halves:
+        return
+    for h in range(2):
+        t = 0
+        for j in range(16):
+            t += q[lo + 16 * h + j]
+        xs[row, 2 * b + h] += d * np.float32(t)
+
+
+@njit(**EXACT)
 def quantize_rows(x, xq, xd, xs):
-    """x [M, K] float32 -> xq [≥M, K] int8, xd and xs [≥M, K/32] float32 (rows < M)."""
+    """x [M, K] float32 -> xq [≥M, K] int8, xd [≥M, K/32] and xs [≥M, K/32] float32 (rows
+    < M); xs [≥M, K/16] holds the sums per 16 instead."""
     M, K = x.shape
+    halves = xs.shape[1] != K // 32
     for i in range(M):
         for b in range(K // 32):
             d, total = _block(x[i, 32 * b : 32 * b + 32], xq[i, 32 * b : 32 * b + 32])
             xd[i, b] = d
-            xs[i, b] = d * np.float32(total)
+            if halves:
+                xs[i, 2 * b] = xs[i, 2 * b + 1] = 0
+                _sums(xq[i], 32 * b, d, xs, i, b, halves)
+            else:
+                xs[i, b] = d * np.float32(total)
 
 
 @njit(**EXACT)
@@ -58,6 +77,7 @@ def quantize_rows2(x, xq, xd, xs):
     """Two digits: row i of x -> xq rows 2i (x's blocks as above) and 2i+1 (what is left,
     x - d·q, quantized the same way); xs[2i] = the sum over both digits."""
     M, K = x.shape
+    halves = xs.shape[1] != K // 32
     rest = np.empty(32, np.float32)
     for i in range(M):
         for b in range(K // 32):
@@ -68,7 +88,12 @@ def quantize_rows2(x, xq, xd, xs):
             d2, total2 = _block(rest, xq[2 * i + 1, lo:hi])
             xd[2 * i, b] = d
             xd[2 * i + 1, b] = d2
-            xs[2 * i, b] = d * np.float32(total) + d2 * np.float32(total2)
+            if halves:
+                xs[2 * i, 2 * b] = xs[2 * i, 2 * b + 1] = 0
+                _sums(xq[2 * i], lo, d, xs, 2 * i, b, halves)
+                _sums(xq[2 * i + 1], lo, d2, xs, 2 * i, b, halves)
+            else:
+                xs[2 * i, b] = d * np.float32(total) + d2 * np.float32(total2)
 
 
 def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -223,7 +223,9 @@ class LlamaForCausalLM:
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: LlamaConfig, comm=None, dtype="float32", xp=np, weights: str = "float32"):
+    def __init__(
+        self, config: LlamaConfig, comm=None, dtype="float32", xp=np, weights: str = "float32", mlp_block: int = 32
+    ):
         self.config, self.comm, self.xp, self.dtype = config, comm, xp, np.dtype(dtype)
         self.weights = weights if xp is np else "float32"  # how matmul weights are kept (loader.WEIGHTS)
         self.activations = "float32"  # of block weights' matmuls: int8 or float32 (set by the loader)
@@ -232,7 +234,8 @@ class LlamaForCausalLM:
             c.head_dim, c.rope_theta, c.rope_scaling, min(c.max_position_embeddings, 4096), xp=xp, dtype=np.float32
         )
         self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, comm=comm, dtype=self.dtype, xp=xp)
-        self.plan = TPPlan.of(c, comm.size if comm is not None else 1, 1 if self.weights == "float32" else 32)
+        # the MLP cut in whole blocks of block weights (32; 256 for K-quants' super-blocks)
+        self.plan = TPPlan.of(c, comm.size if comm is not None else 1, 1 if self.weights == "float32" else mlp_block)
         self.layers = [
             DecoderLayer(c, comm, self.rotary, self.dtype, xp, self.plan) for _ in range(c.num_hidden_layers)
         ]
@@ -376,16 +379,22 @@ class LlamaForCausalLM:
             mods = [m for _, m in self.named_modules() if getattr(m, "qweight", None) is not None]
             if self.activations.startswith("int8"):
                 self._tile(mods, 2 if self.activations == "int8x2" else 1)
+            from ..kernels.formats import leaves
+
+            held = [w for m in mods for w in leaves(m.qweight)]
+            for w in held:  # the K-quants' integer scales serve the int8 tiles only
+                if getattr(w, "ks", None) is not None:
+                    w.ks = None
             self._arena = pack_blocks(mods[1:] + mods[:1] if mods and mods[0] is self.embed_tokens else mods)
             if mods:
                 from ..kernels.matmul import warm
 
-                for kind in sorted({m.qweight.kind for m in mods}):
+                for kind in sorted({w.kind for w in held if w.layout == "planar"}):
                     warm(kind)
                 if self.activations.startswith("int8"):
                     from ..kernels import int8
 
-                    tiled = {(m.qweight.kind, m.qweight.group) for m in mods if m.qweight.layout == "tiles"}
+                    tiled = {(w.kind, w.group) for w in held if w.layout == "tiles"}
                     for kind, group in sorted(tiled):
                         int8.warm(kind, 2 if self.activations == "int8x2" else 1, group)
 
@@ -402,15 +411,18 @@ class LlamaForCausalLM:
     @staticmethod
     def _tile(mods, digits: int) -> None:
         """q4/q8 weights into the int8 kernels' tiles (a tied head's once, shared)."""
+        from ..kernels.formats import Pieces
         from ..kernels.tiles import repack
+
+        def tiled(w):
+            return repack(w, digits) if w.kind in ("q4", "q8") else w
 
         done: dict[int, object] = {}
         for m in mods:
             w = m.qweight
-            if w.kind in ("q4", "q8"):
-                if id(w) not in done:
-                    done[id(w)] = repack(w, digits)
-                m.qweight = done[id(w)]
+            if id(w) not in done:
+                done[id(w)] = Pieces([tiled(p) for p in w.parts]) if w.layout == "pieces" else tiled(w)
+            m.qweight = done[id(w)]
 
     @staticmethod
     def _held(m) -> list:
@@ -442,6 +454,11 @@ class LlamaForCausalLM:
             if id(w) in seen or not hasattr(m, "weights"):
                 continue
             seen.add(id(w))
-            name = w.source if getattr(m, "qweight", None) is not None else str(w.dtype)
-            out[name] = out.get(name, 0) + w.nbytes
+            if getattr(m, "qweight", None) is None:
+                out[str(w.dtype)] = out.get(str(w.dtype), 0) + w.nbytes
+                continue
+            from ..kernels.formats import leaves
+
+            for p in leaves(w):  # a merged weight's pieces by their own formats
+                out[p.source] = out.get(p.source, 0) + p.nbytes
         return out

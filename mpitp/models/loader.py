@@ -141,6 +141,26 @@ def _holds_16_bit(path: Path) -> bool:
     return False
 
 
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def _mlp_block(path: Path, weights: str) -> int:
+    """Columns the MLP is cut in multiples of: 256 where the file's down_proj is a K-quant
+    (whole super-blocks on every rank, held with their integer scales: kernels.tiles),
+    else 32."""
+    from .gguf_weights import FILE, is_gguf_dir
+
+    if weights != "auto" or not is_gguf_dir(path):
+        return 32
+    from .gguf_tensors import read_tensors
+
+    try:
+        types = {t.type_name for t in read_tensors(path / FILE) if t.name.endswith("ffn_down.weight")}
+    except Exception:
+        return 32  # the loader reports an unreadable file
+    return 256 if types & set(K_QUANTS) else 32
+
+
 def load_pretrained(
     cls,
     path,
@@ -181,7 +201,7 @@ def load_pretrained(
         weights = "float32"  # the array path: on a GPU, or float16 weights asked for
     elif weights == "auto" and not is_gguf_dir(path) and not _holds_16_bit(path):
         weights = "float32"  # a float32 checkpoint: nothing to keep, and the MLP's cut needs no blocks
-    model = cls(cfg, comm=comm, dtype=dtype, xp=xp, weights=weights)
+    model = cls(cfg, comm=comm, dtype=dtype, xp=xp, weights=weights, mlp_block=_mlp_block(path, weights))
     if weights != "float32":
         from ..kernels.cpu import activations as resolve
 

@@ -21,8 +21,19 @@ from .profiles import Profile
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2, "int8": 1, "fp8": 1}
 # bytes per weight as mpitp holds a block format (mpitp.kernels.formats: quants, float32
-# scale per 32 weights, and a float32 minimum for the 4-bit ones; Q4_0 keeps m = -8d)
-WEIGHT_BYTES = {"q8_0": (32 + 4) / 32, "q4_0": (16 + 8) / 32, "q4_1": (16 + 8) / 32, "f16": 2, "bf16": 2}
+# scale per 32 weights, and a float32 minimum for the 4-bit ones; Q4_0 keeps m = -8d);
+# K-quants per 256 with their integer scales (mpitp.kernels.tiles: Q4_K 128 bytes of
+# quants, 8 + 8 six-bit scales and mins as bytes, float32 d and dmin; Q6_K 192 + 16 + 4)
+WEIGHT_BYTES = {
+    "q8_0": (32 + 4) / 32,
+    "q4_0": (16 + 8) / 32,
+    "q4_1": (16 + 8) / 32,
+    "q4_k": (128 + 16 + 8) / 256,
+    "q6_k": (192 + 16 + 4) / 256,
+    "f16": 2,
+    "bf16": 2,
+}
+SUPER_BLOCKS = ("q4_k", "q6_k")  # cut in whole super-blocks of 256 (the MLP's columns)
 
 
 def shape(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int, tied=False):
@@ -187,6 +198,8 @@ def plan(m: LlamaConfig, p: int, batch: int, seq: int, dtype: str, prof: Profile
     nbytes = DTYPE_BYTES[dtype.lower()]
     wbytes = WEIGHT_BYTES[weights.lower()] if weights else nbytes
     block = 32 if weights else 1  # block weights: the MLP cut on whole blocks, as the model cuts it
+    if weights and weights.lower() in SUPER_BLOCKS:
+        block = 256
     return {
         "model": m.to_dict(),
         "tp": p,

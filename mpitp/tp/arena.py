@@ -62,17 +62,20 @@ def pack_blocks(modules) -> np.ndarray | None:
         if w is not None and id(w) not in seen:
             seen.add(id(w))
             mods.append(m)
-    fields = [(m, f) for m in mods for f in ("qs", "d", "m") if getattr(m.qweight, f) is not None]
+    from ..kernels.formats import leaves
+
+    held = [w for m in mods for w in leaves(m.qweight)]  # a merged weight's pieces each
+    fields = [(w, f) for w in held for f in ("qs", "d", "m") if getattr(w, f) is not None]
     if not fields:
         return None
     step = lambda n: -(-n // ALIGN) * ALIGN
-    total = sum(step(getattr(m.qweight, f).nbytes) for m, f in fields)
+    total = sum(step(getattr(w, f).nbytes) for w, f in fields)
     raw = np.empty(total + ALIGN, np.uint8)  # >= 4 MiB: NumPy asks for transparent huge pages
     off = -raw.ctypes.data % ALIGN
-    for m, f in fields:
-        old = getattr(m.qweight, f)
+    for w, f in fields:
+        old = getattr(w, f)
         view = raw[off : off + old.nbytes].view(old.dtype).reshape(old.shape)
         view[...] = old
-        setattr(m.qweight, f, view)
+        setattr(w, f, view)
         off += step(old.nbytes)
     return raw

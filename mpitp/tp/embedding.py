@@ -53,7 +53,9 @@ class VocabParallelEmbedding:
         else:
             bw = formats.quantize_q8_0(src.rows(self.start, real_end))
         pad = self.per_rank - (real_end - self.start)
-        return bw if pad == 0 else formats.concat_rows([bw, formats.empty(bw.kind, pad, self.hidden, bw.source)])
+        return (
+            bw if pad == 0 else formats.concat_rows([bw, formats.empty(bw.kind, pad, self.hidden, bw.source, like=bw)])
+        )
 
     def finish(self) -> None:
         if self.qweight is not None:

@@ -61,7 +61,7 @@ class LinearBase:
         self._wt = xp.zeros((in_features, out_features), self.dtype)
         self.weight = self._wt.T
         self.bias = xp.zeros(out_features, self.dtype) if bias else None
-        self.qweight: formats.BlockWeight | None = None
+        self.qweight: formats.BlockWeight | formats.Pieces | None = None
         self._parts: dict[int, formats.BlockWeight] = {}  # local row offset -> piece
 
     def _blocks(self, src: TensorSource, rows=None, cols=None) -> formats.BlockWeight | None:
@@ -84,18 +84,16 @@ class LinearBase:
         return formats.quantize_q8_0(src.rows(*rows) if rows is not None else src.cols(*cols))
 
     def finish(self) -> None:
-        """After loading: join the block pieces into ``qweight``. q4 and q8 pieces together
-        (a Q4_K_M file's Q4_K q/k beside its Q6_K v) become q8, the q4 ones quantized to
-        Q8_0 as K-quants were before their exact repack; pieces of other different kinds,
-        or a part left as floats, fall back to float32 for the whole weight."""
+        """After loading: join the block pieces into ``qweight``. Pieces of different
+        kinds (a Q4_K_M file's Q4_K q/k beside its Q6_K v) stay as they are, side by side
+        (:class:`~mpitp.kernels.formats.Pieces`: each its own kernel); a part left as
+        floats makes the whole weight float32."""
         parts, self._parts = sorted(self._parts.items()), {}
         if not parts:
             return
         covered = sum(p.shape[0] for _, p in parts) == self.out_features
-        if {p.kind for _, p in parts} == {"q4", "q8"}:
-            parts = [(off, formats.to_q8_0(p) if p.kind == "q4" else p) for off, p in parts]
-        if covered and len({p.kind for _, p in parts}) == 1:
-            self.qweight = parts[0][1].contiguous() if len(parts) == 1 else formats.concat_rows([p for _, p in parts])
+        if covered:
+            self.qweight = formats.join_pieces([p for _, p in parts])
             self._wt = self.weight = None  # the float array was never written: no memory held
             return
         for off, p in parts:

@@ -67,3 +67,47 @@ def write(src: Path, out: Path, qtype: str, embed_type: str | None = None) -> Pa
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+K_CONFIG = dict(hidden_size=256, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                num_hidden_layers=2, vocab_size=320, head_dim=32)  # fmt: skip
+
+
+def write_q4_k_m(out: Path, seed: int = 0) -> Path:
+    """``out``: config.json + model.gguf of a small model in llama.cpp's Q4_K_M mix (Q4_K;
+    Q6_K for the tied embedding and for attn_v and ffn_down of layer 0), random blocks
+    written directly (no K-quant quantizer is needed: any bytes with sane scales are a
+    block). Every width a multiple of 256, as K-quants need; the MLP has 4 super-blocks of
+    columns, so TP 1-4 cut it on super-block boundaries."""
+    import gguf
+
+    from mpitp.bench.shapes import _types, random_blocks
+
+    c = K_CONFIG
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+           "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+           "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": None, **c}  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg))
+    H, F, V = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    kv = c["num_key_value_heads"] * c["head_dim"]
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(out / "model.gguf"), "llama")
+    mats = [("token_embd", -1, V, H)]
+    for i in range(c["num_hidden_layers"]):
+        mats += [("attn_q", i, H, H), ("attn_k", i, kv, H), ("attn_v", i, kv, H), ("attn_output", i, H, H)]
+        mats += [("ffn_gate", i, F, H), ("ffn_up", i, F, H), ("ffn_down", i, H, F)]
+    ones = np.ones(H, np.float32)
+    for name, i, rows, cols in mats:
+        t = _types("q4_k_m", name, i)
+        full = f"{name}.weight" if i < 0 else f"blk.{i}.{name}.weight"
+        w.add_tensor(full, random_blocks(rng, t, rows, cols), raw_dtype=gguf.GGMLQuantizationType[t])
+        if name == "attn_output":
+            w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
+            w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
+    w.add_tensor("output_norm.weight", ones)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
