@@ -151,22 +151,26 @@ def llama_server(bin_: str, model: str, clients: list[int], max_tokens: int) -> 
         proc.wait(timeout=60)
 
 
-def mpirun(tp: int, argv: list[str]) -> subprocess.CompletedProcess:
-    """``argv`` on ``tp`` ranks, in this process's session as llama-bench runs (a new session
-    is a new scheduler autogroup on Linux: measured here 30% slower decode steps)."""
+def mpirun(tp: int, argv: list[str], threads: int = 1) -> subprocess.CompletedProcess:
+    """``argv`` on ``tp`` ranks of ``threads`` kernel threads each, in this process's session
+    as llama-bench runs (a new session is a new scheduler autogroup on Linux: measured here
+    30% slower decode steps)."""
     cmd = launch.command(tp, argv, timeout=900)
-    return subprocess.run(cmd, env=launch.environment(ENV, timeout=900), capture_output=True, text=True, timeout=960)
+    env = launch.environment(dict(ENV, MPITP_THREADS=str(threads)), timeout=900)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=960)
 
 
 PREFILL_PROMPT = " ".join(["Once upon a time there was a river that ran from the mountains to the sea."] * 28)
 
 
-def mpitp_generate(tp: int, model: str | None, act: str, prompt: str = "Once upon a time", new: int = 128):
+def mpitp_generate(
+    tp: int, model: str | None, act: str, prompt: str = "Once upon a time", new: int = 128, threads: int = 1
+):
     """(decode tokens/s, the rest of the [mpitp] line from the weights on, prefill s, prompt tokens)."""
     argv = [sys.executable, "-m", "mpitp.cli.main", "generate", "--no-chat", "--prompt", prompt]
     argv += ["--max-new-tokens", str(new), "--stop", "999999999", "--activations", act]
     argv += ["--model", model] if model else []
-    res = mpirun(tp, argv)
+    res = mpirun(tp, argv, threads)
     line = [s for s in res.stderr.splitlines() if s.startswith("[mpitp]")]
     if res.returncode or not line:
         raise RuntimeError(res.stderr[-2000:])
@@ -176,9 +180,9 @@ def mpitp_generate(tp: int, model: str | None, act: str, prompt: str = "Once upo
     return rate, line[0].split("weights per rank ")[1], float(pre.group(2)) / 1e3, int(pre.group(1))
 
 
-def mpitp_steps(tp: int, model: str | None, act: str) -> dict:
+def mpitp_steps(tp: int, model: str | None, act: str, threads: int = 1) -> dict:
     argv = [sys.executable, __file__, "--worker-steps", "--activations", act] + (["--model", model] if model else [])
-    res = mpirun(tp, argv)
+    res = mpirun(tp, argv, threads)
     if res.returncode:
         raise RuntimeError(res.stderr[-2000:])
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -210,7 +214,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-bin", help="folder with llama-bench and llama-server (else $LLAMA_CPP_BIN, PATH)")
     ap.add_argument("--model", help="a .gguf file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
-    ap.add_argument("--tp", default="1,2", help="mpitp tensor-parallel sizes (default 1,2)")
+    ap.add_argument(
+        "--tp",
+        default="1,2",
+        help="mpitp tensor-parallel sizes, PxT for P ranks of T threads (default 1,2; e.g. 1,2,1x2)",
+    )
     ap.add_argument("--max-tokens", type=int, default=64, help="per server request (default 64)")
     ap.add_argument("--rounds", type=int, default=3, help="decode rounds, llama.cpp and mpitp alternated (default 3)")
     ap.add_argument("--activations", default="int8x2,int8,float32", help="mpitp's modes to measure (comma list)")
@@ -226,9 +234,10 @@ def main() -> int:
     if not gguf:
         print(f"no model: pass --model FILE.gguf or {default.INSTALL}", file=sys.stderr)
         return 2
-    tps = [int(t) for t in args.tp.split(",")]
+    shapes = [tuple(int(v) for v in (t.split("x") + ["1"])[:2]) for t in args.tp.split(",")]
+    tps = [p for p, t in shapes if t == 1]
     acts = args.activations.split(",")
-    runs = [(tp, a) for tp in tps for a in acts]
+    runs = [(tp, a, th) for tp, th in shapes for a in acts]
     bw = read_bandwidth()  # mpitp.bench.decode's, one process
     print(f"# {Path(gguf).name}, {os.cpu_count()} cores; single-core read bandwidth {bw:.1f} GB/s (the ceiling)")
     bench, server = find("llama-bench", args.llama_bin), find("llama-server", args.llama_bin)
@@ -241,9 +250,9 @@ def main() -> int:
         if bench:
             for t in lcpp:
                 lcpp[t].append(llama_bench(bench, gguf, t))
-        for tp, a in runs:
-            rate, held_by[tp, a], _, _ = mpitp_generate(tp, args.model, a)
-            ours[tp, a].append(rate)
+        for tp, a, th in runs:
+            rate, held_by[tp, a, th], _, _ = mpitp_generate(tp, args.model, a, threads=th)
+            ours[tp, a, th].append(rate)
     if bench:
         for t, rates in lcpp.items():
             rows.append((f"llama.cpp {t} thread(s): decode tok/s", f"{median(rates):.1f} {rounds(rates)}"))
@@ -251,29 +260,30 @@ def main() -> int:
         rows.append(("llama.cpp", "llama-bench not found (--llama-bin, $LLAMA_CPP_BIN or PATH): skipped"))
     size = Path(gguf).stat().st_size / 2**20
     rows.append(("llama.cpp weights in memory", f"{size:.1f} MiB (the file, memory-mapped)"))
-    for tp, a in runs:
-        rate = median(ours[tp, a])
-        steps = mpitp_steps(tp, args.model, a)
+    for tp, a, th in runs:
+        rate, name, cores = median(ours[tp, a, th]), f"TP={tp}" + (f"x{th}" if th > 1 else ""), tp * th
+        steps = mpitp_steps(tp, args.model, a, th)
         share = steps["streamed"] * rate / (bw * 1e9)
-        held, _, ceiling = held_by[tp, a].partition("; decode at ")
-        rows.append((f"mpitp TP={tp} {a}: decode tok/s", f"{rate:.1f} {rounds(ours[tp, a])} ({share:.0%} of one core's "
-                     f"read bandwidth alone; {ceiling.split(';')[0]})"))  # fmt: skip
-        if bench and tp in lcpp:
-            per = [x / y for x, y in zip(ours[tp, a], lcpp[tp])]
-            rows.append((f"mpitp TP={tp} {a} / llama.cpp {tp} thread(s)", f"{median(per):.2f}x {rounds(per, 'x')}"))
-        rows.append((f"mpitp TP={tp} {a}: weights per rank", held))
+        held, _, ceiling = held_by[tp, a, th].partition("; decode at ")
+        rows.append((f"mpitp {name} {a}: decode tok/s", f"{rate:.1f} {rounds(ours[tp, a, th])} ({share:.0%} of one "
+                     f"core's read bandwidth alone; {ceiling.split(';')[0]})"))  # fmt: skip
+        if bench and cores in lcpp:
+            per = [x / y for x, y in zip(ours[tp, a, th], lcpp[cores])]
+            rows.append((f"mpitp {name} {a} / llama.cpp {cores} thread(s)", f"{median(per):.2f}x {rounds(per, 'x')}"))
+        rows.append((f"mpitp {name} {a}: weights per rank", held))
         b1 = steps["1"]
         cells = ", ".join(f"{b}: {steps[str(b)] * 1e3:.1f} ms ({steps[str(b)] / b1:.2f}x)" for b in (1, 2, 4, 8, 16))
-        rows.append((f"mpitp TP={tp} {a}: decode step by batch", cells))
+        rows.append((f"mpitp {name} {a}: decode step by batch", cells))
     if batched:
         lb = llama_batched(batched, gguf, 2)
         rows.append(("llama-batched-bench 2 threads: decode tok/s", ", ".join(f"{b}: {r:.1f}" for b, r in lb.items())))
     if bench:
         pp = llama_prefill(bench, gguf, 2)
         rows.append(("llama.cpp 2 threads: prefill pp512 tok/s", f"{pp:.1f}"))
-    for tp, a in runs:
-        _, _, secs, n = mpitp_generate(tp, args.model, a, PREFILL_PROMPT, new=1)
-        rows.append((f"mpitp TP={tp} {a}: prefill tok/s", f"{n / secs:.1f} ({n} tokens in {secs * 1e3:.0f} ms)"))
+    for tp, a, th in runs:
+        _, _, secs, n = mpitp_generate(tp, args.model, a, PREFILL_PROMPT, new=1, threads=th)
+        name = f"TP={tp}" + (f"x{th}" if th > 1 else "")
+        rows.append((f"mpitp {name} {a}: prefill tok/s", f"{n / secs:.1f} ({n} tokens in {secs * 1e3:.0f} ms)"))
     clients = [1, 8]
     if args.no_server:
         server, tps = None, []

@@ -83,23 +83,27 @@ def tp1(model_dir):
     return one
 
 
-@pytest.mark.parametrize("n,threads", [(2, 1), (3, 1), (4, 1), (1, 2)])
-def test_generate_cli_at_any_tp_matches_tp1(tp1, n, threads):
-    """9 query heads / 3 KV heads at 2 and 4 ranks too: uneven, GQA-aware cuts; and one
-    rank with two threads (each matmul's rows split: the same numbers)."""
-    many = launch.run(n, GEN + ASK + ["--threads", str(threads)], timeout=300)
+@pytest.mark.parametrize("n,threads,pp", [(2, 1, 1), (3, 1, 1), (4, 1, 1), (1, 2, 1), (3, 1, 3), (4, 1, 2)])
+def test_generate_cli_at_any_tp_matches_tp1(tp1, n, threads, pp):
+    """9 query heads / 3 KV heads at 2 and 4 ranks too: uneven, GQA-aware cuts; one rank
+    with two threads (each matmul's rows split: the same numbers); pipeline stages, 30
+    layers over 3 and over 2 stages of TP=2."""
+    args = ["--threads", str(threads)] + (["--pp", str(pp)] if pp > 1 else [])
+    many = launch.run(n, GEN + ASK + args, timeout=300)
     assert many.returncode == 0, many.stderr
     assert "Paris" in many.stdout
-    assert (
-        many.stdout == tp1.stdout and f"TP={n} × {threads} thread{'s' if threads > 1 else ''}: prefill" in many.stderr
-    )
+    where = f"TP={n}" if pp == 1 else f"PP={pp} × TP={n // pp}"
+    line = f"{where} × {threads} thread{'s' if threads > 1 else ''}: prefill"
+    assert many.stdout == tp1.stdout and line in many.stderr, many.stderr[-600:]
     if threads > 1 and "int8" in many.stderr:
         assert f"{threads} threads per rank" in many.stderr
 
 
-def test_bad_thread_counts_are_refused_before_loading():
+def test_bad_thread_counts_and_layouts_are_refused_before_loading():
     res = subprocess.run(GEN + ["--threads", "0"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "threads per rank must be at least 1, got 0" in res.stderr, res.stderr
+    res = launch.run(2, GEN + ["--pp", "2", "--tp", "2"], timeout=120)
+    assert res.returncode == 2 and "--pp 2 × --tp 2 = 4, but the world has 2 ranks" in res.stderr, res.stderr
 
 
 def test_more_ranks_than_heads_is_refused_with_the_numbers(model_dir):

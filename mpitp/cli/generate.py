@@ -56,6 +56,44 @@ def add_weights_argument(p, extra: tuple[str, ...] = (), note: str = "") -> None
     )
 
 
+def add_parallel_arguments(p) -> None:
+    """--pp / --tp: pipeline stages and tensor parallelism inside each (pp × tp = ranks)."""
+    p.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        metavar="P",
+        help="pipeline stages: the layers cut into P contiguous runs (balanced by bytes), each run a "
+        "tensor-parallel group of world/P ranks placed inside a node; one hidden state per row per step "
+        "crosses each stage boundary instead of two all-reduces per layer (default 1)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        metavar="T",
+        help="tensor-parallel ranks per stage; must equal world size / --pp (default: that)",
+    )
+
+
+def check_parallel(args, world: int) -> None:
+    """pp × tp = world size, or a clear error on every rank."""
+    from ..models.pipeline import PipelineError
+
+    pp = getattr(args, "pp", 1)
+    if pp < 1 or world % pp:
+        raise PipelineError(f"--pp {pp} does not divide the {world} ranks (pp × tp must equal the world size)")
+    tp = getattr(args, "tp", None)
+    if tp is not None and tp * pp != world:
+        raise PipelineError(f"--pp {pp} × --tp {tp} = {pp * tp}, but the world has {world} ranks")
+
+
+def layout(comm, model) -> str:
+    """ "TP=2" or "PP=2 × TP=2", for the [mpitp] line."""
+    stage = getattr(model, "stage", None)
+    return f"TP={comm.size}" if stage is None else f"PP={stage.count} × TP={stage.tp.size}"
+
+
 def apply_threads(args) -> int:
     """--threads into MPITP_THREADS (what the kernels read), checked on every rank; the count."""
     import os
@@ -105,6 +143,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     add_weights_argument(p)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    add_parallel_arguments(p)
     p.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
@@ -159,9 +198,16 @@ def _generate(args, comm, LlamaForCausalLM) -> int:
     if args.max_batch < 1:
         raise GenerationError(f"--max-batch must be at least 1, got {args.max_batch}")
     nthreads = apply_threads(args)
+    check_parallel(args, comm.size)
     tok = tokenizer(Path(args.model))
     model = LlamaForCausalLM.from_pretrained(
-        args.model, comm=comm, dtype=args.dtype, device=args.device, weights=args.weights, activations=args.activations
+        args.model,
+        comm=comm,
+        dtype=args.dtype,
+        device=args.device,
+        weights=args.weights,
+        activations=args.activations,
+        pp=args.pp,
     )
     if tok.get_vocab_size(with_added_tokens=True) > model.config.vocab_size:
         from ..log import get_logger
@@ -214,7 +260,7 @@ def _generate(args, comm, LlamaForCausalLM) -> int:
             for p, text in zip(prompts, texts):
                 print((p if isinstance(p, str) else p[-1].get("content", "")) + ("\n" if chat else "") + text)
         print(
-            f"\n[mpitp] TP={comm.size} × {nthreads} thread{'s' if nthreads > 1 else ''}: "
+            f"\n[mpitp] {layout(comm, model)} × {nthreads} thread{'s' if nthreads > 1 else ''}: "
             f"prefill {s['prompt_tokens']} tokens in {s['prefill_s'] * 1e3:.1f} ms, "
             f"decode {s['new_tokens']} tokens at {s['decode_tokens_per_s']:.1f} tokens/s, "
             f"weights per rank {', '.join(f'{b / 2**20:.1f} MiB' for b in per_rank)} "

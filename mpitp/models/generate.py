@@ -142,17 +142,24 @@ def generate(
     out = [list(p) for p in prompts]
     done = np.zeros(B, bool)
     t0 = time.perf_counter()
-    logits = model.forward(xp.asarray(ids), xp.asarray(positions), cache, last_only=True)[:, -1]
+    logits = model.forward(xp.asarray(ids), xp.asarray(positions), cache, last_only=True)
+    logits = None if logits is None else logits[:, -1]
     prefill = time.perf_counter() - t0
     next_pos = positions[:, -1] + 1
     new = 0
     t1 = time.perf_counter()
+    stage = getattr(model, "stage", None)  # pipeline stages: the logits are the last stage's
     for step in range(max_new_tokens):
-        host = logits.get() if hasattr(logits, "get") else np.asarray(logits)
-        host = penalize_repeats(host, out, repetition_penalty)
-        tok = sample(host, rng, temperature, top_k, top_p, min_p).astype(np.int64)
-        if comm is not None and comm.size > 1 and temperature > 0:
-            tok = comm.broadcast(tok, root=0)
+        tok = None
+        if logits is not None:
+            host = logits.get() if hasattr(logits, "get") else np.asarray(logits)
+            host = penalize_repeats(host, out, repetition_penalty)
+            tok = sample(host, rng, temperature, top_k, top_p, min_p).astype(np.int64)
+            if comm is not None and comm.size > 1 and temperature > 0:
+                tok = comm.broadcast(tok, root=0)
+        if stage is not None:
+            tok = stage.tokens(tok, B)
+        assert tok is not None
         for b in range(B):
             if not done[b]:
                 out[b].append(int(tok[b]))
@@ -163,7 +170,8 @@ def generate(
         if done.all() or step == max_new_tokens - 1:
             break
         cache.valid[:, cache.length] = True
-        logits = model.forward(xp.asarray(tok[:, None]), xp.asarray(next_pos[:, None]), cache, last_only=True)[:, -1]
+        logits = model.forward(xp.asarray(tok[:, None]), xp.asarray(next_pos[:, None]), cache, last_only=True)
+        logits = None if logits is None else logits[:, -1]
         next_pos = next_pos + 1
     decode = time.perf_counter() - t1
     model.last_stats = {

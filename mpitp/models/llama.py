@@ -224,9 +224,24 @@ class LlamaForCausalLM:
     }
 
     def __init__(
-        self, config: LlamaConfig, comm=None, dtype="float32", xp=np, weights: str = "float32", mlp_block: int = 32
+        self,
+        config: LlamaConfig,
+        comm=None,
+        dtype="float32",
+        xp=np,
+        weights: str = "float32",
+        mlp_block: int = 32,
+        stage=None,
     ):
+        """``stage``: a pipeline stage (:class:`mpitp.models.pipeline.Stage`) — this model
+        holds only its layers (and the embedding on the first, the norm and head on the
+        last) and passes hidden states to the next stage; ``comm`` is then the stage's
+        tensor-parallel group."""
         self.config, self.comm, self.xp, self.dtype = config, comm, xp, np.dtype(dtype)
+        self.stage = stage
+        self.first_layer: int
+        self.first_layer, end = (0, config.num_hidden_layers) if stage is None else stage.layers
+        self.is_first, self.is_last = self.first_layer == 0, end == config.num_hidden_layers
         self.weights = weights if xp is np else "float32"  # how matmul weights are kept (loader.WEIGHTS)
         self.activations = "float32"  # of block weights' matmuls: int8 or float32 (set by the loader)
         c = config
@@ -237,7 +252,7 @@ class LlamaForCausalLM:
         # the MLP cut in whole blocks of block weights (32; 256 for K-quants' super-blocks)
         self.plan = TPPlan.of(c, comm.size if comm is not None else 1, 1 if self.weights == "float32" else mlp_block)
         self.layers = [
-            DecoderLayer(c, comm, self.rotary, self.dtype, xp, self.plan) for _ in range(c.num_hidden_layers)
+            DecoderLayer(c, comm, self.rotary, self.dtype, xp, self.plan) for _ in range(self.first_layer, end)
         ]
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, xp)
         self.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size, comm=comm, dtype=self.dtype, xp=xp)
@@ -250,7 +265,7 @@ class LlamaForCausalLM:
             # layers', then the head's; the embedding last (one row of it is read per token;
             # packed once when the head shares it)
             mats = [m for _, m in self.named_modules() if hasattr(m, "_wt")]
-            self._arena = pack(mats[1:] + mats[:1])
+            self._arena = pack(mats[1:] + mats[:1] if mats and mats[0] is self.embed_tokens else mats)
         self.last_stats: dict = {}
         self._decode: DecodeLayers | None = None
         self._decode_built = False
@@ -264,11 +279,12 @@ class LlamaForCausalLM:
         device: str = "cpu",
         weights: str = "auto",
         activations: str | None = None,
+        pp: int = 1,
     ) -> LlamaForCausalLM:
         from .loader import load_pretrained
 
         return load_pretrained(
-            cls, path, comm=comm, dtype=dtype, device=device, weights=weights, activations=activations
+            cls, path, comm=comm, dtype=dtype, device=device, weights=weights, activations=activations, pp=pp
         )
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
@@ -290,7 +306,10 @@ class LlamaForCausalLM:
         """Logits [B, T, vocab] for ``ids`` [B, T] appended to ``cache`` at ``cache.length``
         (``last_only``: just the last position's, [B, 1, vocab], as decoding needs; ``keep``:
         the positions listed, [B, len(keep), vocab])."""
-        h = self.embed_tokens(ids)
+        if self.is_first:
+            h = self.embed_tokens(ids)
+        else:  # the previous stage's hidden states
+            h = self.stage.receive((ids.shape[0], ids.shape[1], self.config.hidden_size))
         step = Step(self.rotary, positions, cache, ids.shape[1], self.xp)
         fast = self._decode_layers() if ids.shape[1] == 1 else None
         if fast is not None and fast.fits(ids.shape[0], step, cache):
@@ -299,6 +318,9 @@ class LlamaForCausalLM:
             for i, layer in enumerate(self.layers):
                 h = layer(h, step, cache, i)
         cache.length += ids.shape[1]
+        if not self.is_last:  # on to the next stage; the logits come from the last
+            self.stage.send(h)
+            return None
         if last_only:
             h = h[:, -1:]
         elif keep is not None:
@@ -333,8 +355,9 @@ class LlamaForCausalLM:
     def named_modules(self):
         """(Hugging Face prefix, module) of every module that holds weights, in the order
         a forward reads them."""
-        yield "model.embed_tokens", self.embed_tokens
-        for i, L in enumerate(self.layers):
+        if self.is_first or (self.is_last and self.lm_head.tied):  # a tied head's table on the last stage
+            yield "model.embed_tokens", self.embed_tokens
+        for i, L in enumerate(self.layers, start=self.first_layer):
             p = f"model.layers.{i}."
             yield p + "input_layernorm", L.input_layernorm
             yield p + "self_attn.qkv_proj", L.self_attn.qkv_proj
@@ -342,8 +365,9 @@ class LlamaForCausalLM:
             yield p + "post_attention_layernorm", L.post_attention_layernorm
             yield p + "mlp.gate_up_proj", L.mlp.gate_up_proj
             yield p + "mlp.down_proj", L.mlp.down_proj
-        yield "model.norm", self.norm
-        yield "lm_head", self.lm_head
+        if self.is_last:
+            yield "model.norm", self.norm
+            yield "lm_head", self.lm_head
 
     def named_weights(self):
         """(checkpoint name, module, param, shard id) of every tensor a Hugging Face
@@ -437,7 +461,8 @@ class LlamaForCausalLM:
     def streamed_bytes(self) -> int:
         """Bytes of weights one decode step reads on this rank: all but the embedding table
         (one row of it is looked up), unless the head shares it."""
-        return self.weight_bytes() - (0 if self.lm_head.tied else self._held(self.embed_tokens)[0].nbytes)
+        table = self.is_first and not (self.is_last and self.lm_head.tied)  # held, and only looked up
+        return self.weight_bytes() - (self._held(self.embed_tokens)[0].nbytes if table else 0)
 
     def multiply_adds(self) -> int:
         """Multiply-adds of one decode step's matmuls on this rank, per token: one per

@@ -74,8 +74,13 @@ def locate(wmap: dict, model, name: str):
     if target is not None or name.endswith(IGNORED):
         return target
     m = _LAYER.match(name)
-    if m and int(m.group(1)) >= len(model.layers):
-        raise CheckpointError(f"{name}: layer {m.group(1)}, but config has num_hidden_layers = {len(model.layers)}")
+    layers = model.config.num_hidden_layers
+    if m and int(m.group(1)) >= layers:
+        raise CheckpointError(f"{name}: layer {m.group(1)}, but config has num_hidden_layers = {layers}")
+    if getattr(model, "stage", None) is not None:  # a pipeline stage: other stages' tensors are theirs
+        held = m is not None and model.first_layer <= int(m.group(1)) < model.first_layer + len(model.layers)
+        if not held:
+            return None
     if name.endswith(".bias") and name[: -len("bias")] + "weight" in wmap:
         raise CheckpointError(f"{name}: the checkpoint has a bias the config does not declare")
     return None
@@ -169,9 +174,12 @@ def load_pretrained(
     device: str = "cpu",
     weights: str = "auto",
     activations: str | None = None,
+    pp: int = 1,
 ):
-    """``weights``: ``auto`` keeps the tensors as the files store them (GGUF block formats,
-    F16 and BF16 of GGUF or safetensors; float32 stays float32), ``float32`` widens everything, ``q8_0`` quantizes
+    """``pp``: pipeline stages (:mod:`.pipeline`), each a tensor-parallel group of
+    ``comm.size / pp`` ranks holding its run of layers. ``weights``: ``auto`` keeps the
+    tensors as the files store them (GGUF block formats, F16 and BF16 of GGUF or
+    safetensors; float32 stays float32), ``float32`` widens everything, ``q8_0`` quantizes
     the matmul weights at load. On a GPU, weights are always ``dtype`` (quantized files
     dequantize). ``activations`` (int8, float32, auto: :func:`mpitp.kernels.cpu.activations`)
     says how block weights multiply: int8 activations with the weights repacked in tiles
@@ -201,7 +209,16 @@ def load_pretrained(
         weights = "float32"  # the array path: on a GPU, or float16 weights asked for
     elif weights == "auto" and not is_gguf_dir(path) and not _holds_16_bit(path):
         weights = "float32"  # a float32 checkpoint: nothing to keep, and the MLP's cut needs no blocks
-    model = cls(cfg, comm=comm, dtype=dtype, xp=xp, weights=weights, mlp_block=_mlp_block(path, weights))
+    stage = None
+    if pp != 1:
+        from .pipeline import PipelineError, build
+
+        if comm is None:
+            raise PipelineError("pipeline stages need a communicator (run under mpiexec)")
+        stage = build(comm, pp, cfg)
+        comm = stage.tp
+    block = _mlp_block(path, weights)
+    model = cls(cfg, comm=comm, dtype=dtype, xp=xp, weights=weights, mlp_block=block, stage=stage)
     if weights != "float32":
         from ..kernels.cpu import activations as resolve
 
