@@ -4,9 +4,10 @@ test_llama.py): every pp that divides the world (pp ≥ 2), on a 5-layer model (
 count no pp > 1 divides) and on a Q4_K_M file with int8 activations. The last stage's
 logits equal TP = 1's within 1e-5 of their scale (tensor parallelism changes only the
 summation order; 1e-3 with int8 activations, where it can move a rounding), greedy and
-seeded sampled tokens are the same, each stage holds only its layers, and a decode step sends exactly one hidden state per row across each boundary
-(each of the T ranks its 1/T) and the tokens back. A pp that does not divide the world or
-exceeds the layers is refused on every rank."""
+seeded sampled tokens are the same, each stage holds only its layers, and a decode step
+sends exactly one hidden state per row across each boundary (each of the T ranks its
+1/T) and the tokens back. A pp that does not divide the world or exceeds the layers is
+refused on every rank."""
 
 import json
 import shutil
