@@ -190,3 +190,20 @@ def test_decode_rows_per_batch(n, weights, kind, tmp_path):
         # the table's tokens/s is the batch over the step, its share of the ceiling the
         # bandwidth floor over the step
         assert r[3] == f"{int(B) / t:.1f}" and r[4] == f"{bw / t:.0%}".rstrip("%"), (r, B, t, bw)
+
+
+def test_decode_through_pipeline_stages(tmp_path):
+    """--pp 2: a step is one pass through both stages (and the tokens back); the floor's
+    inputs are the stages' bytes and multiply-adds in turn: summed, the whole model's."""
+    js = tmp_path / "decode.json"
+    out = bench(2, "decode", "--model", str(FIXTURES / "gqa"), "--weights", "q8_0", "--pp", "2", "--json", str(js))
+    assert "PP=2 × TP=1, --weights q8_0" in out.stdout and "summed over the stages" in out.stdout, out.stdout
+    cfg = json.loads((FIXTURES / "gqa" / "config.json").read_text())
+    h, i, v, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
+    qkv = h * d * (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"])
+    total = cfg["num_hidden_layers"] * (qkv + cfg["num_attention_heads"] * d * h + 3 * h * i) + v * h
+    res = json.loads(js.read_text())
+    assert res["multiply_adds"] == total, (res["multiply_adds"], total)
+    norms = 4 * (2 * cfg["num_hidden_layers"] + 1) * h
+    assert res["streamed"] == total * 36 / 32 + norms, (res["streamed"], total)  # the embedding is looked up
+    assert sorted(res["steps"]) == ["1", "16", "2", "4", "8"] and all(t > 0 for t in res["steps"].values())

@@ -215,3 +215,39 @@ def test_the_runtime_cut_is_numpy_array_split(n, parts):
     pieces = np.array_split(np.arange(n), parts)
     assert chunk_counts(n, parts) == [len(p) for p in pieces]
     assert offsets(chunk_counts(n, parts)) == [sum(map(len, pieces[:i])) for i in range(parts)]
+
+
+def test_plan_infer_counts_stage_boundaries_and_all_reduces():
+    """mpitp plan infer: 2 stages of TP=2 on 2 nodes keep every all-reduce inside a node and
+    send one hidden state per row per step across (each tp rank its half) plus the tokens
+    back; TP=4 over the same nodes sends every all-reduce across. Memory per rank: the
+    stage's weights over T plus its KV cache."""
+    from mpitp.plan import infer
+    from mpitp.plan.profiles import get
+    from mpitp.plan.tp import load_model
+
+    m = load_model("llama2-7b")
+    prof = get(None)
+    res = infer.plan(m, 2, 2, 2, 1, 4096, prof)
+    H, L = m.hidden_size, m.num_hidden_layers
+    assert [r["layers"] for r in res["stages"]] == [[0, 16], [16, 32]]
+    assert all(r["tp_inside_node"] for r in res["stages"])
+    assert res["pp_boundary_bytes_per_rank"] == H * 4 // 2 and res["stage_boundaries_across_nodes"] == 1
+    assert res["messages_per_step"]["inter"] == 2 + 1  # two halves of the hidden state, the tokens back
+    assert res["bytes_per_step"]["inter"] == H * 4 + 8
+    ars = 2 * L + 1  # two a layer, the embedding's one
+    assert res["messages_per_step"]["intra"] == 2 * ars * 2 + 2 * 1  # 2 ranks x 2 messages; the head's gather
+    kv = 2 * 16 * 4096 * (m.num_key_value_heads // 2) * m.head_dim * 4
+    assert res["stages"][0]["kv_cache_per_rank_bytes"] == kv
+    tp4 = infer.plan(m, 1, 4, 2, 1, 4096, prof)
+    assert not tp4["stages"][0]["tp_inside_node"]  # the ring 0-1-2-3-0 crosses between nodes at 1-2 and 3-0
+    assert tp4["messages_per_step"]["inter"] == 2 * (6 * ars + 3) and tp4["messages_per_step"]["intra"] == 2 * (
+        6 * ars + 3
+    )
+    x = infer.crossover(m, 2, 1, 2, 1, prof)
+    assert x is not None and x >= 0
+    out = subprocess.run(
+        [sys.executable, "-m", "mpitp.cli.main", "plan", "infer", "--pp", "2", "--tp", "1", "--link", "1gbit",
+         "--latency", "100us"], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0 and "1 Gbit/s, 100 us" in out.stdout and "stage 1: layers 16-31" in out.stdout, out

@@ -62,33 +62,53 @@ def step_times(model, comm, batches=BATCHES, context: int = 32, reps: int = 30) 
             cache.valid[:, cache.length] = True
             comm.barrier()
             t = time.perf_counter()
-            model.forward(ids, np.full((B, 1), cache.length), cache, last_only=True)
+            logits = model.forward(ids, np.full((B, 1), cache.length), cache, last_only=True)
+            if model.stage is not None:  # pipeline stages: the tokens back from the last, as generate does
+                model.stage.tokens(None if logits is None else np.full(B, 42), B)
             times.append(comm.allreduce_object(time.perf_counter() - t, op="max"))
         out[B] = float(np.median(times[min(5, reps // 2) :]))  # the first steps warm caches
     return out
 
 
-def run(comm, model_name: str | None, weights: str, batches=BATCHES, say=print, activations: str | None = None) -> dict:
+def run(
+    comm,
+    model_name: str | None,
+    weights: str,
+    batches=BATCHES,
+    say=print,
+    activations: str | None = None,
+    pp: int = 1,
+) -> dict:
     """Load the model (``None``: the default one) with ``weights``, time the steps, print
-    the table on rank 0; returns the figures."""
+    the table on rank 0; returns the figures. With ``pp`` stages a step is one pass through
+    every stage (and the tokens back), and its floor the stages' streamed bytes in turn."""
     from ..models.llama import LlamaForCausalLM
     from ..models.resolve import model_dir
 
     path = model_dir(model_name, comm)
-    model = LlamaForCausalLM.from_pretrained(str(path), comm=comm, weights=weights, activations=activations)
+    model = LlamaForCausalLM.from_pretrained(str(path), comm=comm, weights=weights, activations=activations, pp=pp)
     held = comm.allgather_object(model.weight_bytes())
-    streamed = comm.allreduce_object(model.streamed_bytes(), op="max")
+    stage = model.stage.index if model.stage is not None else 0
+    per_stage: dict[int, int] = {}
+    for s, b in comm.allgather_object((stage, model.streamed_bytes())):
+        per_stage[s] = max(per_stage.get(s, 0), b)
+    streamed = sum(per_stage.values())  # one stream's step reads every stage's in turn
     kinds = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(model.weight_formats().items()))
-    madds = comm.allreduce_object(model.multiply_adds(), op="max")
+    per_stage = {}
+    for s, n in comm.allgather_object((stage, model.multiply_adds())):
+        per_stage[s] = max(per_stage.get(s, 0), n)
+    madds = sum(per_stage.values())
     ceiling = read_bandwidth(comm=comm)
     rate = fma_rate(comm=comm)
     steps = step_times(model, comm, batches)
     bw_floor = streamed / (ceiling * 1e9)
     floors = {B: max(bw_floor, B * madds / rate) for B in batches}
-    say(f"# mpitp bench decode: {path.name}, TP={comm.size}, --weights {weights}, {model.arithmetic()}")
+    where = f"TP={comm.size}" if model.stage is None else f"PP={pp} × TP={comm.size // pp}"
+    say(f"# mpitp bench decode: {path.name}, {where}, --weights {weights}, {model.arithmetic()}")
     say(f"# weights per rank: {', '.join(f'{b / 2**20:.1f}' for b in held)} MiB (rank 0: {kinds})")
     say(
-        f"# streamed per step by the busiest rank {streamed / 2**20:.1f} MiB; read bandwidth {ceiling:.2f} GB/s "
+        f"# streamed per step by the busiest rank {streamed / 2**20:.1f} MiB"
+        f"{' (summed over the stages, which run in turn)' if pp > 1 else ''}; read bandwidth {ceiling:.2f} GB/s "
         f"per rank (same run, all ranks reading) -> floor {bw_floor * 1e3:.2f} ms a step"
     )
     say(

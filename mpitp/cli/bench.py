@@ -10,7 +10,7 @@ import numpy as np
 
 from ..bench import collectives as bc
 from ..models.config import ConfigError
-from .generate import add_weights_argument, apply_threads
+from .generate import add_parallel_arguments, add_weights_argument, apply_threads, check_parallel
 
 EPILOG = """\
 columns: size and count of the buffer, dtype, reduction op, algorithm, time of one call
@@ -110,6 +110,7 @@ def add_parser(sub) -> None:
     add_weights_argument(
         p, ("q4_0", "q4_k_m"), "; with --shape: the file's type, q4_0 (default), q4_k_m or q8_0, kept as stored"
     )
+    add_parallel_arguments(p)  # decode
     p.add_argument(
         "--tune-file", default=None, help="where --tune writes (default: MPITP_TUNING or ~/.config/mpitp/tuning.json)"
     )
@@ -206,6 +207,7 @@ def run(args) -> int:
 
             model, weights = args.model, args.weights
             apply_threads(args)
+            check_parallel(args, comm.size)
             if args.shape:
                 model, weights = _shape_file(comm, args.shape, "q4_0" if weights == "auto" else weights), "auto"
             elif weights in ("q4_0", "q4_k_m"):
@@ -216,6 +218,7 @@ def run(args) -> int:
                 weights,
                 activations=args.activations,
                 say=print if comm.rank == 0 else (lambda *a, **k: None),
+                pp=args.pp,
             )
             if args.json and comm.rank == 0:
                 with open(args.json, "w") as f:

@@ -100,6 +100,26 @@ def add_parser(sub) -> None:
         "--reduce-dtype", choices=sorted(ptp.DTYPE_BYTES), help="mixed precision: what the reductions carry (--dtype)"
     )
     common(tr)
+    inf = ps.add_parser(
+        "infer",
+        help="inference across nodes: pipeline stages x tensor parallelism, bytes and messages per token",
+        description="One decode step of P pipeline stages of T tensor-parallel ranks on N nodes (ranks in "
+        "order, T consecutive ranks a stage): messages and bytes per link class, the alpha-beta time of that "
+        "communication, weights and KV cache per rank; and the inter-node latency above which the stages beat "
+        "tensor parallelism over all P x T ranks.",
+    )
+    inf.add_argument("--model", default="llama2-7b", help=f"preset ({', '.join(ptp.PRESETS)}) or config.json path")
+    inf.add_argument("--tp", type=int, default=1)
+    inf.add_argument("--pp", type=int, default=2)
+    inf.add_argument("--nodes", type=int, default=None, help="nodes (default: --pp, one stage a node)")
+    inf.add_argument("--batch", type=int, default=1, help="rows decoded together (default 1)")
+    inf.add_argument("--context", type=int, default=4096, help="KV cache length per row (default 4096)")
+    inf.add_argument(
+        "--weights", choices=sorted(ptp.WEIGHT_BYTES), help="block format of the weights (default float32)"
+    )
+    inf.add_argument("--link", default=None, help="inter-node bandwidth: 1gbit, 10gbit, 25gbit, or bytes/s")
+    inf.add_argument("--latency", default=None, help="inter-node latency per message: 100us, 2ms, or seconds")
+    common(inf)
     fit = ps.add_parser("fit", help="fit the 'local' profile by ping-pong (run under mpiexec -n 2)")
     fit.add_argument("--json", action="store_true")
 
@@ -109,7 +129,9 @@ def _profile(args) -> profiles.Profile:
 
 
 def run(args) -> int:
-    out = {"allreduce": _allreduce, "tp": _tp, "fsdp": _fsdp, "train": _train, "fit": _fit}[args.plan](args)
+    out = {"allreduce": _allreduce, "tp": _tp, "fsdp": _fsdp, "train": _train, "fit": _fit, "infer": _infer}[args.plan](
+        args
+    )
     return 0 if out is None else out
 
 
@@ -293,3 +315,73 @@ def _fit(args):
     if comm.rank == 0:
         path = profiles.save_local(prof)
         print(json.dumps(prof.to_dict(), indent=2) if args.json else f"{prof.note}\nwritten to {path}")
+
+
+def _rate(text: str) -> float:
+    """Bytes/s from '1gbit', '100mbit', '25GB/s' or a number."""
+    import re
+
+    t = text.strip().lower().replace("/s", "").replace("ps", "")
+    m = re.fullmatch(r"([\d.]+(?:e[-+]?\d+)?)\s*([kmgt]?)(bit|b)?", t)
+    if not m:
+        raise SystemExit(f"mpitp plan infer: --link {text!r}: give e.g. 1gbit, 10gbit or 25GB/s")
+    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
+    return float(m.group(1)) * scale / (8 if m.group(3) == "bit" else 1)
+
+
+def _seconds(text: str) -> float:
+    import re
+
+    m = re.fullmatch(r"\s*([\d.]+(?:e[-+]?\d+)?)\s*(us|ms|s|ns)?\s*", text.lower())
+    if not m:
+        raise SystemExit(f"mpitp plan infer: --latency {text!r}: give e.g. 100us or 2ms")
+    return float(m.group(1)) * {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, None: 1.0}[m.group(2)]
+
+
+def _infer(args):
+    from dataclasses import replace
+
+    from ..plan import infer as pinf
+
+    prof = _profile(args)
+    if args.link or args.latency:
+        inter = prof.inter
+        inter = replace(inter, beta=_rate(args.link)) if args.link else inter
+        inter = replace(inter, alpha=_seconds(args.latency)) if args.latency else inter
+        prof = replace(prof, name=prof.name + " (inter-node link given)", inter=inter)
+    m = ptp.load_model(args.model)
+    nodes = args.nodes or args.pp
+    res = pinf.plan(m, args.pp, args.tp, nodes, args.batch, args.context, prof, args.weights)
+    res["crossover_latency_s"] = pinf.crossover(m, args.pp, args.tp, nodes, args.batch, prof) if args.pp > 1 else None
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return
+    print(
+        f"{ptp.model_name(args.model)}: {args.pp} stage(s) x TP={args.tp} on {nodes} node(s) "
+        f"({res['ranks_per_node']} rank(s) a node), batch {args.batch}; inter-node "
+        f"{prof.inter.beta * 8 / 1e9:g} Gbit/s, {prof.inter.alpha * 1e6:g} us; intra {prof.intra.beta / 1e9:g} GB/s"
+    )
+    for r in res["stages"]:
+        where = "inside a node" if r["tp_inside_node"] else "ACROSS nodes"
+        print(
+            f"  stage {r['stage']}: layers {r['layers'][0]}-{r['layers'][1] - 1}, ranks {r['ranks'][0]}-"
+            f"{r['ranks'][-1]} ({where}), {r['allreduces']} all-reduces a step; weights "
+            f"{_mb(r['weights_per_rank_bytes'])} + KV cache {_mb(r['kv_cache_per_rank_bytes'])} per rank"
+        )
+    for cls in ("intra", "inter"):
+        print(
+            f"per token, {cls}-node: {res['messages_per_step'][cls]:,} messages, "
+            f"{_mb(res['bytes_per_step'][cls])} (all ranks)"
+        )
+    if args.pp > 1:
+        print(
+            f"stage boundary: {_mb(res['pp_boundary_bytes_per_rank'])} from each tp rank per step, "
+            f"{res['stage_boundaries_across_nodes']} of {args.pp - 1} boundaries across nodes"
+        )
+    print(f"communication per step (one stream, stages in turn): {_time(res['comm_time_s'])}")
+    x = res["crossover_latency_s"]
+    if args.pp > 1:
+        print(
+            "pipeline stages beat TP over all ranks on these nodes when the inter-node latency exceeds "
+            + (_time(x) if x is not None else "- (never: TP sends no more messages)")
+        )

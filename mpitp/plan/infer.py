@@ -1,0 +1,131 @@
+"""Inference layouts across nodes: what one decode step sends, and what each rank holds.
+
+P pipeline stages of T tensor-parallel ranks (:mod:`mpitp.models.pipeline`), ranks placed
+in order on ``nodes`` nodes of P·T/nodes ranks. Per step (``batch`` rows, one new token
+each; activations float32)::
+
+    inside a stage of n layers     2n all-reduces of B·H·4 bytes over its T ranks (ring:
+                                   2(T-1) messages of B·H·4/T each), the first stage's
+                                   embedding one more, the last stage's head an all-gather
+                                   of its vocabulary rows (B·V·4/T a rank, T-1 messages)
+    each stage boundary            each tp rank sends ⌈B·H/T⌉·4 bytes to its counterpart
+    the tokens back                the last stage broadcasts B int64 over the P stages
+
+A link is inter-node when its two ranks sit on different nodes. The stages run in turn for
+one stream, so a step's communication time is the sum over the stages and boundaries
+(alpha-beta, :mod:`.profiles`). ``pp_boundary_bytes_per_rank`` is what a real run's
+point-to-point counters record per step (tests/mpi/test_pipeline.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..models.config import LlamaConfig
+from ..models.pipeline import PipelineError, balance, layer_params
+from .profiles import Profile
+from .tp import WEIGHT_BYTES
+
+
+def pp_boundary_bytes_per_rank(m: LlamaConfig, T: int, batch: int, tokens: int = 1) -> int:
+    """Bytes one tp rank sends across a stage boundary per step (its padded 1/T)."""
+    return -(-batch * tokens * m.hidden_size // T) * 4
+
+
+def _ring(T: int, nbytes: float) -> tuple[int, float]:
+    """(messages, bytes) one rank sends in a ring all-reduce of ``nbytes``."""
+    return (2 * (T - 1), 2 * (T - 1) * nbytes / T) if T > 1 else (0, 0.0)
+
+
+def plan(
+    m: LlamaConfig,
+    P: int,
+    T: int,
+    nodes: int,
+    batch: int,
+    context: int,
+    prof: Profile,
+    weights: str | None = None,
+) -> dict:
+    world = P * T
+    if nodes < 1 or world % nodes:
+        raise PipelineError(f"{world} ranks (pp {P} × tp {T}) do not fill {nodes} node(s) evenly")
+    per_node = world // nodes
+    node = lambda rank: rank // per_node  # noqa: E731
+    stages = balance(m, P)
+    H, V, d = m.hidden_size, m.vocab_size, m.head_dim
+    wbytes = WEIGHT_BYTES[weights.lower()] if weights else 4.0
+    per_layer = layer_params(m)
+    kv_local = max(1, m.num_key_value_heads // T)  # KV heads a rank holds (replicated when T > KV heads)
+    links: dict[str, list[float]] = {"intra": [0, 0.0], "inter": [0, 0.0]}  # per step, all ranks: messages, bytes
+    time_s, rows = 0.0, []
+    memory = 0
+    for s, (l0, l1) in enumerate(stages):
+        ranks = list(range(s * T, (s + 1) * T))
+        inside = len({node(r) for r in ranks}) == 1
+        link = prof.intra if inside else prof.inter  # a ring's pace is its slowest hop
+        crossing = sum(node(ranks[j]) != node(ranks[(j + 1) % T]) for j in range(T))  # ring hops between nodes
+        ars = 2 * (l1 - l0) + (1 if s == 0 else 0)
+        msgs, sent = _ring(T, batch * H * 4)
+        gmsgs, gsent = (T - 1, (T - 1) * batch * V * 4 / T) if s == P - 1 and T > 1 else (0, 0.0)
+        for cls, senders in (("inter", crossing), ("intra", T - crossing)):  # each rank sends to its successor
+            links[cls][0] += senders * (ars * msgs + gmsgs)
+            links[cls][1] += senders * (ars * sent + gsent)
+        t = ars * (2 * (T - 1) * link.time(batch * H * 4 / T) if T > 1 else 0.0)
+        t += (T - 1) * link.time(batch * V * 4 / T) if gmsgs else 0.0
+        time_s += t
+        held = (l1 - l0) * per_layer / T * wbytes
+        held += (V * H / T * wbytes if s == 0 else 0) + (V * H / T * wbytes + H * 4 if s == P - 1 else 0)
+        kv = 2 * (l1 - l0) * batch * context * kv_local * d * 4
+        memory = max(memory, round(held) + kv)
+        rows.append({"stage": s, "layers": [l0, l1], "ranks": ranks, "tp_inside_node": inside,
+                     "allreduces": ars, "weights_per_rank_bytes": round(held), "kv_cache_per_rank_bytes": kv,
+                     "tp_time_s": t})  # fmt: skip
+    bb = pp_boundary_bytes_per_rank(m, T, batch)
+    crossings = 0
+    for s in range(P - 1):
+        inter = any(node(s * T + j) != node((s + 1) * T + j) for j in range(T))
+        crossings += inter
+        cls = "inter" if inter else "intra"
+        links[cls][0] += T
+        links[cls][1] += T * bb
+        time_s += (prof.inter if inter else prof.intra).time(bb)
+    if P > 1:  # the tokens back: a broadcast tree over the stages
+        hops = math.ceil(math.log2(P))
+        cls = "inter" if nodes > 1 else "intra"
+        links[cls][0] += P - 1
+        links[cls][1] += (P - 1) * batch * 8
+        time_s += hops * (prof.inter if nodes > 1 else prof.intra).time(batch * 8)
+    return {
+        "pp": P,
+        "tp": T,
+        "nodes": nodes,
+        "ranks_per_node": per_node,
+        "batch": batch,
+        "context": context,
+        "weights": weights or "float32",
+        "stages": rows,
+        "pp_boundary_bytes_per_rank": bb if P > 1 else 0,
+        "stage_boundaries_across_nodes": crossings,
+        "messages_per_step": {k: int(v[0]) for k, v in links.items()},
+        "bytes_per_step": {k: round(v[1]) for k, v in links.items()},
+        "comm_time_s": time_s,
+        "memory_per_rank_bytes": memory,
+    }
+
+
+def crossover(m: LlamaConfig, P: int, T: int, nodes: int, batch: int, prof: Profile) -> float | None:
+    """The inter-node latency (s) above which P stages of T beat tensor parallelism over all
+    P·T ranks on the same nodes, for one stream's communication time (None: never, or always)."""
+    from dataclasses import replace
+
+    def at(alpha: float, p: int, t: int) -> float:
+        q = replace(prof, inter=replace(prof.inter, alpha=alpha))
+        return plan(m, p, t, nodes, batch, 1, q)["comm_time_s"]
+
+    a0, a1 = 0.0, 1e-3  # comm time is linear in alpha: solve the line
+    pp0, pp1, tp0, tp1 = at(a0, P, T), at(a1, P, T), at(a0, 1, P * T), at(a1, 1, P * T)
+    dpp, dtp = (pp1 - pp0) / a1, (tp1 - tp0) / a1
+    if dtp <= dpp:
+        return None
+    return max(0.0, (pp0 - tp0) / (dtp - dpp))
