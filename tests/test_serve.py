@@ -160,10 +160,10 @@ def reference():
     return greedy(str(FIX), [(p, chat) for p in PROMPTS[:3] for chat in (False, True)], 10)
 
 
-@pytest.mark.both_mpis  # serve at TP 1-3 under each mpiexec
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_completions_and_chat_equal_generate(servers, n, reference):
-    c = servers(n, *FLAGS).client
+@pytest.mark.both_mpis  # serve at TP 1-3 under each mpiexec, and as two pipeline stages
+@pytest.mark.parametrize("n,pp", [(1, 1), (2, 1), (3, 1), (2, 2)])
+def test_completions_and_chat_equal_generate(servers, n, pp, reference):
+    c = servers(n, *FLAGS, *(("--pp", str(pp)) if pp > 1 else ())).client
     assert [m.id for m in c.models.list().data] == ["mha"]
     for p in PROMPTS[:3]:
         r = c.completions.create(model="mha", prompt=p, max_tokens=10, temperature=0)
@@ -474,14 +474,15 @@ def test_metrics_count_what_was_sent(servers):
 SHARED = "the quick brown fox jumps over the lazy dog, again: "  # about a token a character
 
 
-@pytest.mark.parametrize("tp", [1, 2, 3])
-def test_prefix_cache_and_packed_chunked_prefill_equal_generate(servers, tp):
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (3, 1), (2, 2)])
+def test_prefix_cache_and_packed_chunked_prefill_equal_generate(servers, tp, pp):
     """Prompts sharing a long start, sent together to a server that packs prompts into one
     forward 16 tokens at a time (chunks) and keeps prompt blocks: each text equals mpitp
-    generate's for its prompt alone; asked again, the shared blocks come from the cache."""
+    generate's for its prompt alone; asked again, the shared blocks come from the cache.
+    Also as two pipeline stages (each its own layers' cache), concurrent requests included."""
     prompts = [SHARED + p for p in PROMPTS[:3]]
     want = {p: t for (p, _), t in greedy(str(FIX), [(p, False) for p in prompts], 8).items()}
-    srv = servers(tp, *FLAGS)
+    srv = servers(tp, *FLAGS, *(("--pp", str(pp)) if pp > 1 else ()))
     c, got = srv.client, {}
 
     def ask(p):

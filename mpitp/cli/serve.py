@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .generate import add_weights_argument, apply_threads
+from .generate import add_parallel_arguments, add_weights_argument, apply_threads, check_parallel, layout
 
 
 def add_parser(sub) -> None:
@@ -48,6 +48,7 @@ def add_parser(sub) -> None:
     p.add_argument("--served-model-name", help="the model id clients see (default: the directory name)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     add_weights_argument(p)
+    add_parallel_arguments(p)
 
 
 def run(args) -> int:
@@ -80,8 +81,9 @@ def _serve(args, comm) -> int:
         return 2
     model_dir = resolve.model_dir(args.model or None, comm)
     apply_threads(args)
+    check_parallel(args, comm.size)
     model = LlamaForCausalLM.from_pretrained(
-        str(model_dir), comm=comm, dtype=args.dtype, weights=args.weights, activations=args.activations
+        str(model_dir), comm=comm, dtype=args.dtype, weights=args.weights, activations=args.activations, pp=args.pp
     )
     context = model.config.max_position_embeddings
     if args.max_model_len is not None and args.max_model_len > context:
@@ -92,6 +94,7 @@ def _serve(args, comm) -> int:
         max_len=args.max_model_len,
         budget=args.max_num_batched_tokens,
         prefix_bytes=int(args.prefix_cache_mib * 2**20),
+        comm=comm,
     )
     service = None
     if comm.rank == 0:
@@ -116,7 +119,8 @@ def _serve(args, comm) -> int:
         assert service is not None
         server = start_http(service, args.host, args.port)
         get_logger("serve").info(
-            f"serving {service.name} at http://{args.host}:{args.port}/v1 (TP={comm.size}, batch {args.max_batch})"
+            f"serving {service.name} at http://{args.host}:{args.port}/v1 "
+            f"({layout(comm, model)}, batch {args.max_batch})"
         )
         get_logger("serve").info(
             f"KV cache per rank: {args.max_batch} rows x {engine.max_len} tokens, "

@@ -120,6 +120,17 @@ class Stage:
         buf = np.asarray(tok, np.int64) if tok is not None else np.empty(batch, np.int64)
         return self.pp.broadcast(buf, root=self.count - 1)
 
+    def logits_to_first(self, logits, shape: tuple[int, ...]):
+        """The last stage's logits on the first stage's tp rank 0 (where ``serve`` samples:
+        world rank 0); every other rank keeps what it has, or zeros of ``shape``."""
+        if self.index == self.count - 1 and self.tp.rank == 0:
+            self.pp.send(np.ascontiguousarray(logits, np.float32), dest=0, tag=9)
+        if self.index == 0 and self.tp.rank == 0:
+            out = np.empty(shape, np.float32)
+            self.pp.recv(source=self.count - 1, out=out, tag=9)
+            return out
+        return logits if logits is not None else np.zeros(shape, np.float32)
+
     def free(self) -> None:
         for c in (self.pp, self.tp):
             c.free()

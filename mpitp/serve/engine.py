@@ -80,8 +80,18 @@ class Prefill:
 
 
 class Engine:
-    def __init__(self, model, max_batch: int, max_len: int | None = None, budget: int = 256, prefix_bytes: int = 0):
-        self.model, self.comm = model, model.comm
+    def __init__(
+        self,
+        model,
+        max_batch: int,
+        max_len: int | None = None,
+        budget: int = 256,
+        prefix_bytes: int = 0,
+        comm=None,
+    ):
+        """``comm``: the ranks that run in lockstep (default the model's; with pipeline
+        stages the world, the model's being its stage's tensor-parallel group)."""
+        self.model, self.comm = model, comm if comm is not None else model.comm
         self.B = max_batch
         self.max_len = max_len or min(model.config.max_position_embeddings, 4096)
         self.budget = max(1, budget)  # prompt tokens prefilled per iteration
@@ -91,7 +101,7 @@ class Engine:
         self.slots: list[Slot | None] = [None] * self.B
         self.waiting: list[Prefill] = []
         a, cfg = model.layers[0].self_attn, model.config
-        size = self.comm.size if self.comm is not None else 1
+        size = model.comm.size if model.comm is not None else 1  # the tensor-parallel cut of the KV heads
         most = max(partition.attention(cfg.num_attention_heads, cfg.num_key_value_heads, size).kv)
         self.prefix = PrefixCache(len(model.layers), a.nkv, cfg.head_dim, model.dtype, prefix_bytes, model.xp, most)
 
@@ -170,6 +180,7 @@ class Engine:
             at, new = at + d, new + n
         row.length, row.owner = D, xp.asarray(owner)
         logits = m.forward(xp.asarray(ids[None]), xp.asarray(pos[None]), row, keep=xp.asarray(np.array(keep, np.int64)))
+        logits = self._to_rank0(logits, (1, len(keep), m.config.vocab_size))
         logits, out, j, new = _host(logits[0]), {}, 0, D
         for pf, n in chunks:
             d = pf.done
@@ -244,12 +255,19 @@ class Engine:
         c.valid[:k, c.length] = feed  # a row without a token must not see this column later
         view = _Rows(c, k)
         with np.errstate(invalid="ignore", divide="ignore"):  # rows with nothing to attend to
-            logits = m.forward(m.xp.asarray(toks), m.xp.asarray(pos), view, last_only=True)[:, -1]
+            logits = m.forward(m.xp.asarray(toks), m.xp.asarray(pos), view, last_only=True)
+            logits = self._to_rank0(logits, (k, 1, m.config.vocab_size))[:, -1]
         c.length = view.length
         for s, f in zip(rows, feed):
             if f and s is not None:
                 s.pos += 1
         return _host(logits)
+
+    def _to_rank0(self, logits, shape):
+        """The logits where rank 0 samples: with pipeline stages the last stage's go to the
+        first (rank 0's) stage, the other ranks hold zeros of that shape (never read)."""
+        stage = getattr(self.model, "stage", None)
+        return logits if stage is None else stage.logits_to_first(logits, shape)
 
     def kv_usage(self) -> float:
         """The share of the cache's rows x columns that running requests attend to."""
