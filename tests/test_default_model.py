@@ -104,6 +104,11 @@ def test_bad_thread_counts_and_layouts_are_refused_before_loading():
     assert res.returncode == 2 and "threads per rank must be at least 1, got 0" in res.stderr, res.stderr
     res = launch.run(2, GEN + ["--pp", "2", "--tp", "2"], timeout=120)
     assert res.returncode == 2 and "--pp 2 × --tp 2 = 4, but the world has 2 ranks" in res.stderr, res.stderr
+    # --tp asks for stages inside nodes: nodes of 3 ranks cannot hold stages of 2
+    env = dict(os.environ, MPITP_RANKS_PER_NODE="3")
+    res = launch.run(4, GEN + ["--pp", "2", "--tp", "2"], timeout=120, env=env)
+    want = "--tp 2: a stage's 2 ranks cannot be placed inside one node: the nodes hold 3, 1 rank(s)"
+    assert res.returncode == 2 and want in res.stderr, res.stderr[-2000:]
 
 
 def test_more_ranks_than_heads_is_refused_with_the_numbers(model_dir):

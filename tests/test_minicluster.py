@@ -160,8 +160,27 @@ def test_training_mesh_across_nodes(cluster, tmp_path):
     assert min(rows.values(), key=lambda r: r["inter_bytes_per_node"])["tp"] == 2  # the plan's fewest
 
 
+def test_pipeline_stages_send_one_hidden_state_per_row_across_nodes(cluster):
+    """Two stages, one a node, TP = 2 inside each: in each decode step the stage-0 ranks
+    together send one hidden state per row to the other node (each its half), as mpitp plan
+    infer counts it to the byte, and the stage-1 ranks send nothing across by point to point
+    (the tokens come back in MPI's broadcast)."""
+    fixture = ROOT / "tests" / "fixtures" / "mha"
+    rows, steps = 3, 5
+    res = on_cluster(4, 2, sys.executable, "tests/cluster/pp_bytes.py", str(fixture), "2", str(rows), str(steps))
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    hidden = out["hidden"]
+    for r in out["ranks"]:
+        assert r["send"] == steps * r["plan_send"], r
+        assert r["plan_send"] == (rows * hidden * 4 // 2 if r["node"] == 0 else 0), r
+    assert sum(r["send"] for r in out["ranks"]) == steps * rows * hidden * 4
+
+
 def test_tp_generation_across_nodes(cluster):
-    """TP = 4 over two nodes writes what TP = 1 writes (the embedded default model)."""
+    """TP = 4 over two nodes writes what TP = 1 writes (the embedded default model), and so
+    do two pipeline stages, one a node, of TP = 2 inside each (the mesh puts each stage's
+    two ranks on one node: the [mpitp] line's layout)."""
     from mpitp.models import default
 
     if default.gguf_file() is None:
@@ -172,6 +191,9 @@ def test_tp_generation_across_nodes(cluster):
     four = on_cluster(4, 2, *args, timeout=600)
     assert four.returncode == 0, four.stderr
     assert four.stdout == one.stdout and "Paris" in one.stdout, (one.stdout, four.stdout)
+    staged = on_cluster(4, 2, *args, "--pp", "2", "--tp", "2", timeout=600)
+    assert staged.returncode == 0 and "PP=2 × TP=2" in staged.stderr, staged.stderr[-3000:]
+    assert staged.stdout == one.stdout, (one.stdout, staged.stdout)
 
 
 def test_timeline_across_nodes(cluster, tmp_path):

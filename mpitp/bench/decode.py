@@ -78,6 +78,7 @@ def run(
     say=print,
     activations: str | None = None,
     pp: int = 1,
+    inside: bool = False,
 ) -> dict:
     """Load the model (``None``: the default one) with ``weights``, time the steps, print
     the table on rank 0; returns the figures. With ``pp`` stages a step is one pass through
@@ -86,7 +87,9 @@ def run(
     from ..models.resolve import model_dir
 
     path = model_dir(model_name, comm)
-    model = LlamaForCausalLM.from_pretrained(str(path), comm=comm, weights=weights, activations=activations, pp=pp)
+    model = LlamaForCausalLM.from_pretrained(
+        str(path), comm=comm, weights=weights, activations=activations, pp=pp, stage_inside_node=inside
+    )
     held = comm.allgather_object(model.weight_bytes())
     stage = model.stage.index if model.stage is not None else 0
     per_stage: dict[int, int] = {}

@@ -219,6 +219,7 @@ def run(args) -> int:
                 activations=args.activations,
                 say=print if comm.rank == 0 else (lambda *a, **k: None),
                 pp=args.pp,
+                inside=args.tp is not None,
             )
             if args.json and comm.rank == 0:
                 with open(args.json, "w") as f:

@@ -72,7 +72,8 @@ def add_parallel_arguments(p) -> None:
         type=int,
         default=None,
         metavar="T",
-        help="tensor-parallel ranks per stage; must equal world size / --pp (default: that)",
+        help="tensor-parallel ranks per stage; must equal world size / --pp, and asks that each stage sit "
+        "inside one node (an error where the nodes cannot hold it; default: world size / --pp, anywhere)",
     )
 
 
@@ -208,6 +209,7 @@ def _generate(args, comm, LlamaForCausalLM) -> int:
         weights=args.weights,
         activations=args.activations,
         pp=args.pp,
+        stage_inside_node=args.tp is not None,
     )
     if tok.get_vocab_size(with_added_tokens=True) > model.config.vocab_size:
         from ..log import get_logger

@@ -83,7 +83,13 @@ def _serve(args, comm) -> int:
     apply_threads(args)
     check_parallel(args, comm.size)
     model = LlamaForCausalLM.from_pretrained(
-        str(model_dir), comm=comm, dtype=args.dtype, weights=args.weights, activations=args.activations, pp=args.pp
+        str(model_dir),
+        comm=comm,
+        dtype=args.dtype,
+        weights=args.weights,
+        activations=args.activations,
+        pp=args.pp,
+        stage_inside_node=args.tp is not None,
     )
     context = model.config.max_position_embeddings
     if args.max_model_len is not None and args.max_model_len > context:

@@ -280,11 +280,20 @@ class LlamaForCausalLM:
         weights: str = "auto",
         activations: str | None = None,
         pp: int = 1,
+        stage_inside_node: bool = False,
     ) -> LlamaForCausalLM:
         from .loader import load_pretrained
 
         return load_pretrained(
-            cls, path, comm=comm, dtype=dtype, device=device, weights=weights, activations=activations, pp=pp
+            cls,
+            path,
+            comm=comm,
+            dtype=dtype,
+            device=device,
+            weights=weights,
+            activations=activations,
+            pp=pp,
+            stage_inside_node=stage_inside_node,
         )
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:

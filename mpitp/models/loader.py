@@ -175,9 +175,11 @@ def load_pretrained(
     weights: str = "auto",
     activations: str | None = None,
     pp: int = 1,
+    stage_inside_node: bool = False,
 ):
     """``pp``: pipeline stages (:mod:`.pipeline`), each a tensor-parallel group of
-    ``comm.size / pp`` ranks holding its run of layers. ``weights``: ``auto`` keeps the
+    ``comm.size / pp`` ranks holding its run of layers (``stage_inside_node``: each inside
+    one node, or an error). ``weights``: ``auto`` keeps the
     tensors as the files store them (GGUF block formats, F16 and BF16 of GGUF or
     safetensors; float32 stays float32), ``float32`` widens everything, ``q8_0`` quantizes
     the matmul weights at load. On a GPU, weights are always ``dtype`` (quantized files
@@ -215,7 +217,7 @@ def load_pretrained(
 
         if comm is None:
             raise PipelineError("pipeline stages need a communicator (run under mpiexec)")
-        stage = build(comm, pp, cfg)
+        stage = build(comm, pp, cfg, stage_inside_node)
         comm = stage.tp
     block = _mlp_block(path, weights)
     model = cls(cfg, comm=comm, dtype=dtype, xp=xp, weights=weights, mlp_block=block, stage=stage)

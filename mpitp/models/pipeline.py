@@ -136,11 +136,24 @@ class Stage:
             c.free()
 
 
-def build(comm, P: int, c: LlamaConfig) -> Stage:
-    """Collective over ``comm``: the P × (size / P) mesh and this rank's stage."""
+def build(comm, P: int, c: LlamaConfig, inside_node: bool = False) -> Stage:
+    """Collective over ``comm``: the P × (size / P) mesh and this rank's stage. With
+    ``inside_node`` (``--tp`` given), a stage whose ranks the nodes cannot hold together is
+    an error on every rank, not a tensor-parallel group across the slow link."""
     if P < 1 or comm.size % P:
         raise PipelineError(f"--pp {P} does not divide the {comm.size} ranks (pp × tp must equal the world size)")
     bounds = balance(c, P)
-    mesh = comm.mesh((P, comm.size // P), ("pp", "tp"))
+    T = comm.size // P
+    if inside_node:
+        counts: dict[int, int] = {}
+        for n in comm.topology.node_of:
+            counts[n] = counts.get(n, 0) + 1
+        if any(k % T for k in counts.values()):
+            raise PipelineError(
+                f"--tp {T}: a stage's {T} ranks cannot be placed inside one node: the nodes hold "
+                f"{', '.join(str(counts[n]) for n in sorted(counts))} rank(s) (give each node a multiple of {T}, "
+                "or leave out --tp to allow stages across nodes)"
+            )
+    mesh = comm.mesh((P, T), ("pp", "tp"))
     s = mesh.coord("pp")
     return Stage(s, P, bounds[s], mesh["pp"], mesh["tp"])
