@@ -52,9 +52,14 @@ def local_rank(environ=os.environ) -> int | None:
 
 def choose(environ=os.environ) -> tuple[int | None, str]:
     """(threads per rank, why); None: leave the BLAS default."""
-    own = environ.get("MPITP_THREADS", "").strip()
-    if own.isdigit() and int(own) > 0:  # the kernels' threads per rank: BLAS (prefill of float weights) the same
-        return int(own), "MPITP_THREADS"
+    from . import settings
+
+    try:
+        own = settings.Settings.from_env(environ).threads
+    except settings.SettingsError:
+        own = 1  # a bad value is reported where the kernels read it
+    if own > 1:  # the kernels' threads per rank: BLAS (prefill of float weights) the same
+        return own, "MPITP_THREADS"
     cpus = environ.get("SLURM_CPUS_PER_TASK", "").strip()
     if cpus.isdigit() and int(cpus) > 0 and environ.get("SLURM_STEP_ID") is not None:
         return int(cpus), "SLURM_CPUS_PER_TASK"

@@ -96,13 +96,11 @@ def layout(comm, model) -> str:
 
 
 def apply_threads(args) -> int:
-    """--threads into MPITP_THREADS (what the kernels read), checked on every rank; the count."""
-    import os
-
+    """--threads for the kernels (over MPITP_THREADS), checked on every rank; the count."""
     from ..kernels import parallel
 
     if getattr(args, "threads", None) is not None:
-        os.environ["MPITP_THREADS"] = str(parallel.check(args.threads))
+        parallel.set_threads(args.threads)
     return parallel.check(parallel.threads())
 
 

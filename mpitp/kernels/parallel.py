@@ -32,10 +32,22 @@ MIN_WORK = 1200  # tiles × blocks of 32 (256 weights each) per thread below whi
 # split: a launch costs ~8 µs, ~1000 of them (docs/measurements.md)
 
 
+_CHOSEN: int | None = None  # --threads, which takes precedence over MPITP_THREADS
+
+
+def set_threads(n: int | None) -> None:
+    """Threads per rank from the command line (None: back to ``MPITP_THREADS``)."""
+    global _CHOSEN
+    _CHOSEN = None if n is None else check(n)
+
+
 def threads(environ=None) -> int:
-    """Threads per rank for the kernels: ``MPITP_THREADS`` (default 1)."""
+    """Threads per rank for the kernels: ``--threads`` (:func:`set_threads`), else
+    ``MPITP_THREADS`` (default 1)."""
     from .. import settings
 
+    if _CHOSEN is not None and environ is None:
+        return _CHOSEN
     s = settings.current() if environ is None else settings.Settings.from_env(environ)
     return s.threads
 
