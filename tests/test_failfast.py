@@ -89,7 +89,11 @@ def test_uncaught_exception_aborts_the_job(n, which):
 
 def test_opting_out_leaves_it_to_the_watchdog():
     res, out = run(3, RAISE, 1, env={"MPITP_ABORT_ON_ERROR": "0", "MPITP_TIMEOUT": "3"})
-    assert res.returncode == 3, out[-2000:]
+    # Open MPI's prterun, tearing the job down after the watchdog's MPI_Abort(3), now and
+    # then dies itself of SIGSEGV (exit -11; 1 run in ~7 in CI, 0 in 6 alone): the abort
+    # with code 3 is then in its report, which is what this checks
+    aborted = "MPI_ABORT was invoked" in out and "Errorcode: 3" in out
+    assert res.returncode == 3 or (res.returncode == -11 and aborted), out[-2000:]
     assert "mpitp watchdog" in out and "[rank " not in out  # the plain traceback, no hook
 
 
