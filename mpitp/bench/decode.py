@@ -70,6 +70,16 @@ def step_times(model, comm, batches=BATCHES, context: int = 32, reps: int = 30) 
     return out
 
 
+def _in_turn(comm, model, value: int) -> int:
+    """A figure of one step on its critical path: the busiest rank's, summed over the
+    pipeline stages (one stream passes through them in turn)."""
+    stage = model.stage.index if model.stage is not None else 0
+    busiest: dict[int, int] = {}
+    for s, v in comm.allgather_object((stage, value)):
+        busiest[s] = max(busiest.get(s, 0), v)
+    return sum(busiest.values())
+
+
 def run(
     comm,
     model_name: str | None,
@@ -84,6 +94,7 @@ def run(
     the table on rank 0; returns the figures. With ``pp`` stages a step is one pass through
     every stage (and the tokens back), and its floor the stages' streamed bytes in turn."""
     from ..models.llama import LlamaForCausalLM
+    from ..models.pipeline import describe
     from ..models.resolve import model_dir
 
     path = model_dir(model_name, comm)
@@ -91,22 +102,15 @@ def run(
         str(path), comm=comm, weights=weights, activations=activations, pp=pp, stage_inside_node=inside
     )
     held = comm.allgather_object(model.weight_bytes())
-    stage = model.stage.index if model.stage is not None else 0
-    per_stage: dict[int, int] = {}
-    for s, b in comm.allgather_object((stage, model.streamed_bytes())):
-        per_stage[s] = max(per_stage.get(s, 0), b)
-    streamed = sum(per_stage.values())  # one stream's step reads every stage's in turn
+    streamed = _in_turn(comm, model, model.streamed_bytes())
     kinds = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(model.weight_formats().items()))
-    per_stage = {}
-    for s, n in comm.allgather_object((stage, model.multiply_adds())):
-        per_stage[s] = max(per_stage.get(s, 0), n)
-    madds = sum(per_stage.values())
+    madds = _in_turn(comm, model, model.multiply_adds())
     ceiling = read_bandwidth(comm=comm)
     rate = fma_rate(comm=comm)
     steps = step_times(model, comm, batches)
     bw_floor = streamed / (ceiling * 1e9)
     floors = {B: max(bw_floor, B * madds / rate) for B in batches}
-    where = f"TP={comm.size}" if model.stage is None else f"PP={pp} × TP={comm.size // pp}"
+    where = describe(comm.size, model.stage)
     say(f"# mpitp bench decode: {path.name}, {where}, --weights {weights}, {model.arithmetic()}")
     say(f"# weights per rank: {', '.join(f'{b / 2**20:.1f}' for b in held)} MiB (rank 0: {kinds})")
     say(

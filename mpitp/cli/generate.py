@@ -78,21 +78,17 @@ def add_parallel_arguments(p) -> None:
 
 
 def check_parallel(args, world: int) -> None:
-    """pp × tp = world size, or a clear error on every rank."""
-    from ..models.pipeline import PipelineError
+    """pp × tp = world size, or a clear error on every rank (before anything loads)."""
+    from ..models.pipeline import check_layout
 
-    pp = getattr(args, "pp", 1)
-    if pp < 1 or world % pp:
-        raise PipelineError(f"--pp {pp} does not divide the {world} ranks (pp × tp must equal the world size)")
-    tp = getattr(args, "tp", None)
-    if tp is not None and tp * pp != world:
-        raise PipelineError(f"--pp {pp} × --tp {tp} = {pp * tp}, but the world has {world} ranks")
+    check_layout(world, getattr(args, "pp", 1), getattr(args, "tp", None))
 
 
 def layout(comm, model) -> str:
     """ "TP=2" or "PP=2 × TP=2", for the [mpitp] line."""
-    stage = getattr(model, "stage", None)
-    return f"TP={comm.size}" if stage is None else f"PP={stage.count} × TP={stage.tp.size}"
+    from ..models.pipeline import describe
+
+    return describe(comm.size, getattr(model, "stage", None))
 
 
 def apply_threads(args) -> int:

@@ -37,6 +37,7 @@ class PipelineError(MpitpError, ValueError):
 
 
 def layer_params(c: LlamaConfig) -> int:
+    """Weights of one decoder layer: q, k, v, o, the MLP's three, its two norms."""
     h, d = c.hidden_size, c.head_dim
     return h * d * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) + 3 * h * c.intermediate_size + 2 * h
 
@@ -136,12 +137,24 @@ class Stage:
             c.free()
 
 
+def check_layout(world: int, P: int, T: int | None = None) -> None:
+    """pp × tp = the world size (``T`` None: whatever divides it), or a clear error."""
+    if P < 1 or world % P:
+        raise PipelineError(f"--pp {P} does not divide the {world} ranks (pp × tp must equal the world size)")
+    if T is not None and T * P != world:
+        raise PipelineError(f"--pp {P} × --tp {T} = {P * T}, but the world has {world} ranks")
+
+
+def describe(world: int, stage: Stage | None) -> str:
+    """ "TP=2" or "PP=2 × TP=2", for the [mpitp] line and the logs."""
+    return f"TP={world}" if stage is None else f"PP={stage.count} × TP={stage.tp.size}"
+
+
 def build(comm, P: int, c: LlamaConfig, inside_node: bool = False) -> Stage:
     """Collective over ``comm``: the P × (size / P) mesh and this rank's stage. With
     ``inside_node`` (``--tp`` given), a stage whose ranks the nodes cannot hold together is
     an error on every rank, not a tensor-parallel group across the slow link."""
-    if P < 1 or comm.size % P:
-        raise PipelineError(f"--pp {P} does not divide the {comm.size} ranks (pp × tp must equal the world size)")
+    check_layout(comm.size, P)
     bounds = balance(c, P)
     T = comm.size // P
     if inside_node:

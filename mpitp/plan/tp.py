@@ -52,12 +52,11 @@ def shape(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int
 
 def params(m: LlamaConfig) -> int:
     """Weights of the model (norms included; biases, where a model has them, left out)."""
-    h, d = m.hidden_size, m.head_dim
-    attn = h * m.num_attention_heads * d * 2 + h * m.num_key_value_heads * d * 2
-    mlp = 3 * h * m.intermediate_size
-    norms = 2 * h
+    from ..models.pipeline import layer_params
+
+    h = m.hidden_size
     emb = m.vocab_size * h * (1 if m.tie_word_embeddings else 2)
-    return m.num_hidden_layers * (attn + mlp + norms) + emb + h
+    return m.num_hidden_layers * layer_params(m) + emb + h
 
 
 PRESETS = {
