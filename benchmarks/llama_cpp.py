@@ -77,21 +77,29 @@ def wait_ready(url: str, proc, seconds: float = 300) -> None:
     raise RuntimeError(f"{url} not ready after {seconds} s")
 
 
-def load(port: int, clients: int, max_tokens: int) -> float:
-    """Output tokens/s of ``clients`` concurrent clients, each asking all 8 prompts in turn."""
+def load(port: int | str, clients: int, max_tokens: int, chat: bool = True) -> float:
+    """Output tokens/s of ``clients`` concurrent clients, each asking all 8 prompts in turn,
+    greedy (``port`` on this machine, or a server's base URL; ``chat``: chat completions,
+    else plain completions)."""
     import openai
 
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=600)
-    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)  # warm
+    url = port if isinstance(port, str) else f"http://127.0.0.1:{port}"
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=900)
+
+    def ask(p: str, n: int) -> int:
+        if chat:
+            messages = [{"role": "user", "content": p}]
+            r = client.chat.completions.create(model="m", messages=messages, max_tokens=n, temperature=0)
+        else:
+            r = client.completions.create(model="m", prompt=p, max_tokens=n, temperature=0)
+        return r.usage.completion_tokens
+
+    ask("hi", 4)  # warm
     counts = [0] * clients
 
     def run(i: int) -> None:
         for k in range(len(PROMPTS) if clients == 1 else 1):
-            p = PROMPTS[(i + k) % len(PROMPTS)]
-            r = client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": p}], max_tokens=max_tokens, temperature=0
-            )
-            counts[i] += r.usage.completion_tokens
+            counts[i] += ask(PROMPTS[(i + k) % len(PROMPTS)], max_tokens)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
     t0 = time.perf_counter()

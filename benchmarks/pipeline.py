@@ -13,7 +13,8 @@ node; these kernels have no netem, so no latency is added), one rank a node:
   over a run of ``--tokens`` less those of a run of 16, over the difference in tokens
   (start-up and prefill cancel out);
 * ``mpitp serve`` as P = 2 and as T = 2, 1 client and 8 concurrent clients (the 8 prompts
-  of benchmarks/serve.py, greedy, ``--max-tokens`` each), output tokens/s;
+  of benchmarks/serve.py as plain completions, greedy, ``--max-tokens`` each; llama_cpp.py's
+  load), output tokens/s;
 * with ``--dllama``: distributed-llama's root on node 1 and a worker on node 2, 1 thread
   each, its model converted by benchmarks/dllama.py, its "Prediction" tokens/s.
 """
@@ -26,7 +27,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -39,7 +39,7 @@ ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", PATH=f"{BIN}:{os.environ['PATH'
 ENV.pop("MPITP_RANKS_PER_NODE", None)
 PROMPT = "Once upon a time"
 sys.path.insert(0, str(Path(__file__).parent))
-from serve import PROMPTS  # noqa: E402
+from llama_cpp import load  # noqa: E402  (8 concurrent clients, as against llama-server)
 
 
 def cluster_cmd(n: int, ppn: int, *command: str) -> list[str]:
@@ -71,28 +71,6 @@ def generate(n: int, model: str, tokens: int, *extra: str) -> tuple[float, int]:
     return float(hit.group(1)), wire
 
 
-def load(url: str, clients: int, max_tokens: int) -> float:
-    import openai
-
-    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=900)
-    client.completions.create(model="m", prompt="hi", max_tokens=2)  # warm
-    counts = [0] * clients
-
-    def run(i: int) -> None:
-        for k in range(len(PROMPTS) if clients == 1 else 1):
-            p = PROMPTS[(i + k) % len(PROMPTS)]
-            r = client.completions.create(model="m", prompt=p, max_tokens=max_tokens, temperature=0)
-            counts[i] += r.usage.completion_tokens
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(counts) / (time.perf_counter() - t0)
-
-
 def serve(model: str, max_tokens: int, *extra: str) -> dict:
     host, port = "10.213.0.11", 18500 + os.getpid() % 1000  # rank 0 on node 1
     argv = ["mpitp", "serve", "--model", model, "--host", "0.0.0.0", "--port", str(port), "--max-batch", "8", *extra]
@@ -109,7 +87,7 @@ def serve(model: str, max_tokens: int, *extra: str) -> dict:
                 if proc.poll() is not None:
                     raise RuntimeError(proc.stderr.read().decode()[-3000:]) from None  # type: ignore[union-attr]
                 time.sleep(0.25)
-        return {n: load(url, n, max_tokens) for n in (1, 8)}
+        return {n: load(url, n, max_tokens, chat=False) for n in (1, 8)}
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=120)
