@@ -3,7 +3,11 @@ checked against. These tests run on every rank at once under mpiexec, so every a
 is collective: :func:`agree` fails on all ranks together, which keeps the ranks in step
 (and hypothesis shrinking in step) instead of leaving some blocked."""
 
+import shutil
+import tempfile
 import zlib
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -196,3 +200,20 @@ def _decode_step_of(model, positions, cache):
     from mpitp.models.llama import Step
 
     return Step(model.rotary, positions, cache, 1, model.xp)
+
+
+@contextmanager
+def shared_dir(prefix: str, write):
+    """A directory every rank sees (one machine): rank 0 makes it and runs ``write(path)``
+    into it, the others wait; removed when all are done."""
+    world = MPI.COMM_WORLD
+    root = Path(world.bcast(tempfile.mkdtemp(prefix=prefix) if world.rank == 0 else None))
+    if world.rank == 0:
+        write(root)
+    world.Barrier()
+    try:
+        yield root
+    finally:
+        world.Barrier()
+        if world.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)

@@ -10,13 +10,11 @@ sends exactly one hidden state per row across each boundary (each of the T ranks
 refused on every rank."""
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import agree
+from helpers import agree, shared_dir
 from mpi4py import MPI
 
 import mpitp
@@ -51,20 +49,18 @@ def _write_random(out: Path) -> None:
     (out / "config.json").write_text(json.dumps(cfg))
 
 
+def _write_both(root: Path) -> None:
+    from gguf_files import write_q4_k_m
+
+    (root / "deep").mkdir()
+    _write_random(root / "deep")
+    write_q4_k_m(root / "Q4_K_M")
+
+
 @pytest.fixture(scope="module")
 def models():
-    root = MPI.COMM_WORLD.bcast(tempfile.mkdtemp(prefix="mpitp-pp-") if MPI.COMM_WORLD.rank == 0 else None)
-    if MPI.COMM_WORLD.rank == 0:
-        (Path(root) / "deep").mkdir()
-        _write_random(Path(root) / "deep")
-        from gguf_files import write_q4_k_m
-
-        write_q4_k_m(Path(root) / "Q4_K_M")
-    MPI.COMM_WORLD.Barrier()
-    yield Path(root)
-    MPI.COMM_WORLD.Barrier()
-    if MPI.COMM_WORLD.rank == 0:
-        shutil.rmtree(root, ignore_errors=True)
+    with shared_dir("mpitp-pp-", _write_both) as root:
+        yield root
 
 
 @pytest.fixture(scope="module")

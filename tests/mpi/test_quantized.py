@@ -7,13 +7,11 @@ back to float32 and the answer is the same. With int8 activations (one digit, as
 two digits) the model keeps to the accuracy rule against the float32-activation model of
 the same file (DESIGN.md §10)."""
 
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import agree, decode_both_ways
+from helpers import agree, decode_both_ways, shared_dir
 from mpi4py import MPI
 
 import mpitp
@@ -36,18 +34,16 @@ def tp():
     c.free()
 
 
+def _write_all(root: Path) -> None:
+    for fix, q, e in CASES:
+        write(FIX / fix, root / f"{fix}-{q}", q, e)
+    write_q4_k_m(root / "Q4_K_M")
+
+
 @pytest.fixture(scope="module")
 def files():
-    root = MPI.COMM_WORLD.bcast(tempfile.mkdtemp(prefix="mpitp-q-") if MPI.COMM_WORLD.rank == 0 else None)
-    if MPI.COMM_WORLD.rank == 0:
-        for fix, q, e in CASES:
-            write(FIX / fix, Path(root) / f"{fix}-{q}", q, e)
-        write_q4_k_m(Path(root) / "Q4_K_M")
-    MPI.COMM_WORLD.Barrier()
-    yield Path(root)
-    MPI.COMM_WORLD.Barrier()
-    if MPI.COMM_WORLD.rank == 0:
-        shutil.rmtree(root, ignore_errors=True)
+    with shared_dir("mpitp-q-", _write_all) as root:
+        yield root
 
 
 @pytest.mark.parametrize("fix,q,embed", CASES)
