@@ -128,30 +128,33 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=32, help="per server request (default 32)")
     ap.add_argument("--dllama", help="distributed-llama's repository, built (make dllama)")
-    ap.add_argument("--no-server", action="store_true")
+    ap.add_argument("--no-server", action="store_true", help="leave out the servers")
+    ap.add_argument("--no-stream", action="store_true", help="leave out the one-stream runs")
     a = ap.parse_args()
     model = a.model or str(resolve.model_dir(None, None))
     layouts = {"one rank": (1, ()), "P=2": (2, ("--pp", "2")), "T=2": (2, ())}
     rates: dict[str, list[float]] = {k: [] for k in layouts}
-    for _ in range(a.rounds):
+    for _ in range(0 if a.no_stream else a.rounds):
         for k, (n, extra) in layouts.items():
             rates[k].append(generate(n, model, a.tokens, *extra)[0])
     wire = {}
-    for k, (n, extra) in layouts.items():
+    for k, (n, extra) in layouts.items() if not a.no_stream else ():
         short, long = generate(n, model, 16, *extra)[1], generate(n, model, a.tokens, *extra)[1]
         wire[k] = (long - short) / (a.tokens - 16)
     print(f"# {Path(model).name}: one rank a node, two nodes; {a.tokens} tokens; medians of {a.rounds} rounds")
-    alone = median(rates["one rank"])
-    for k in layouts:
+    alone = median(rates["one rank"]) if not a.no_stream else 0.0
+    for k in layouts if not a.no_stream else ():
         r = median(rates[k])
         print(f"{k:<9} one stream: {r:6.1f} tok/s ({', '.join(f'{x:.1f}' for x in rates[k])}; {r / alone:.2f}x one "
               f"rank), {wire[k]:,.0f} bytes per token on the links")  # fmt: skip
-    if wire["P=2"] > 0:
+    if wire.get("P=2"):
         print(f"T=2 / P=2 bytes per token on the links: {wire['T=2'] / wire['P=2']:.1f}x")
     if not a.no_server:
+        served = {}
         for k, extra in (("P=2", ("--pp", "2")), ("T=2", ())):
-            r = serve(model, a.max_tokens, *extra)
+            r = served[k] = serve(model, a.max_tokens, *extra)
             print(f"serve {k}: 1 client {r[1]:.1f} tok/s, 8 clients {r[8]:.1f} tok/s ({r[8] / r[1]:.2f}x)")
+        print(f"serve, 8 clients: P=2 / T=2 = {served['P=2'][8] / served['T=2'][8]:.2f}x")
     if a.dllama:
         print(
             f"distributed-llama root + worker, 1 thread each: {dllama(Path(a.dllama), Path(model), a.tokens):.1f} tok/s"

@@ -258,15 +258,15 @@ def log_softmax(z):
     return z - z.max(-1, keepdims=True) - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True))
 
 
-@pytest.mark.parametrize("n", [1, 3])
-def test_logprobs(servers, n):
+@pytest.mark.parametrize("n,pp", [(1, 1), (3, 1), (2, 2)])
+def test_logprobs(servers, n, pp):
     """Echo: the prompt's log-probabilities equal the log-softmax of transformers' logits
     (the fixture's reference.npz) within 1e-4, the first null, the top 3 HF's top 3.
     Greedy chat: each token is its own top entry. Streamed: the same records as whole."""
     ref = np.load(FIX / "reference.npz")
     ids = ref["input_ids"][0].tolist()
     want = log_softmax(ref["logits"][0])  # position t predicts token t + 1
-    c = servers(n, *FLAGS).client
+    c = servers(n, *FLAGS, *(("--pp", str(pp)) if pp > 1 else ())).client  # pp: the logits cross stages
     r = c.completions.create(model="mha", prompt=ids, max_tokens=2, temperature=0, logprobs=3, echo=True)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(ids) + 2 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
@@ -300,11 +300,13 @@ def test_logprobs(servers, n):
     assert plain.choices[0].message.content == whole.choices[0].message.content
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_n_choices(servers, tp, reference):
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (2, 2)])
+def test_n_choices(servers, tp, pp, reference):
     """n=3: each choice its own row. Greedy: three copies of generate's text. Sampled with a
-    seed: reproducible, streamed equal to whole per choice index, usage over all three."""
-    c, p = servers(tp, *FLAGS).client, PROMPTS[0]
+    seed: reproducible, streamed equal to whole per choice index, usage over all three. As
+    two pipeline stages (the last stage samples, with each row's own generator): the same
+    sampled text as one rank's."""
+    c, p = servers(tp, *FLAGS, *(("--pp", str(pp)) if pp > 1 else ())).client, PROMPTS[0]
     r = c.completions.create(model="mha", prompt=p, max_tokens=10, temperature=0, n=3)
     assert [ch.index for ch in r.choices] == [0, 1, 2]
     assert [ch.text for ch in r.choices] == [reference[(p, False)]] * 3
@@ -319,6 +321,9 @@ def test_n_choices(servers, tp, reference):
         for x in ch.choices:
             parts[x.index] += x.text
     assert [parts[i] for i in range(3)] == [ch.text for ch in a.choices]
+    if pp > 1:
+        one = servers(1, *FLAGS).client.completions.create(**hot)
+        assert [ch.text for ch in a.choices] == [ch.text for ch in one.choices]
     # several prompts in one request (as lm-eval batches them): n choices per prompt, in order
     q = PROMPTS[1]
     r = c.completions.create(model="mha", prompt=[p, q], max_tokens=10, temperature=0, n=2)

@@ -17,8 +17,8 @@ def decode(engine: Engine, row: int, first_logits, n: int) -> list[int]:
     out = [int(np.argmax(first_logits))]
     engine.took(row, out[0])
     for _ in range(n - 1):
-        logits = engine.step()
-        out.append(int(np.argmax(logits[row])))
+        logits = engine.step()[row].logits
+        out.append(int(np.argmax(logits)))
         engine.took(row, out[-1])
     return out
 
@@ -68,8 +68,8 @@ def test_packed_chunked_prefill_equals_each_prompt_alone():
         e.add(Job(i, [int(t) for t in p], 4, echo=(i == 1), logprobs=(0 if i == 1 else None)))
     out, rounds = {}, 0
     while e.waiting:
-        for row, lg in e.prefill().items():
-            out[e.slots[row].job.id] = lg
+        for row, result in e.prefill().items():
+            out[e.slots[row].job.id] = result.logits
         rounds += 1
     assert rounds == -(-sum(map(len, prompts)) // 24)  # every iteration filled its budget
     for i, p in enumerate(prompts):
@@ -83,7 +83,7 @@ def test_packed_chunked_prefill_equals_each_prompt_alone():
     for row, s in enumerate(e.slots):
         if s is not None:
             ids = prompts[s.job.id] + [s.last]
-            _close(logits[row], _alone(model, ids)[-1])
+            _close(logits[row].logits, _alone(model, ids)[-1])
 
 
 def test_prefix_cache_reuses_prompt_and_conversation_blocks():

@@ -94,14 +94,23 @@ def _serve(args, comm) -> int:
     context = model.config.max_position_embeddings
     if args.max_model_len is not None and args.max_model_len > context:
         raise SystemExit(f"mpitp serve: --max-model-len {args.max_model_len} exceeds the model's context {context}")
-    engine = Engine(
-        model,
-        args.max_batch,
-        max_len=args.max_model_len,
-        budget=args.max_num_batched_tokens,
-        prefix_bytes=int(args.prefix_cache_mib * 2**20),
-        comm=comm,
-    )
+    # with pipeline stages, one engine per stage (micro-batches in flight, every stage busy),
+    # each a share of the rows; they share the prefix cache
+    stages = args.pp or 1
+    engines: list[Engine] = []
+    for _ in range(stages):
+        engines.append(
+            Engine(
+                model,
+                -(-args.max_batch // stages),
+                max_len=args.max_model_len,
+                budget=args.max_num_batched_tokens,
+                prefix_bytes=int(args.prefix_cache_mib * 2**20),
+                comm=comm,
+                prefix=engines[0].prefix if engines else None,
+            )
+        )
+    engine = engines[0]
     service = None
     if comm.rank == 0:
         tok = resolve.tokenizer(model_dir)
@@ -126,14 +135,16 @@ def _serve(args, comm) -> int:
         server = start_http(service, args.host, args.port)
         get_logger("serve").info(
             f"serving {service.name} at http://{args.host}:{args.port}/v1 "
-            f"({layout(comm, model)}, batch {args.max_batch})"
+            f"({layout(comm, model)}, batch {args.max_batch}"
+            + (f" in {stages} micro-batches of {engine.B}, one per stage in flight)" if stages > 1 else ")")
         )
         get_logger("serve").info(
-            f"KV cache per rank: {args.max_batch} rows x {engine.max_len} tokens, "
-            f"{engine.cache_bytes / 2**20:.0f} MiB; prefix cache up to {engine.prefix.capacity} blocks "
+            f"KV cache per rank: {stages * engine.B} rows x {engine.max_len} tokens, "
+            f"{sum(e.cache_bytes for e in engines) / 2**20:.0f} MiB; "
+            f"prefix cache up to {engine.prefix.capacity} blocks "
             f"of 16 tokens, {engine.prefix.capacity * engine.prefix.block_bytes / 2**20:.0f} MiB"
         )
-    serve_loop(engine, service, stop)
+    serve_loop(engines, service, stop)
     if server is not None:
         server.shutdown()
     get_logger("serve").info("stopped")

@@ -8,6 +8,7 @@ from mpi4py import MPI
 from .. import backend
 from .algorithms import mpi_collectives
 from .base import CommunicatorBase
+from .handle import Handle
 from .mpi_types import mpi_datatype
 
 
@@ -24,6 +25,19 @@ class PointToPoint(CommunicatorBase):
             a = self._to_host(a)
         self.traffic.record(a.nbytes, "send", self.topology.peer_class(dest))
         self.mpi.Send([a, mpi_datatype(a.dtype)], dest=dest, tag=tag)
+
+    def isend(self, x, dest: int, tag: int = 0) -> Handle:
+        """Send ``x`` without waiting: ``wait()`` on the handle returns once the message has
+        left (the handle keeps the buffer alive until then; do not change it before)."""
+        a = self._array(x)
+        if self._via_host(a):
+            a = self._to_host(a)
+        self.traffic.record(a.nbytes, "send", self.topology.peer_class(dest))
+
+        def steps():
+            yield self.mpi.Isend([a, mpi_datatype(a.dtype)], dest=dest, tag=tag)
+
+        return Handle(steps(), self.watchdog, f"isend to rank {dest} (tag {tag})")
 
     def recv(self, source: int = MPI.ANY_SOURCE, *, out=None, shape=None, dtype=None, tag: int = MPI.ANY_TAG):
         """Receive into ``out``, or into a new array of ``shape``/``dtype``; with only

@@ -23,7 +23,8 @@ head holds the table too), any layer count; each stage reads only its own tensor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -87,6 +88,8 @@ class Stage:
     layers: tuple[int, int]
     pp: Any  # Communicator over the ranks of this tp coordinate, one per stage (rank = stage)
     tp: Any  # Communicator over this stage's tensor-parallel ranks
+    _sent: list = field(default_factory=list)  # results_to_first's sends in flight
+    _due: deque = field(default_factory=deque)  # rank 0: their receives, in the order sent
 
     def _cut(self, n: int) -> tuple[int, int]:
         """(chunk, padded size) of a flat hidden state of ``n`` values over the tp ranks."""
@@ -121,18 +124,43 @@ class Stage:
         buf = np.asarray(tok, np.int64) if tok is not None else np.empty(batch, np.int64)
         return self.pp.broadcast(buf, root=self.count - 1)
 
-    def logits_to_first(self, logits, shape: tuple[int, ...]):
-        """The last stage's logits on the first stage's tp rank 0 (where ``serve`` samples:
-        world rank 0); every other rank keeps what it has, or zeros of ``shape``."""
+    def results_to_first(self, tokens, logits, n: int, m: int, vocab: int):
+        """``serve``'s next-token results of one forward, from the last stage's tp rank 0 to
+        rank 0 (the first stage's), sent without waiting: ``tokens`` [n] int64, those the last
+        stage sampled itself (-1 elsewhere), and the ``logits`` [m, V] of the positions whose
+        requests want them (log-probabilities, a grammar; m may be 0), so V floats per row
+        cross the link only where needed. Returns on rank 0 a function that receives them
+        (tokens, logits) when first called — in the pipelined serve loop, after its own
+        stage's next micro-batch (earlier forwards' results are received first); None on
+        every other rank."""
         if self.index == self.count - 1 and self.tp.rank == 0:
-            self.pp.send(np.ascontiguousarray(logits, np.float32), dest=0, tag=9)
-        if self.index == 0 and self.tp.rank == 0:
-            out = np.empty(shape, np.float32)
-            self.pp.recv(source=self.count - 1, out=out, tag=9)
-            return out
-        return logits if logits is not None else np.zeros(shape, np.float32)
+            self._sent = [h for h in self._sent if not h.test()]
+            self._sent.append(self.pp.isend(np.ascontiguousarray(tokens, np.int64), dest=0, tag=10))
+            if m:
+                self._sent.append(self.pp.isend(np.array(logits, np.float32), dest=0, tag=9))
+        if self.index != 0 or self.tp.rank != 0:
+            return None
+        got: list = []
+        last = self.count - 1
+
+        def receive() -> None:
+            t = self.pp.recv(last, out=np.empty(n, np.int64), tag=10)
+            lg = self.pp.recv(last, out=np.empty((m, vocab), np.float32), tag=9) if m else None
+            got.append((t, lg))
+
+        self._due.append(receive)
+
+        def get():
+            while not got:
+                self._due.popleft()()
+            return got[0]
+
+        return get
 
     def free(self) -> None:
+        for h in self._sent:
+            h.wait()
+        self._sent = []
         for c in (self.pp, self.tp):
             c.free()
 

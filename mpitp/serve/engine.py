@@ -29,6 +29,7 @@ with them prefills only the rest.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 from mpi4py import MPI
@@ -52,10 +53,17 @@ class Job:
     stop_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # alternatives per token (0: the chosen token's only); None: none
     echo: bool = False  # with logprobs: the prompt's own too (its prefill keeps every position's logits)
+    constrained: bool = False  # a grammar (response_format): rank 0 masks the logits before sampling
 
     @property
     def prompt_logits(self) -> bool:
         return self.echo and self.logprobs is not None
+
+    @property
+    def wants_logits(self) -> bool:
+        """Rank 0 needs this request's logits (log-probabilities, a grammar); otherwise the
+        last pipeline stage may sample it and send only the token."""
+        return self.logprobs is not None or self.constrained
 
 
 @dataclass
@@ -79,6 +87,57 @@ class Prefill:
     logits: list = field(default_factory=list)  # echo with logprobs: every position's, chunk by chunk
 
 
+class Out:
+    """Rank 0's view of one row's next-token result: ``logits`` ([V]; [P, V] for a prompt
+    that keeps every position's) for rank 0 to sample, or ``token``, the one the last
+    pipeline stage already sampled with the row's own generator (-1: none). Read when
+    first asked: in the pipelined loop the message arrives while the first stage computes
+    the next micro-batch."""
+
+    def __init__(self, get):
+        self._get = get
+
+    @property
+    def logits(self):
+        return self._get()[0]
+
+    @property
+    def token(self) -> int:
+        return self._get()[1]
+
+
+class Next:
+    """One forward's next-token results for rank 0, by output position. ``fetch()`` gives
+    (tokens [n] int64, -1 where rank 0 samples; logits [m, V] of the positions in ``wants``,
+    in order); it is called at the first read."""
+
+    def __init__(self, fetch, wants: np.ndarray):
+        self._fetch, self._got = fetch, None
+        self._row = np.cumsum(wants) - 1  # position -> its row of the logits
+
+    def _data(self):
+        if self._got is None:
+            self._got = self._fetch()
+        return self._got
+
+    def _at(self, i: int):
+        tokens, logits = self._data()
+        t = int(tokens[i])
+        return (None, t) if t >= 0 else (logits[self._row[i]], -1)
+
+    def __getitem__(self, i: int) -> Out:
+        return Out(partial(self._at, i))
+
+    def span(self, lo: int, hi: int):
+        """The logits of positions [lo, hi), every one wanted (a prompt's own)."""
+        logits = self._data()[1]
+        return logits[self._row[lo] : self._row[hi - 1] + 1]
+
+
+def _nowhere():
+    raise RuntimeError("only rank 0 reads a forward's results")
+
+
 class Engine:
     def __init__(
         self,
@@ -88,10 +147,13 @@ class Engine:
         budget: int = 256,
         prefix_bytes: int = 0,
         comm=None,
+        prefix: PrefixCache | None = None,
     ):
         """``comm``: the ranks that run in lockstep (default the model's; with pipeline
-        stages the world, the model's being its stage's tensor-parallel group)."""
+        stages the world, the model's being its stage's tensor-parallel group). ``prefix``:
+        a prefix cache to share (pipelined serving's engines share one)."""
         self.model, self.comm = model, comm if comm is not None else model.comm
+        self.stage = getattr(model, "stage", None)
         self.B = max_batch
         self.max_len = max_len or min(model.config.max_position_embeddings, 4096)
         self.budget = max(1, budget)  # prompt tokens prefilled per iteration
@@ -103,15 +165,18 @@ class Engine:
         a, cfg = model.layers[0].self_attn, model.config
         size = model.comm.size if model.comm is not None else 1  # the tensor-parallel cut of the KV heads
         most = max(partition.attention(cfg.num_attention_heads, cfg.num_key_value_heads, size).kv)
-        self.prefix = PrefixCache(len(model.layers), a.nkv, cfg.head_dim, model.dtype, prefix_bytes, model.xp, most)
+        if prefix is None:
+            prefix = PrefixCache(len(model.layers), a.nkv, cfg.head_dim, model.dtype, prefix_bytes, model.xp, most)
+        self.prefix = prefix
 
     # ------------------------------------------------------------------ lockstep control
-    def exchange(self, message):
-        """Rank 0's ``message`` on every rank. While requests run, the waiting ranks wait
-        in MPI (the message is due within a step; a sleep would add up to its length to
-        every step); an idle server's ranks poll with sleeps instead of spinning, leaving
-        the cores to rank 0's HTTP threads."""
-        return message if self.comm is None else self.comm.poll_bcast(message, busy=self.busy)
+    def exchange(self, message, busy: bool | None = None):
+        """Rank 0's ``message`` on every rank. While requests run (``busy``, default this
+        engine's), the waiting ranks wait in MPI (the message is due within a step; a sleep
+        would add up to its length to every step); an idle server's ranks poll with sleeps
+        instead of spinning, leaving the cores to rank 0's HTTP threads."""
+        busy = self.busy if busy is None else busy
+        return message if self.comm is None else self.comm.poll_bcast(message, busy=busy)
 
     @property
     def cache_bytes(self) -> int:
@@ -142,7 +207,7 @@ class Engine:
             pf.k[layer][:h], pf.v[layer][:h] = self.prefix.read(hits, layer)
         self.waiting.append(pf)
 
-    def prefill(self) -> dict[int, np.ndarray]:
+    def prefill(self) -> dict[int, Out]:
         """One packed forward over the next ``budget`` prompt tokens of the waiting jobs (in
         arrival order). Returns, for each job whose prompt is now complete, its row and its
         next-token logits [V] — or, when it asks for its prompt's log-probabilities, every
@@ -180,8 +245,11 @@ class Engine:
             at, new = at + d, new + n
         row.length, row.owner = D, xp.asarray(owner)
         logits = m.forward(xp.asarray(ids[None]), xp.asarray(pos[None]), row, keep=xp.asarray(np.array(keep, np.int64)))
-        logits = self._to_rank0(logits, (1, len(keep), m.config.vocab_size))
-        logits, out, j, new = _host(logits[0]), {}, 0, D
+        wants = np.zeros(len(keep), bool)
+        sample: dict[int, int] = {}  # position -> the row the last stage samples it for
+        echoes: list[tuple[Prefill, int, int]] = []  # a prompt's own positions [lo, hi)
+        complete: list[tuple[Prefill, int, int]] = []  # (prompt, its row, its next-token position)
+        j, new = 0, D
         for pf, n in chunks:
             d = pf.done
             for layer in range(len(m.layers)):
@@ -189,30 +257,42 @@ class Engine:
                 pf.v[layer][d : d + n] = row.v[layer][0, new : new + n]
             pf.done, new = d + n, new + n
             if pf.job.prompt_logits:
-                pf.logits.append(logits[j : j + n])
+                wants[j : j + n] = True
+                echoes.append((pf, j, j + n))
                 j += n
             if pf.done < len(pf.job.ids):
                 continue
             if not pf.job.prompt_logits:
-                pf.logits.append(logits[j : j + 1])
+                wants[j] = pf.job.wants_logits
                 j += 1
             self.waiting.remove(pf)
             self.prefix.store(pf.job.ids, lambda layer, lo, hi, pf=pf: (pf.k[layer][lo:hi], pf.v[layer][lo:hi]))
             r = self._place(pf)
-            every = np.concatenate(pf.logits)
-            out[r] = every if pf.job.prompt_logits else every[-1]
+            if not wants[j - 1]:
+                sample[j - 1] = r
+            complete.append((pf, r, j - 1))
+        nxt = self._results(None if logits is None else logits[0], wants, sample)
+        for pf, lo, hi in echoes:
+            pf.logits.append(partial(nxt.span, lo, hi))
+        out: dict[int, Out] = {}
+        for pf, r, at in complete:
+            if pf.job.prompt_logits:  # every position's, chunk by chunk; the last is the next token's
+                parts = pf.logits
+                out[r] = Out(lambda parts=parts: (np.concatenate([p() for p in parts]), -1))
+            else:
+                out[r] = nxt[at]
         return out
 
-    def admit(self, job: Job) -> np.ndarray:
-        """Prefill ``job`` whole (one request alone) and return what :meth:`prefill` gives it."""
+    def admit(self, job: Job):
+        """Prefill ``job`` whole (one request alone) and return its logits (rank 0)."""
         self.add(job)
         budget, self.budget = self.budget, 1 << 30
         try:
             out = self.prefill()
         finally:
             self.budget = budget
-        (logits,) = out.values()
-        return logits
+        (result,) = out.values()
+        return result.logits
 
     def _place(self, pf: Prefill) -> int:
         """Move a complete prompt's keys and values into the first free row, right-aligned
@@ -239,10 +319,10 @@ class Engine:
         for r in sorted(rows, reverse=True):
             self.release(r)
 
-    def step(self) -> np.ndarray:
-        """One decode step for the rows that have a token to feed; returns logits for rows
-        0 … k-1, the running ones (rows without a token to feed yet hold garbage: masked
-        out, never read). Running requests always hold the lowest rows (``release`` moves
+    def step(self) -> Next:
+        """One decode step for the rows that have a token to feed; returns the results
+        (:class:`Out`) of rows 0 … k-1, the running ones (rows without a token to feed yet
+        hold garbage: masked out, never read). Running requests always hold the lowest rows (``release`` moves
         the last one down), so the step computes k rows, not the whole batch."""
         m, c = self.model, self.cache
         if c.length >= self.max_len or self._unused() > max(256, c.length // 2):
@@ -256,18 +336,34 @@ class Engine:
         view = _Rows(c, k)
         with np.errstate(invalid="ignore", divide="ignore"):  # rows with nothing to attend to
             logits = m.forward(m.xp.asarray(toks), m.xp.asarray(pos), view, last_only=True)
-            logits = self._to_rank0(logits, (k, 1, m.config.vocab_size))[:, -1]
+            wants = np.array([s is not None and s.job.wants_logits for s in rows], bool)
+            sample = {r: r for r, f in enumerate(feed) if f and not wants[r]}
+            nxt = self._results(None if logits is None else logits[:, -1], wants, sample)
         c.length = view.length
         for s, f in zip(rows, feed):
             if f and s is not None:
                 s.pos += 1
-        return _host(logits)
+        return nxt
 
-    def _to_rank0(self, logits, shape):
-        """The logits where rank 0 samples: with pipeline stages the last stage's go to the
-        first (rank 0's) stage, the other ranks hold zeros of that shape (never read)."""
-        stage = getattr(self.model, "stage", None)
-        return logits if stage is None else stage.logits_to_first(logits, shape)
+    def _results(self, logits, wants: np.ndarray, sample: dict[int, int]) -> Next:
+        """A forward's results for rank 0 from its ``logits`` [n, V] (None on a stage before
+        the last). Without pipeline stages this rank holds them and rank 0 samples every
+        row. With them, the last stage samples the positions in ``sample`` (position -> row,
+        requests that want no logits) with each row's own generator and sends rank 0 the
+        tokens and only the ``wants`` positions' logits (:meth:`Stage.results_to_first`)."""
+        n, st = len(wants), self.stage
+        if st is None:
+            host = _host(logits)
+            return Next(lambda: (np.full(n, -1, np.int64), host), np.ones(n, bool))
+        tokens, sent = None, None
+        if st.index == st.count - 1 and st.tp.rank == 0:
+            host = _host(logits)
+            tokens = np.full(n, -1, np.int64)
+            for i, r in sample.items():
+                tokens[i] = self.pick(r, host[i])
+            sent = host[wants]
+        fetch = st.results_to_first(tokens, sent, n, int(wants.sum()), self.model.config.vocab_size)
+        return Next(fetch or _nowhere, wants)
 
     def kv_usage(self) -> float:
         """The share of the cache's rows x columns that running requests attend to."""

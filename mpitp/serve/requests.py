@@ -133,6 +133,7 @@ class Service:
                     stop_ids=tuple(self.eos),
                     logprobs=logprobs,
                     echo=bool(echo),
+                    constrained=matcher is not None,
                 )
                 stops = StopText(self.tok, req.stop or [])
                 r = Request(job, kind, req.stream, stops, deadline, events, index=len(out))

@@ -15,11 +15,12 @@ import queue
 import signal
 import threading
 import time
+from collections import deque
 from typing import Any
 
 from ..log import get_logger
 from . import logprobs as lp
-from .engine import Engine, Job
+from .engine import Engine, Job, Next, Out
 from .requests import Request, Service
 
 
@@ -38,21 +39,39 @@ class Stop(threading.Event):
         self.set()
 
 
-def run(engine: Engine, service: Service | None, stop: Stop | None = None) -> None:
-    """Every rank: serve until SIGTERM/SIGINT (rank 0 decides; the others follow)."""
+def run(engines: list[Engine] | Engine, service: Service | None, stop: Stop | None = None) -> None:
+    """Every rank: serve until SIGTERM/SIGINT (rank 0 decides; the others follow).
+
+    With P pipeline stages ``engines`` holds P engines (vLLM's virtual engines: each its own
+    rows and KV cache; a request stays in one). Iteration i runs engine i mod P's forward,
+    then samples the results of iteration i − (P − 1): by then the last stage has sent them,
+    and rank 0's stage has computed the next micro-batch meanwhile instead of waiting::
+
+        iteration       0     1     2     3
+        stage 0        e0    e1    e0    e1     e0's tokens of iteration 0 are sampled at the
+        stage 1              e0    e1    e0     end of iteration 1, before e0 runs again
+    """
+    engines = engines if isinstance(engines, list) else [engines]
+    lag = len(engines) - 1
     rank0 = service is not None
     stop = stop or Stop()
     requests: dict[int, Request] = {}  # rank 0: job id -> request, prefilling or running
+    home: dict[int, int] = {}  # rank 0: job id -> the engine that holds it
+    in_flight: deque[tuple[Engine, dict[int, Out], Next | None]] = deque()  # forwards not yet sampled
+    i = 0
     while True:
+        v, i = i % len(engines), i + 1
+        e = engines[v]
+        busy = any(x.busy for x in engines)
         control = None
         if rank0:
             assert service is not None
             now = time.monotonic()
-            cancels = [i for i, r in requests.items() if r.cancelled or now > r.deadline]
+            cancels = [j for j, r in requests.items() if home[j] == v and (r.cancelled or now > r.deadline)]
             jobs: list[Job] = []
-            while len(jobs) < engine.free:
+            while len(jobs) < e.free:
                 try:
-                    wait = 0.05 if not engine.busy and not jobs and not stop.is_set() else 0.0
+                    wait = 0.05 if not busy and not jobs and not stop.is_set() else 0.0
                     req = service.inbox.get(timeout=wait) if wait else service.inbox.get_nowait()
                 except queue.Empty:
                     break
@@ -60,54 +79,64 @@ def run(engine: Engine, service: Service | None, stop: Stop | None = None) -> No
                     service.metrics.finished(req, "cancelled")
                     continue
                 jobs.append(req.job)
-                requests[req.job.id] = req
+                requests[req.job.id], home[req.job.id] = req, v
                 service.metrics.admitted(req)
             control = (jobs, cancels, stop.is_set())
-        jobs, cancels, shutdown = engine.exchange(control)
-        engine.cancel(cancels)
-        for i in cancels if rank0 else ():
-            r = requests.pop(i)
+        jobs, cancels, shutdown = e.exchange(control, busy)
+        e.cancel(cancels)  # (an engine's results are all sampled before it runs again)
+        for j in cancels if rank0 else ():
+            r, _ = requests.pop(j), home.pop(j)
             _finish(r, "length" if time.monotonic() > r.deadline else "cancelled")
         for job in jobs:
-            engine.add(job)
-        fresh = engine.prefill()
+            e.add(job)
+        fresh = e.prefill()
         if service is not None:
-            service.metrics.kv_used(engine.kv_usage())
-            service.metrics.prefix(engine.prefix.queries, engine.prefix.hits)
-        picks = None
-        if engine.running:
-            fed = any(s and s.last >= 0 for s in engine.slots)
-            logits = engine.step() if fed else None
-            if rank0:
-                picks = {}
-                for row, slot in enumerate(engine.slots):
-                    if slot is None or (row not in fresh and slot.last < 0):
-                        continue  # (cannot happen: a row without a token was just prefilled)
-                    r = requests[slot.job.id]
-                    lg = fresh[row] if row in fresh else logits[row]  # type: ignore[index]
-                    token, record = _pick(engine, service, row, r, lg)
-                    picks[row] = (token, _emit(r, token, record))
-            picks = engine.exchange(picks)
-            for row, (token, _) in picks.items():
-                engine.took(row, token)
-            done = [engine.slots[row].job.id for row, (_, end) in picks.items() if end]
-            engine.cancel(done)
-            for i in done if rank0 else ():
-                requests.pop(i, None)
+            service.metrics.kv_used(sum(x.kv_usage() for x in engines) / len(engines))
+            service.metrics.prefix(e.prefix.queries, e.prefix.hits)
+        fed = any(s and s.last >= 0 for s in e.slots)
+        in_flight.append((e, fresh, e.step() if fed else None))
+        while len(in_flight) > (0 if shutdown else lag):
+            _sample(*in_flight.popleft(), service, requests, home)
         if shutdown:
             if service is not None:
                 service.stopping.set()
             if rank0:
                 get_logger("serve").info(f"{stop.why}: ending {len(requests)} request(s) in flight with what they have")
-            for i in list(requests):
-                _finish(requests.pop(i), "abort")
+            for j in list(requests):
+                _finish(requests.pop(j), "abort")
             return
 
 
-def _pick(engine: Engine, service: Service | None, row: int, r: Request, lg) -> tuple[int, Any]:
+def _sample(e: Engine, fresh: dict[int, Out], out: Next | None, service: Service | None, requests, home) -> None:
+    """Rank 0 picks the next token of every running row of ``e`` from a forward's results
+    (and streams it); every rank records the picks and drops the requests that ended."""
+    if not e.running:
+        return
+    picks = None
+    if service is not None:
+        picks = {}
+        for row, slot in enumerate(e.slots):
+            if slot is None or (row not in fresh and slot.last < 0):
+                continue  # (cannot happen: a row without a token was just prefilled)
+            r = requests[slot.job.id]
+            token, record = _pick(e, service, row, r, fresh[row] if row in fresh else out[row])  # type: ignore[index]
+            picks[row] = (token, _emit(r, token, record))
+    picks = e.exchange(picks, True)
+    for row, (token, _) in picks.items():
+        e.took(row, token)
+    done = [e.slots[row].job.id for row, (_, end) in picks.items() if end]
+    e.cancel(done)
+    for j in done if service is not None else ():
+        requests.pop(j, None), home.pop(j, None)
+
+
+def _pick(engine: Engine, service: Service | None, row: int, r: Request, result: Out) -> tuple[int, Any]:
     """Rank 0: the next token of ``r`` from its logits (masked by its grammar, if any),
-    and its log-probability record (from the model's own logits) when asked."""
-    k = r.job.logprobs
+    and its log-probability record (from the model's own logits) when asked — or the
+    token the last pipeline stage sampled (a request that wants neither)."""
+    if result.token >= 0:
+        return result.token, None
+    lg, k = result.logits, r.job.logprobs
     if lg.ndim == 2:  # a prefill that kept every position: the prompt's records
         r.prompt_records = lp.prompt_records(lg, r.job.ids, k or 0)
         lg = lg[-1]

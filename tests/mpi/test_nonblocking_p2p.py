@@ -48,3 +48,13 @@ def test_ring_of_sends(comm):
             comm.recv(0, out=out[::2], tag=8)
             ok = np.array_equal(a, np.arange(5)) and np.array_equal(out[::2], [2, 1, 0])
         agree(ok, "send/recv")
+
+
+def test_isend_lets_every_rank_send_before_anyone_receives(comm):
+    """A ring where each rank first sends 4 MB (past any eager limit: blocking sends would
+    deadlock) and only then receives; the handle keeps the buffer until wait()."""
+    right, left = (comm.rank + 1) % N, (comm.rank - 1) % N
+    h = comm.isend(np.full(1 << 20, comm.rank, np.float32), dest=right, tag=3)
+    got = comm.recv(left, out=np.empty(1 << 20, np.float32), tag=3)
+    h.wait()
+    agree(h.done and np.all(got == left), "isend ring")
