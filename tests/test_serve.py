@@ -427,6 +427,44 @@ def test_structured_output_in_a_mixed_batch(servers):
         c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], response_format=bad)
 
 
+def test_three_pipeline_stages_with_every_kind_of_request_at_once(servers):
+    """The default model as three pipeline stages (three engines, micro-batches in flight:
+    a forward's results sampled two iterations later), 6 requests at once: plain greedy ones
+    (the last stage samples them) equal mpitp generate's text, a schema-held one (rank 0
+    masks its logits) validates, and one with log-probabilities gets a record per token,
+    each greedy token its own top entry."""
+    jsonschema = pytest.importorskip("jsonschema")
+    model = slow_model()
+    prompts = ["The capital of France is", "Water boils at", "The first law of motion says", "Bees make"]
+    want = {p: t for (p, _), t in greedy(model, [(p, False) for p in prompts], 12).items()}
+    c = servers(3, "--pp", "3", "--max-batch", "6", "--max-model-len", "512", model=model).client
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": city, "strict": True}}
+    out: dict = {}
+
+    def ask(i):
+        if i < len(prompts):
+            out[i] = c.completions.create(model="m", prompt=prompts[i], max_tokens=12, temperature=0)
+        elif i == len(prompts):
+            msg = [{"role": "user", "content": "Name a city in JSON."}]
+            out[i] = c.chat.completions.create(
+                model="m", messages=msg, max_tokens=40, temperature=0, response_format=fmt
+            )
+        else:
+            out[i] = c.completions.create(model="m", prompt=prompts[0], max_tokens=6, temperature=0, logprobs=2)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts) + 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert [out[i].choices[0].text for i in range(len(prompts))] == [want[p] for p in prompts]
+    jsonschema.validate(json.loads(out[len(prompts)].choices[0].message.content), city)
+    lp = out[len(prompts) + 1].choices[0].logprobs
+    assert len(lp.tokens) == 6 and "".join(lp.tokens) == want[prompts[0]][: len("".join(lp.tokens))]
+    assert all(max(top.values()) == v for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+
+
 def scrape(url: str) -> dict:
     """``/metrics`` parsed by prometheus_client's own parser: {(name, labels): value}."""
     from prometheus_client.parser import text_string_to_metric_families
