@@ -92,9 +92,13 @@ def matmul(x2: np.ndarray, w: TiledWeight, isa: str | None = None) -> np.ndarray
     M, K = x2.shape
     N = w.shape[0]
     T, nb = w.qs.shape[0], K // 32
-    if M <= SMALL:
+    if M <= SMALL:  # a decode step: the bound kernel kept with the weight (the head's, every step)
         y = np.empty((M, N), np.float32)
-        Bound(w, isa)(x2, y)
+        key = (isa or cpu.isa(), parallel.threads())
+        f = w.bound.get(key)
+        if f is None:
+            f = w.bound[key] = Bound(w, key[0])
+        f(x2, y)
         return y
     D = w.digits
     k = kernels(w.kind, D, isa, w.group)[SMALL]

@@ -31,7 +31,7 @@ K-quants' scales formed by the same float32 products as the planar ones):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -49,6 +49,7 @@ class TiledWeight:
     n: int  # output rows (the tiles hold ⌈n/8⌉·8)
     source: str
     digits: int = 1  # int8 digits each value of x is quantized to (mpitp.kernels.quantize)
+    bound: dict = field(default_factory=dict, repr=False, compare=False)  # int8.matmul's, by (isa, threads)
     layout = "tiles"
 
     @property

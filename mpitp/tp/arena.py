@@ -78,4 +78,6 @@ def pack_blocks(modules) -> np.ndarray | None:
         view[...] = old
         setattr(w, f, view)
         off += step(old.nbytes)
+    for w in held:  # kernels bound to the old arrays
+        getattr(w, "bound", {}).clear()
     return raw
