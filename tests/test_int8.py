@@ -95,13 +95,22 @@ def _weight(rng, t, n, k):
     n=st.integers(1, 300),
     blocks=st.integers(1, 23),
     m=st.one_of(st.integers(1, 16), st.integers(17, 40)),
+    scales=st.sampled_from(["file", "formed"]),
     seed=st.integers(0, 2**31),
 )
-def test_kernels_equal_the_float64_product_of_what_they_multiply(t, isa, digits, n, blocks, m, seed):
+def test_kernels_equal_the_float64_product_of_what_they_multiply(t, isa, digits, n, blocks, m, scales, seed):
+    """The file's scales are held as float16 (Q4_0's minimum not at all); scales formed at
+    load (products that are no float16) as float32: both layouts' kernels."""
     rng = np.random.default_rng(seed)
     k = 32 * blocks
     bw = _weight(rng, t, n, k)
+    if scales == "formed":
+        bw.d = bw.d * np.float32(1 + 2**-13)
+        if bw.m is not None:
+            bw.m = bw.m * np.float32(1 - 2**-13)
     tw = tiles.repack(bw, digits)
+    want = {"Q4_0": "q40", "Q4_1": "q4", "Q8_0": "q8"}[t] if scales == "file" else {"Q8_0": "q8"}.get(t, "q4")
+    assert tw.fmt == want + ("h" if scales == "file" else "")
     x = (rng.standard_normal((m, k)) * np.exp(rng.standard_normal((1, k)))).astype(np.float32)
     if digits == 1:
         q, d, _ = quantize(x)

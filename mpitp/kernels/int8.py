@@ -52,7 +52,7 @@ class Bound:
     row count looked up once, every pointer but x's quantized rows and y fixed."""
 
     def __init__(self, w: TiledWeight, isa: str | None = None):
-        self.w, self.k, self.quantize = w, kernels(w.kind, w.digits, isa, w.group), _quantizer(w.digits)
+        self.w, self.k, self.quantize = w, kernels(w.fmt, w.digits, isa, w.group), _quantizer(w.digits)
         N, K = w.shape
         self.T, self.nb = w.qs.shape[0], K // 32
         P = SMALL * w.digits
@@ -101,7 +101,7 @@ def matmul(x2: np.ndarray, w: TiledWeight, isa: str | None = None) -> np.ndarray
         f(x2, y)
         return y
     D = w.digits
-    k = kernels(w.kind, D, isa, w.group)[SMALL]
+    k = kernels(w.fmt, D, isa, w.group)[SMALL]
     P = -(-M // SMALL) * SMALL * D
     xq = np.zeros((P, K), np.int8)
     xd = np.zeros((P, nb), np.float32)
@@ -130,7 +130,8 @@ def matmul(x2: np.ndarray, w: TiledWeight, isa: str | None = None) -> np.ndarray
 
 
 def warm(kind: str, digits: int = 1, group: int = 32) -> None:
-    """Compile this kind's kernels now (at load), not in the first forward."""
+    """Compile the kernels of this layout (:attr:`TiledWeight.fmt`) now (at load), not in
+    the first forward."""
     k = kernels(kind, digits, None, group)
     if parallel.threads() > 1:
         parallel.warm(k[1])

@@ -19,6 +19,10 @@ The weights (:mod:`.formats`)::
         d, m [N, K/32] f32                       w = d·q + m   (Q4_0: m = -8d)
     q8  qs [N, K] i8, d [N, K/32] f32            w = d·q
 
+(as tiles, :mod:`.tiles`). A format name may end in "0" (q4 only: m = -8·d, formed in
+registers, not read) and "h" (d and m float16, widened by ``vcvtph2ps``, or by integer
+moves and one exact multiply by 2¹¹² on the portable path, which may lack F16C).
+
 and the activations (:mod:`.quantize`): xq [R, K] i8, xd [R, K/32] f32 (w = xd·xq),
 xs [R, K/32] f32 = xd·Σ xq of the block (what the minimum multiplies).
 
@@ -118,14 +122,36 @@ def _xgroups(e: _Body, row: str) -> list[str]:
     return out
 
 
+def _parse(fmt: str) -> tuple[str, bool, bool]:
+    """ "q40h" -> ("q4", Q4_0's implied minimum, float16 scales)."""
+    half = fmt.endswith("h") and fmt[:-1] in ("q4", "q40", "q8")
+    core = fmt[:-1] if half else fmt
+    return ("q4" if core == "q40" else core), core == "q40", half
+
+
+def _scale8(e: _Body, isa: str, ptr: str, offset: str, half: bool) -> str:
+    """<8 x float>: 8 rows' scales at element ``offset`` of ``ptr`` (float32, or float16)."""
+    if not half:
+        return _load(e, "<8 x float>", ptr, offset, "float")
+    if isa != "portable":  # F16C: vcvtph2ps
+        return e(f"fpext <8 x half> {_load(e, '<8 x half>', ptr, offset, 'half')} to <8 x float>")
+    h = e(f"zext <8 x i16> {_load(e, '<8 x i16>', ptr, offset, 'i16')} to <8 x i32>")
+    low15, top = splat("i32", 8, 0x7FFF), splat("i32", 8, 0x8000)
+    mag = e(f"shl <8 x i32> {e(f'and <8 x i32> {h}, {low15}')}, {splat('i32', 8, 13)}")
+    sign = e(f"shl <8 x i32> {e(f'and <8 x i32> {h}, {top}')}, {splat('i32', 8, 16)}")
+    f = e(f"bitcast <8 x i32> {e(f'or <8 x i32> {mag}, {sign}')} to <8 x float>")
+    return e(f"fmul <8 x float> {f}, {splat('float', 8, '0x46F0000000000000')}")  # × 2^112: exact
+
+
 def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32) -> tuple[str, str]:
     """(name, IR text) of the kernel for R rows of x over whole tiles of 8 output rows,
     each row of x held as D int8 digits (xq rows D·r + j; xs in row D·r), the weights
     with a scale per G = 32 weights (or 16: q8 only, d [T, K/16, 8])."""
+    name = f"{fmt}_{isa}_r{R}_d{D}_g{G}"
+    fmt, implied, half = _parse(fmt)
     known = fmt in ("q4", "q8", "q4k", "q6k") and isa in ("vnni", "avx2", "portable") and D in (1, 2)
     if not known or G not in (16, 32) or (G == 16 and fmt != "q8") or (fmt in ("q4k", "q6k") and G != 32):
-        raise ValueError(f"no int8 kernel for {fmt}/{isa}/{D} digits/scales per {G}")
-    name = f"{fmt}_{isa}_r{R}_d{D}_g{G}"
+        raise ValueError(f"no int8 kernel for {name}")
     e = _Body()
     for r in range(R):
         e.do(f"%acc{r} = phi <8 x float> [zeroinitializer, %tile], [%acc{r}_n, %blk]")
@@ -142,13 +168,15 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32) -> tuple[str, st
     if fmt in ("q4k", "q6k"):
         dvs, mins = _k_scales(e, fmt)
     elif G == 32:
-        dvs = [_load(e, "<8 x float>", "%d", "%so", "float")]
+        dvs = [_scale8(e, isa, "%d", "%so", half)]
     else:  # two scales a block: d[t, 2b] and d[t, 2b + 1], 8 rows each
         so = e("shl i64 %tb, 4", "so")
         so1 = e(f"add i64 {so}, 8", "so")
-        dvs = [_load(e, "<8 x float>", "%d", so, "float"), _load(e, "<8 x float>", "%d", so1, "float")]
-    if fmt == "q4":
-        mins = [(_load(e, "<8 x float>", "%m", "%so", "float"), -1)]
+        dvs = [_scale8(e, isa, "%d", so, half), _scale8(e, isa, "%d", so1, half)]
+    if fmt == "q4" and implied:
+        mins = [(e(f"fmul <8 x float> {dvs[0]}, {splat('float', 8, '-8.0')}"), -1)]
+    elif fmt == "q4":
+        mins = [(_scale8(e, isa, "%m", "%so", half), -1)]
     u, w = [], []
     if fmt in ("q4", "q4k"):
         e.do("%qo = shl i64 %tb, 7")

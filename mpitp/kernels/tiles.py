@@ -8,8 +8,10 @@ padded with zero rows), each tile a run of K/32 blocks::
     q4  qs [T, K/32, 4, 32] u8   vector g (0..3), byte 4i+j:  row 8t+i, k 32b+4g+j    (low nibble)
                                                             row 8t+i, k 32b+16+4g+j  (high nibble)
     q8  qs [T, K/32, 8, 32] i8   vector g (0..7), byte 4i+j:  row 8t+i, k 32b+4g+j
-    d, m [T, K/32, 8] f32       the 8 rows' scale (and minimum) of block b, one vector load
-                                (q8 with a scale per 16, Q6_K's: d [T, K/16, 8])
+    d, m [T, K/32, 8] f16/f32   the 8 rows' scale (and minimum) of block b, one vector load
+                                (q8 with a scale per 16, Q6_K's: d [T, K/16, 8]); float16
+                                where every scale is one (the file's: Q4_0, Q4_1, Q8_0, Q5_0),
+                                as the file holds them; Q4_0's minimum -8·d is not stored
 
 K-quants whose super-blocks are whole (a cut on 256-weight boundaries) keep the file's
 integer scales, so they are held at about the file's size (19 bytes per 32 weights for
@@ -57,6 +59,15 @@ class TiledWeight:
         return self.n, self.qs.shape[1] * BLOCK
 
     @property
+    def fmt(self) -> str:
+        """The kernels' name for this layout: the kind, then "0" where the minimum is Q4_0's
+        -8·d (not stored) and "h" where the scales are float16 (q40h: a Q4_0 file's)."""
+        if self.kind not in ("q4", "q8"):
+            return self.kind
+        implied = "0" if self.kind == "q4" and self.m is None else ""
+        return self.kind + implied + ("h" if self.d.dtype == np.float16 else "")
+
+    @property
     def group(self) -> int:
         return self.shape[1] // self.d.shape[1]
 
@@ -76,8 +87,11 @@ class TiledWeight:
             return _k_planar(self, r0, r1)
         t0, t1 = r0 // ROWS, -(-r1 // ROWS)
         T, nb, ng = t1 - t0, self.qs.shape[1], self.d.shape[1]
-        d = self.d[t0:t1].transpose(0, 2, 1).reshape(T * ROWS, ng)
-        m = None if self.m is None else self.m[t0:t1].transpose(0, 2, 1).reshape(T * ROWS, ng)
+        d = self.d[t0:t1].transpose(0, 2, 1).reshape(T * ROWS, ng).astype(np.float32)
+        if self.m is not None:
+            m = self.m[t0:t1].transpose(0, 2, 1).reshape(T * ROWS, ng).astype(np.float32)
+        else:
+            m = -8 * d if self.kind == "q4" else None  # Q4_0's minimum
         # [T, nb, G, 8 rows, 4 k] -> [T, 8 rows, nb, G, 4 k]
         G = self.qs.shape[2]
         q = self.qs[t0:t1].reshape(T, nb, G, ROWS, 4).transpose(0, 3, 1, 2, 4)
@@ -186,5 +200,15 @@ def repack(w: BlockWeight, digits: int = 1) -> TiledWeight:
     q = rows(w.qs).reshape(T, ROWS, nb, G, 4).transpose(0, 2, 3, 1, 4)  # [T, nb, G, 8 rows, 4]
     qs = np.ascontiguousarray(q).reshape(T, nb, G, ROWS * 4)
     assert w.d is not None
-    m = scales(w.m) if w.kind == "q4" and w.m is not None else None
-    return TiledWeight(w.kind, qs, scales(w.d), m, N, w.source, digits)
+    m = w.m if w.kind == "q4" else None
+    if m is not None and np.array_equal(m, -8 * w.d):
+        m = None  # Q4_0: the kernels form -8·d
+    dt = np.float16 if all(_halves(a) for a in (w.d, m) if a is not None) else np.float32
+    return TiledWeight(w.kind, qs, scales(w.d).astype(dt), None if m is None else scales(m).astype(dt), N, w.source,
+                       digits)  # fmt: skip
+
+
+def _halves(a: np.ndarray) -> bool:
+    """Every value of ``a`` is a float16 exactly (a file's scales; not formed products)."""
+    with np.errstate(over="ignore"):
+        return bool(np.array_equal(a.astype(np.float16).astype(np.float32), a))

@@ -427,7 +427,7 @@ class LlamaForCausalLM:
                 if self.activations.startswith("int8"):
                     from ..kernels import int8
 
-                    tiled = {(w.kind, w.group) for w in held if w.layout == "tiles"}
+                    tiled = {(w.fmt, w.group) for w in held if w.layout == "tiles"}
                     for kind, group in sorted(tiled):
                         int8.warm(kind, 2 if self.activations == "int8x2" else 1, group)
 
