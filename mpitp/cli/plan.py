@@ -67,7 +67,7 @@ def add_parser(sub) -> None:
         "--weights",
         choices=sorted(ptp.WEIGHT_BYTES),
         help="weights in a block format, as a GGUF file or --weights q8_0 keeps them (bytes per weight as "
-        "mpitp holds them: q8_0 1.125, q4_0/q4_1 0.75); default: --dtype",
+        "mpitp holds them: q8_0 1.0625, q4_0 0.5625, q4_1 0.625); default: --dtype",
     )
     common(t)
     f = ps.add_parser("fsdp", help="ZeRO-1/2/3 memory per rank and bytes per step")
