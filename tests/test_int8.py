@@ -208,8 +208,9 @@ def test_k_quants_are_repacked_exactly_and_multiplied(t, n, supers, m, isa, seed
     """Q4_K -> q4 (per-32 d·sc, -dmin·m), Q6_K -> q8 with a scale per 16, Q5_0 -> q8: the
     values equal the gguf package's dequantization bit for bit, a column cut on any
     32-boundary inside a super-block too; both activation paths multiply them right. In
-    tiles, Q4_K and Q6_K keep their integer scales (q4k, q6k: within 1.1x the file's bytes,
-    padding rows to 8 aside); a cut inside a super-block takes the planar scales."""
+    tiles, Q4_K and Q6_K keep their integer scales and float16 super-block scales (q4k, q6k:
+    within 1.1x the file's bytes, padding rows to 8 aside); a cut inside a super-block takes
+    the planar scales."""
     rng = np.random.default_rng(seed)
     k = 256 * supers
     raw = _k_blocks(rng, t, n, k)
@@ -232,7 +233,8 @@ def test_k_quants_are_repacked_exactly_and_multiplied(t, n, supers, m, isa, seed
         tw = tiles.repack(w)
         compact = t != "Q5_0" and w.ks is not None
         assert tw.kind == {"Q4_K": "q4k", "Q6_K": "q6k"}[t] if compact else tw.kind in ("q4", "q8")
-        if compact:
+        if compact:  # the file's float16 super-block scales, as float16
+            assert tw.fmt == tw.kind + "h"
             assert tw.nbytes <= 1.1 * raw.nbytes * w.shape[1] / k * -(-n // 8) * 8 / n
         assert np.array_equal(tw.dequantize(), ref_w[:, cols])
         assert np.array_equal(tw.planar(n // 2, n).dequantize(), ref_w[n // 2 :, cols])

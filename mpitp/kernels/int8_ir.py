@@ -124,7 +124,7 @@ def _xgroups(e: _Body, row: str) -> list[str]:
 
 def _parse(fmt: str) -> tuple[str, bool, bool]:
     """ "q40h" -> ("q4", Q4_0's implied minimum, float16 scales)."""
-    half = fmt.endswith("h") and fmt[:-1] in ("q4", "q40", "q8")
+    half = fmt.endswith("h") and fmt[:-1] in ("q4", "q40", "q8", "q4k", "q6k")
     core = fmt[:-1] if half else fmt
     return ("q4" if core == "q40" else core), core == "q40", half
 
@@ -166,7 +166,7 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32) -> tuple[str, st
         e.do(f"%xo{g} = add i64 %xb, {4 * g}" if g else "%xo0 = add i64 %xb, 0")
     mins: list[tuple[str, int]] = []  # (minimum vector, which per-16 sum of x: 0/1; -1 per 32)
     if fmt in ("q4k", "q6k"):
-        dvs, mins = _k_scales(e, fmt)
+        dvs, mins = _k_scales(e, fmt, isa, half)
     elif G == 32:
         dvs = [_scale8(e, isa, "%d", "%so", half)]
     else:  # two scales a block: d[t, 2b] and d[t, 2b + 1], 8 rows each
@@ -265,7 +265,7 @@ exit:
     return name, text
 
 
-def _k_scales(e: _Body, fmt: str) -> tuple[list[str], list[tuple[str, int]]]:
+def _k_scales(e: _Body, fmt: str, isa: str, half: bool) -> tuple[list[str], list[tuple[str, int]]]:
     """The K-quants' float scales of this block's 8 rows, formed from the integer ones as
     the planar weight forms them (:mod:`.tiles`): (scale vectors, minimum vectors)."""
     ko = e("shl i64 %tb, 4", "ko")  # 16 bytes of integer scales per (tile, block)
@@ -274,14 +274,14 @@ def _k_scales(e: _Body, fmt: str) -> tuple[list[str], list[tuple[str, int]]]:
     hi = e(f"shufflevector <16 x i8> {raw}, <16 x i8> poison, {idx(range(8, 16))}")
     if fmt == "q4k":  # sc | mn (unsigned 6 bits); m: d | dmin per super-block
         so = e("shl i64 %ts, 4", "so")
-        dd = _load(e, "<8 x float>", "%m", so, "float")
-        dmin = _load(e, "<8 x float>", "%m", e(f"add i64 {so}, 8", "so"), "float")
+        dd = _scale8(e, isa, "%m", so, half)
+        dmin = _scale8(e, isa, "%m", e(f"add i64 {so}, 8", "so"), half)
         sc = e(f"uitofp <8 x i8> {lo} to <8 x float>")
         mn = e(f"uitofp <8 x i8> {hi} to <8 x float>")
         ndmin = e(f"fneg <8 x float> {dmin}")
         return [e(f"fmul <8 x float> {dd}, {sc}")], [(e(f"fmul <8 x float> {ndmin}, {mn}"), -1)]
     so = e("shl i64 %ts, 3", "so")  # q6k: signed scales of k 0-15 | 16-31; m: d per super-block
-    dd = _load(e, "<8 x float>", "%m", so, "float")
+    dd = _scale8(e, isa, "%m", so, half)
     dvs = [e(f"fmul <8 x float> {dd}, {e(f'sitofp <8 x i8> {v} to <8 x float>')}") for v in (lo, hi)]
     m32 = splat("float", 8, "-32.0")
     return dvs, [(e(f"fmul <8 x float> {dv}, {m32}"), h) for h, dv in enumerate(dvs)]

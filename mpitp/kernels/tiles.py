@@ -18,13 +18,13 @@ integer scales, so they are held at about the file's size (19 bytes per 32 weigh
 Q4_K's 18, 26.5 for Q6_K's 26.25) and the kernels form the float scales in registers::
 
     q4k qs as q4;  d [T, K/32, 16] u8   the 8 rows' sub-block scales sc, then mins mn
-                   m [T, K/256, 16] f32 the 8 rows' super-block d, then dmin
+                   m [T, K/256, 16] f16 the 8 rows' super-block d, then dmin (the file's)
                                         w = (d·sc)·q - (dmin·mn)
     q6k qs [T, K/32, 6, 32] u8  vectors 0-3 the low 4 bits as q4 lays nibbles out, 4-5 the
                                 high 2 bits: byte 4i+j of vector 4+h, bits 2g..2g+1 = row
                                 8t+i, k 32b+16h+4g+j
         d [T, K/32, 16] i8      the 8 rows' scale of k 0-15, then of k 16-31
-        m [T, K/256, 8] f32     the 8 rows' super-block d      w = (d·sc)·(q6 - 32)
+        m [T, K/256, 8] f16     the 8 rows' super-block d      w = (d·sc)·(q6 - 32)
 
 The values are the planar weight's exactly (the same quants and float32 scales, moved;
 K-quants' scales formed by the same float32 products as the planar ones):
@@ -62,8 +62,8 @@ class TiledWeight:
     def fmt(self) -> str:
         """The kernels' name for this layout: the kind, then "0" where the minimum is Q4_0's
         -8·d (not stored) and "h" where the scales are float16 (q40h: a Q4_0 file's)."""
-        if self.kind not in ("q4", "q8"):
-            return self.kind
+        if self.kind in ("q4k", "q6k"):  # their super-block scales: float16 (the file's) or float32
+            return self.kind + ("h" if self.m is not None and self.m.dtype == np.float16 else "")
         implied = "0" if self.kind == "q4" and self.m is None else ""
         return self.kind + implied + ("h" if self.d.dtype == np.float16 else "")
 
@@ -135,6 +135,7 @@ def _repack_k(w: BlockWeight, digits: int) -> TiledWeight:
     if w.source == "Q4_K":
         d = np.concatenate([_lanes(ks["sc"], T), _lanes(ks["mn"], T)], axis=2)
         m = np.concatenate([_lanes(ks["d"], T), _lanes(ks["dmin"], T)], axis=2)
+        m = m.astype(np.float16) if _halves(m) else m
         return TiledWeight("q4k", _nibbles(w.qs, T, nb), np.ascontiguousarray(d), np.ascontiguousarray(m), N,
                            w.source, digits)  # fmt: skip
     u = (w.qs.astype(np.int16) + 32).astype(np.uint8).reshape(N, nb, 2, 16)  # 0..63
@@ -144,8 +145,9 @@ def _repack_k(w: BlockWeight, digits: int) -> TiledWeight:
     hv = _rows8(hb, T).transpose(0, 2, 3, 1, 4).reshape(T, nb, 2, ROWS * 4)
     qs = np.concatenate([_nibbles(lo.reshape(N, nb * 16), T, nb), hv], axis=2)
     sc = _rows8(ks["sc"].reshape(N, nb, 2), T).transpose(0, 2, 3, 1).reshape(T, nb, 2 * ROWS)
+    dd = np.ascontiguousarray(_lanes(ks["d"], T))
     return TiledWeight("q6k", np.ascontiguousarray(qs), np.ascontiguousarray(sc),
-                       np.ascontiguousarray(_lanes(ks["d"], T)), N, w.source, digits)  # fmt: skip
+                       dd.astype(np.float16) if _halves(dd) else dd, N, w.source, digits)  # fmt: skip
 
 
 def _k_planar(t: TiledWeight, r0: int, r1: int) -> BlockWeight:
@@ -162,7 +164,7 @@ def _k_planar(t: TiledWeight, r0: int, r1: int) -> BlockWeight:
     assert t.m is not None
     if t.kind == "q4k":
         sc, mn = rows(t.d[t0:t1, :, :ROWS]), rows(t.d[t0:t1, :, ROWS:])
-        dd, dmin = rows(t.m[t0:t1, :, :ROWS]), rows(t.m[t0:t1, :, ROWS:])
+        dd, dmin = rows(t.m[t0:t1, :, :ROWS]).astype(np.float32), rows(t.m[t0:t1, :, ROWS:]).astype(np.float32)
         d = (dd[:, :, None] * sc.reshape(-1, S, 8).astype(np.float32)).reshape(-1, nb)
         m = -(dmin[:, :, None] * mn.reshape(-1, S, 8).astype(np.float32)).reshape(-1, nb)
         ks = {"sc": sc, "mn": mn, "d": dd, "dmin": dmin}
@@ -173,7 +175,7 @@ def _k_planar(t: TiledWeight, r0: int, r1: int) -> BlockWeight:
     u = lo2 | (hi.reshape(-1, nb, 2, 16) << 4)
     q = (u.astype(np.int16) - 32).astype(np.int8).reshape(-1, nb * BLOCK)
     sc = t.d[t0:t1].reshape(T, nb, 2, ROWS).transpose(0, 3, 1, 2).reshape(T * ROWS, 2 * nb)[a:b]
-    dd = rows(t.m[t0:t1])
+    dd = rows(t.m[t0:t1]).astype(np.float32)
     d = (dd[:, :, None] * sc.reshape(-1, S, 16).astype(np.float32)).reshape(-1, 2 * nb)
     return BlockWeight("q8", q, d, None, t.source, {"sc": np.ascontiguousarray(sc), "d": dd})
 
