@@ -157,10 +157,17 @@ class Stage:
 
         return get
 
-    def free(self) -> None:
+    def drain(self) -> None:
+        """Rank 0 receives every result still due (also those nobody read: a prompt's own
+        logits when its request was cancelled); the last stage's sends complete."""
+        while self._due:
+            self._due.popleft()()
         for h in self._sent:
             h.wait()
         self._sent = []
+
+    def free(self) -> None:
+        self.drain()
         for c in (self.pp, self.tp):
             c.free()
 

@@ -98,6 +98,8 @@ def run(engines: list[Engine] | Engine, service: Service | None, stop: Stop | No
         while len(in_flight) > (0 if shutdown else lag):
             _sample(*in_flight.popleft(), service, requests, home)
         if shutdown:
+            if e.stage is not None:
+                e.stage.drain()
             if service is not None:
                 service.stopping.set()
             if rank0:
