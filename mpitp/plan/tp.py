@@ -23,13 +23,14 @@ DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfl
 # bytes per weight as mpitp holds a block format (mpitp.kernels.tiles: quants, the file's
 # float16 scale per 32 weights, and a float16 minimum for Q4_1; Q4_0's -8d is not stored);
 # K-quants per 256 with their integer scales (mpitp.kernels.tiles: Q4_K 128 bytes of
-# quants, 8 + 8 six-bit scales and mins as bytes, float32 d and dmin; Q6_K 192 + 16 + 4)
+# quants, 8 + 8 six-bit scales and mins as bytes, the file's float16 d and dmin; Q6_K
+# 192 + 16 + 2)
 WEIGHT_BYTES = {
     "q8_0": (32 + 2) / 32,
     "q4_0": (16 + 2) / 32,
     "q4_1": (16 + 4) / 32,
-    "q4_k": (128 + 16 + 8) / 256,
-    "q6_k": (192 + 16 + 4) / 256,
+    "q4_k": (128 + 16 + 4) / 256,
+    "q6_k": (192 + 16 + 2) / 256,
     "f16": 2,
     "bf16": 2,
 }
