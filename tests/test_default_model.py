@@ -171,8 +171,9 @@ def test_int8_activations_keep_the_accuracy_rule_on_the_default_model(model_dir)
     """Teacher-forced over a paragraph of English (> 100 positions) against the same file
     with float32 activations (DESIGN.md §10): one int8 digit (ggml's scheme) within mean
     KL 5e-3, max 3e-2 and the same top-1 token wherever the float model's top-2 margin
-    exceeds 0.5; two digits (the default) within 1e-5 and the same top-1 wherever the
-    margin exceeds 0.01."""
+    exceeds 0.5; one digit with the outliers apart (int8o, the default) within a mean KL of
+    1.5e-3 and a max of 1e-2 (a third of one digit's: measured 9e-4, 3e-3); two digits
+    within 1e-5 and the same top-1 wherever the margin exceeds 0.01."""
     from mpitp.kernels.cpu import supported
     from mpitp.models.llama import LlamaForCausalLM
     from mpitp.models.resolve import tokenizer
@@ -193,7 +194,8 @@ def test_int8_activations_keep_the_accuracy_rule_on_the_default_model(model_dir)
     assert how == "float32 activations"
     top2 = np.sort(ref, -1)[:, -2:]
     margin = top2[:, 1] - top2[:, 0]
-    for mode, mean_kl, max_kl, sure in (("int8", 5e-3, 3e-2, 0.5), ("int8x2", 1e-5, 1e-5, 0.01)):
+    modes = (("int8", 5e-3, 3e-2, 0.5), ("int8o", 1.5e-3, 1e-2, 0.5), ("int8x2", 1e-5, 1e-5, 0.01))
+    for mode, mean_kl, max_kl, sure in modes:
         out, how = log_probs(mode)
         assert how == f"{mode} activations ({supported()[0]})"
         kl = (np.exp(ref) * (ref - out)).sum(-1)

@@ -20,7 +20,7 @@ from mpitp.kernels import (  # noqa: E402
     jit,
     tiles,
 )
-from mpitp.kernels.quantize import quantize, quantize_rows2  # noqa: E402
+from mpitp.kernels.quantize import LIMIT, quantize, quantize_rows2, quantize_rows_outliers  # noqa: E402
 
 NATIVE = ["Q4_0", "Q4_1", "Q8_0"]
 RUNNABLE = list(cpu.supported())  # this CPU's instruction sets (portable always)
@@ -48,6 +48,31 @@ def test_quantizer_equals_gguf_q8_0(m, blocks, seed, scale):
     assert np.array_equal(q.reshape(m, blocks, 32), raw[:, :, 2:].view(np.int8))  # q bit for bit
     assert np.array_equal(d.astype(np.float16), raw[:, :, :2].copy().view(np.float16)[..., 0])  # gguf stores d in fp16
     assert np.allclose(s, d * q.reshape(m, blocks, 32).sum(-1, dtype=np.int64), rtol=1e-6, atol=0)
+
+
+def test_outliers_leave_the_other_values_their_own_scale():
+    """int8o: values above LIMIT × the root mean square of the rest of their block go to the
+    second row; the first row is ggml's Q8_0 of x without them (bit for bit), and the two
+    rows add up to x within each one's quantization step."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    x[0, 7] = 80.0  # block 0 of row 0
+    x[2, 100] = -60.0  # block 3 of row 2
+    xq, xd, xs = np.zeros((6, 128), np.int8), np.zeros((6, 4), np.float32), np.zeros((6, 4), np.float32)
+    quantize_rows_outliers(x, xq, xd, xs)
+    b = np.abs(x.astype(np.float64)).reshape(3, 4, 32)
+    rest = np.sqrt(((b**2).sum(-1) - b.max(-1) ** 2) / 31)
+    big = (b > LIMIT * rest[..., None]).reshape(3, 128)
+    assert big.sum() == 2 and big[0, 7] and big[2, 100]
+    q1, d1, _ = quantize(np.where(big, 0, x))
+    assert np.array_equal(xq[0::2], q1) and np.array_equal(xd[0::2], d1)
+    assert np.count_nonzero(xd[1::2]) == 2 and xd[1, 0] > 0 and xd[5, 3] > 0
+    assert np.count_nonzero(xq[1::2]) == 2
+    both = dequantized_x(xq[0::2], xd[0::2]) + dequantized_x(xq[1::2], xd[1::2])
+    assert np.all(np.abs(both - x) <= np.maximum(xd[0::2], xd[1::2]).repeat(32, 1) / 2 * (1 + 1e-6))
+    assert abs(both[0, 7] - 80.0) <= 80.0 / 254 and np.abs(both - x)[~big].max() <= d1.max() / 2 * (1 + 1e-6)
+    sums = xd[0::2] * xq[0::2].reshape(3, 4, 32).sum(-1) + xd[1::2] * xq[1::2].reshape(3, 4, 32).sum(-1)
+    assert np.allclose(xs[0::2], sums, rtol=1e-6)
 
 
 def test_two_digits_hold_what_one_leaves():
@@ -91,7 +116,7 @@ def _weight(rng, t, n, k):
 @given(
     t=st.sampled_from(NATIVE),
     isa=st.sampled_from(RUNNABLE),
-    digits=st.sampled_from([1, 2]),
+    digits=st.sampled_from([1, 2, "outliers"]),
     n=st.integers(1, 300),
     blocks=st.integers(1, 23),
     m=st.one_of(st.integers(1, 16), st.integers(17, 40)),
@@ -108,16 +133,20 @@ def test_kernels_equal_the_float64_product_of_what_they_multiply(t, isa, digits,
         bw.d = bw.d * np.float32(1 + 2**-13)
         if bw.m is not None:
             bw.m = bw.m * np.float32(1 - 2**-13)
-    tw = tiles.repack(bw, digits)
+    outliers = digits == "outliers"
+    tw = tiles.repack(bw, 2 if outliers else digits, outliers)
     want = {"Q4_0": "q40", "Q4_1": "q4", "Q8_0": "q8"}[t] if scales == "file" else {"Q8_0": "q8"}.get(t, "q4")
     assert tw.fmt == want + ("h" if scales == "file" else "")
     x = (rng.standard_normal((m, k)) * np.exp(rng.standard_normal((1, k)))).astype(np.float32)
+    if outliers:  # a few values far out, in some rows' blocks only: the sparse digit's branch both ways
+        at = rng.integers(0, k, size=rng.integers(0, 4))
+        x[rng.integers(0, m, size=at.size), at] *= 40
     if digits == 1:
         q, d, _ = quantize(x)
         xf = dequantized_x(q, d)
     else:
         xq, xd = np.zeros((2 * m, k), np.int8), np.zeros((2 * m, blocks), np.float32)
-        quantize_rows2(x, xq, xd, np.zeros_like(xd))
+        (quantize_rows_outliers if outliers else quantize_rows2)(x, xq, xd, np.zeros_like(xd))
         xf = dequantized_x(xq[0::2], xd[0::2]) + dequantized_x(xq[1::2], xd[1::2])
     ref = xf @ bw.dequantize().astype(np.float64).T
     y = int8.matmul(x, tw, isa)
@@ -153,7 +182,7 @@ def test_each_instruction_set_compiles_to_its_instructions(cpu_name, isa, instru
     instruction (AVX512-VNNI + VL, AVX-VNNI), and the portable ones use no AVX at all."""
     if not jit.target_machine("portable").triple.startswith("x86_64"):
         pytest.skip("x86 kernels")
-    asm = jit.assembly([("q4", isa, 1, 1), ("q8", isa, 4, 2)], cpu_name, "")
+    asm = jit.assembly([("q4", isa, 1, 1), ("q8", isa, 4, 2), ("q4k", isa, 8, 2, 32, True)], cpu_name, "")
     assert instruction in asm
     if isa == "portable":
         assert "ymm" not in asm and "vpdpbusd" not in asm
@@ -243,9 +272,9 @@ def test_k_quants_are_repacked_exactly_and_multiplied(t, n, supers, m, isa, seed
         ref = dequantized_x(q, d) @ ref_w[:, cols].astype(np.float64).T
         y8 = int8.matmul(xs, tw, isa)
         assert np.abs(y8 - ref).max() <= 1e-5 * np.abs(ref).max()
-        for digits in (1, 2):  # the bound (decode) form, two digits too
+        for digits, outliers in ((1, False), (2, False), (2, True)):  # the bound (decode) form, two digits too
             if m <= int8.SMALL:
-                tw2 = tiles.repack(w, digits)
+                tw2 = tiles.repack(w, digits, outliers)
                 y2 = np.full((m, n), np.nan, np.float32)
                 int8.Bound(tw2, isa)(xs, y2)
                 assert np.array_equal(y2, int8.matmul(xs, tw2, isa))

@@ -31,18 +31,21 @@ def add_weights_argument(p, extra: tuple[str, ...] = (), note: str = "") -> None
         default="auto",
         choices=["auto", "float32", "q8_0", *extra],
         help="how matmul weights are kept: auto = as the file stores them (a GGUF file's Q4_0/Q4_1/Q8_0 "
-        "blocks as they are, K-quants as Q8_0; F16/BF16 of GGUF or safetensors at 16 bits; float32 as "
+        "blocks as they are, Q4_K/Q6_K/Q5_0 repacked exactly (in the int8 tiles at about the file's "
+        "size); F16/BF16 of GGUF or safetensors at 16 bits; float32 as "
         "float32), float32 = dequantized, "
         "q8_0 = quantized at load (default auto)" + note,
     )
     p.add_argument(
         "--activations",
         default=None,
-        choices=["auto", "int8", "int8x2", "float32"],
+        choices=["auto", "int8", "int8o", "int8x2", "float32"],
         help="how block weights multiply: int8 = each matmul input quantized to int8 blocks of 32 (as "
-        "llama.cpp does) and integer dot products (AVX-VNNI/AVX512-VNNI, AVX2, or portable); int8x2 = two "
-        "int8 digits per value (what one leaves, quantized again: ~15 bits, the same kernels); float32 = "
-        "float32 inputs, the exact reference; auto = int8x2 where the CPU has VNNI or AVX2, else float32 "
+        "llama.cpp does) and integer dot products (AVX-VNNI/AVX512-VNNI, AVX2, or portable); int8o = int8, "
+        "with each row's outliers (above 6x its root mean square) quantized apart, as LLM.int8() splits "
+        "them off (the kernels multiply them only where there are any); int8x2 = two int8 digits per value "
+        "(what one leaves, quantized again: ~15 bits, twice the multiply-adds); float32 = float32 inputs, "
+        "the exact reference; auto = int8o where the CPU has VNNI or AVX2, else float32 "
         "(default: $MPITP_ACTIVATIONS or auto; $MPITP_ISA forces an instruction set)",
     )
     p.add_argument(

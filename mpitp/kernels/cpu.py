@@ -59,17 +59,22 @@ def isa(environ=None) -> str:
     return want
 
 
-ACTIVATIONS = ("auto", "int8", "int8x2", "float32")
+ACTIVATIONS = ("auto", "int8", "int8o", "int8x2", "float32")
+# each int8 mode's rows of x per value, and whether the second is x's outliers (int8o)
+SCHEMES = {"int8": (1, False), "int8o": (2, True), "int8x2": (2, False)}
 
 
 def activations(choice: str | None = None, environ=None) -> str:
     """How block weights' matmul inputs are held: ``int8`` (one int8 digit per value, as
-    ggml quantizes them), ``int8x2`` (two digits, ~15 bits: the same integer kernels, a
-    second row of x each) or ``float32`` (the exact reference path). ``auto`` (the default,
-    or ``MPITP_ACTIVATIONS``) is int8x2 where the CPU has integer dot products (vnni,
-    avx2) and float32 elsewhere: one digit moves the default model's logits by a mean KL
-    of ~4e-3 and flips near-ties (it answers README's question differently), two digits by
-    ~1e-7, at a fraction of one digit's speed-up lost (docs/measurements.md)."""
+    ggml quantizes them), ``int8o`` (one digit, and the few values above 6× their row's
+    root mean square kept apart in a second row, as LLM.int8() splits outliers off: they
+    no longer coarsen their block's scale, and the kernels multiply that row only in the
+    blocks where it is not zero), ``int8x2`` (two digits, ~15 bits: a second full row of
+    x each) or ``float32`` (the exact reference path). ``auto`` (the default, or
+    ``MPITP_ACTIVATIONS``) is int8o where the CPU has integer dot products (vnni, avx2) and
+    float32 elsewhere. On the default model one digit moves the logits by a mean KL of
+    ~3e-3 and answers README's question differently; int8o by ~9e-4 at one digit's speed;
+    two digits by ~5e-8 at up to twice the multiply-adds (docs/measurements.md)."""
     choice = (choice or _env(environ).activations or "auto").strip().lower()
     if choice not in ACTIVATIONS:
         raise ValueError(f"activations {choice!r}: one of {', '.join(ACTIVATIONS)}")

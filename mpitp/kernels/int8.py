@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from . import cpu, jit, parallel
-from .quantize import quantize_rows, quantize_rows2
+from .quantize import quantize_rows, quantize_rows2, quantize_rows_outliers
 from .tiles import ROWS, TiledWeight
 
 KERNEL_ROWS = (1, 2, 4, 8, 16)
@@ -33,13 +33,19 @@ def _ptr(a) -> int:
     return 0 if a is None else a.ctypes.data
 
 
-def kernels(kind: str, digits: int = 1, isa: str | None = None, group: int = 32) -> dict[int, Any]:
-    """The compiled kernels of one weight kind, digits of x and scale group, by row count."""
+def kernels(
+    kind: str, digits: int = 1, isa: str | None = None, group: int = 32, outliers: bool = False
+) -> dict[int, Any]:
+    """The compiled kernels of one weight kind, digits of x and scale group, by row count
+    (``outliers``: the second digit is x's outliers, multiplied only where there are any)."""
     isa = isa or cpu.isa()
-    return dict(zip(KERNEL_ROWS, jit.functions([(kind, isa, r, digits, group) for r in KERNEL_ROWS])))
+    specs = [(kind, isa, r, digits, group) + ((True,) if outliers else ()) for r in KERNEL_ROWS]
+    return dict(zip(KERNEL_ROWS, jit.functions(specs)))
 
 
-def _quantizer(digits: int):
+def _quantizer(digits: int, outliers: bool = False):
+    if outliers:
+        return quantize_rows_outliers
     return quantize_rows if digits == 1 else quantize_rows2
 
 
@@ -52,7 +58,11 @@ class Bound:
     row count looked up once, every pointer but x's quantized rows and y fixed."""
 
     def __init__(self, w: TiledWeight, isa: str | None = None):
-        self.w, self.k, self.quantize = w, kernels(w.fmt, w.digits, isa, w.group), _quantizer(w.digits)
+        self.w, self.k, self.quantize = (
+            w,
+            kernels(w.fmt, w.digits, isa, w.group, w.outliers),
+            _quantizer(w.digits, w.outliers),
+        )
         N, K = w.shape
         self.T, self.nb = w.qs.shape[0], K // 32
         P = SMALL * w.digits
@@ -101,13 +111,13 @@ def matmul(x2: np.ndarray, w: TiledWeight, isa: str | None = None) -> np.ndarray
         f(x2, y)
         return y
     D = w.digits
-    k = kernels(w.fmt, D, isa, w.group)[SMALL]
+    k = kernels(w.fmt, D, isa, w.group, w.outliers)[SMALL]
     P = -(-M // SMALL) * SMALL * D
     xq = np.zeros((P, K), np.int8)
     xd = np.zeros((P, nb), np.float32)
     ns = K // w.xs_group  # x's sums per row (per 32, or per 16 for q6k)
     xs = np.zeros((P, ns), np.float32)
-    _quantizer(D)(x2, xq, xd, xs)
+    _quantizer(D, w.outliers)(x2, xq, xd, xs)
     Y = np.empty((M, T * ROWS), np.float32)
     tile_bytes = _tile_bytes(w)
     n = parallel.threads()
@@ -129,12 +139,14 @@ def matmul(x2: np.ndarray, w: TiledWeight, isa: str | None = None) -> np.ndarray
     return Y if T * ROWS == N else np.ascontiguousarray(Y[:, :N])
 
 
-def warm(kind: str, digits: int = 1, group: int = 32) -> None:
+def warm(kind: str, digits: int = 1, group: int = 32, outliers: bool = False) -> None:
     """Compile the kernels of this layout (:attr:`TiledWeight.fmt`) now (at load), not in
     the first forward."""
-    k = kernels(kind, digits, None, group)
+    k = kernels(kind, digits, None, group, outliers)
     if parallel.threads() > 1:
         parallel.warm(k[1])
     x = np.zeros((1, 32), np.float32)
     for sums in (1, 2):  # per 32 and per 16 (q6k)
-        _quantizer(digits)(x, np.zeros((2, 32), np.int8), np.zeros((2, 1), np.float32), np.zeros((2, sums), np.float32))
+        _quantizer(digits, outliers)(
+            x, np.zeros((2, 32), np.int8), np.zeros((2, 1), np.float32), np.zeros((2, sums), np.float32)
+        )

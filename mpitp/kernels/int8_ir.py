@@ -143,18 +143,26 @@ def _scale8(e: _Body, isa: str, ptr: str, offset: str, half: bool) -> str:
     return e(f"fmul <8 x float> {f}, {splat('float', 8, '0x46F0000000000000')}")  # × 2^112: exact
 
 
-def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32) -> tuple[str, str]:
+def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = False) -> tuple[str, str]:
     """(name, IR text) of the kernel for R rows of x over whole tiles of 8 output rows,
     each row of x held as D int8 digits (xq rows D·r + j; xs in row D·r), the weights
-    with a scale per G = 32 weights (or 16: q8 only, d [T, K/16, 8])."""
-    name = f"{fmt}_{isa}_r{R}_d{D}_g{G}"
+    with a scale per G = 32 weights (or 16: q8 only, d [T, K/16, 8]). ``sparse``: the
+    second digit holds x's outliers (:func:`.quantize.quantize_rows_outliers`), zero in most
+    blocks, and is multiplied only in blocks where some row's is not (a branch per block)."""
+    name = f"{fmt}_{isa}_r{R}_d{D}_g{G}" + ("_o" if sparse else "")
     fmt, implied, half = _parse(fmt)
     known = fmt in ("q4", "q8", "q4k", "q6k") and isa in ("vnni", "avx2", "portable") and D in (1, 2)
-    if not known or G not in (16, 32) or (G == 16 and fmt != "q8") or (fmt in ("q4k", "q6k") and G != 32):
+    if (
+        not known
+        or (sparse and D != 2)
+        or G not in (16, 32)
+        or (G == 16 and fmt != "q8")
+        or (fmt in ("q4k", "q6k") and G != 32)
+    ):
         raise ValueError(f"no int8 kernel for {name}")
     e = _Body()
     for r in range(R):
-        e.do(f"%acc{r} = phi <8 x float> [zeroinitializer, %tile], [%acc{r}_n, %blk]")
+        e.do(f"%acc{r} = phi <8 x float> [zeroinitializer, %tile], [%acc{r}_n, %{'join' if sparse else 'blk'}]")
     e.do("%xb = shl i64 %b, 5")
     e.do("%b20 = shl i64 %b, 1")  # x's sums per 16 of this block: 2b, 2b + 1
     e.do("%b21 = add i64 %b20, 1")
@@ -196,15 +204,9 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32) -> tuple[str, st
             w.append(_load(e, "<32 x i8>", "%qs", qo))
             if isa != "portable":
                 u.append(e(f"call <32 x i8> @llvm.abs.v32i8(<32 x i8> {w[g]}, i1 false)"))
+    main = 1 if sparse else D  # digits every block multiplies; the sparse one only where x has one
     for r in range(R):
-        terms = []  # (vector, scale vector): acc += vector · scale, in this order
-        for j in range(D):
-            xs = _xgroups(e, f"%xrow{r}_{j}")
-            xd = _bcast(e, _load(e, "float", "%xd", e(f"add i64 %xdrow{r}_{j}, %b", "xb"), "float"))
-            halves = [range(8)] if len(dvs) == 1 else [range(4), range(4, 8)]  # k 0-15, 16-31
-            for dv, gs in zip(dvs, halves):
-                f = e(f"sitofp <8 x i32> {_block_isum(e, fmt, isa, u, w, xs, gs)} to <8 x float>")
-                terms.append((f, e(f"fmul <8 x float> {dv}, {xd}")))
+        terms = [t for j in range(main) for t in _digit_terms(e, fmt, isa, u, w, dvs, r, j)]
         for mv, h in mins:
             if h < 0:  # x's sum per 32: xs [R·D, nb]
                 xsum = _load(e, "float", "%xs", e(f"add i64 %xdrow{r}_0, %b", "xb"), "float")
@@ -212,13 +214,25 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32) -> tuple[str, st
                 at = e(f"add i64 %xsrow{r}, %b2{h}", "xb")
                 xsum = _load(e, "float", "%xs", at, "float")
             terms.append((mv, _bcast(e, xsum)))
-        a = f"%acc{r}"
-        for i, (v, sc) in enumerate(terms):
-            op = f"call <8 x float> @llvm.fmuladd.v8f32(<8 x float> {v}, <8 x float> {sc}, <8 x float> {a})"
-            if i + 1 < len(terms):
-                a = e(op)
-            else:
-                e.do(f"%acc{r}_n = {op}")
+        _chain(e, f"%acc{r}", terms, f"%acc{r}_a" if sparse else f"%acc{r}_n")
+    latch = "blk"
+    if sparse:  # the outliers' digit: its blocks are zero (d = 0) but where some row has one
+        seen = []
+        for r in range(R):
+            d2 = _load(e, "float", "%xd", e(f"add i64 %xdrow{r}_1, %b", "xb"), "float")
+            seen.append(e(f"fcmp une float {d2}, 0.0", "c"))
+        some = seen[0]
+        for c in seen[1:]:
+            some = e(f"or i1 {some}, {c}", "c")
+        e.do(f"br i1 {some}, label %sparse, label %join")
+        e.lines.append("sparse:")
+        for r in range(R):
+            _chain(e, f"%acc{r}_a", _digit_terms(e, fmt, isa, u, w, dvs, r, 1), f"%acc{r}_s")
+        e.do("br label %join")
+        e.lines.append("join:")
+        for r in range(R):
+            e.do(f"%acc{r}_n = phi <8 x float> [%acc{r}_a, %blk], [%acc{r}_s, %sparse]")
+        latch = "join"
     block = "\n".join(e.lines)
     rowvars = "\n".join(
         f"  %xrow{r}_{j} = mul i64 %K, {D * r + j}\n  %xdrow{r}_{j} = mul i64 %nb, {D * r + j}"
@@ -247,7 +261,7 @@ tile:
   %tS = mul i64 %t, %S
   br label %blk
 blk:
-  %b = phi i64 [0, %tile], [%b1, %blk]
+  %b = phi i64 [0, %tile], [%b1, %{latch}]
 {block}
   %b1 = add i64 %b, 1
   %more = icmp ult i64 %b1, %nb
@@ -339,6 +353,29 @@ def _block_isum(e: _Body, fmt: str, isa: str, u: list[str], w: list[str], xs: li
         isum = e(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {p16}, <16 x i16> {splat('i16', 16, 1)})")
     assert isum is not None
     return isum
+
+
+def _digit_terms(e: _Body, fmt: str, isa: str, u, w, dvs, r: int, j: int) -> list[tuple[str, str]]:
+    """(integer sums as floats, their scale) of digit j of row r against this block."""
+    xs = _xgroups(e, f"%xrow{r}_{j}")
+    xd = _bcast(e, _load(e, "float", "%xd", e(f"add i64 %xdrow{r}_{j}, %b", "xb"), "float"))
+    halves = [range(8)] if len(dvs) == 1 else [range(4), range(4, 8)]  # k 0-15, 16-31
+    out = []
+    for dv, gs in zip(dvs, halves):
+        f = e(f"sitofp <8 x i32> {_block_isum(e, fmt, isa, u, w, xs, gs)} to <8 x float>")
+        out.append((f, e(f"fmul <8 x float> {dv}, {xd}")))
+    return out
+
+
+def _chain(e: _Body, acc: str, terms: list[tuple[str, str]], last: str) -> None:
+    """``last = acc + Σ vector·scale``, the products added in order."""
+    a = acc
+    for i, (v, sc) in enumerate(terms):
+        op = f"call <8 x float> @llvm.fmuladd.v8f32(<8 x float> {v}, <8 x float> {sc}, <8 x float> {a})"
+        if i + 1 < len(terms):
+            a = e(op)
+        else:
+            e.do(f"{last} = {op}")
 
 
 def _bcast(e: _Body, s: str) -> str:

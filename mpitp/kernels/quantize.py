@@ -96,6 +96,48 @@ def quantize_rows2(x, xq, xd, xs):
                 xs[2 * i, b] = d * np.float32(total) + d2 * np.float32(total2)
 
 
+LIMIT = 4.0  # an outlier: |x| above LIMIT times the root mean square of the rest of its block
+
+
+@njit(**EXACT)
+def quantize_rows_outliers(x, xq, xd, xs):
+    """One digit and x's outliers (``int8o``), as LLM.int8() splits them off: in each block
+    of 32, the values above LIMIT × the root mean square of the block's other 31 (its
+    largest left out) go to xq row 2i+1, quantized in their own block (a block without one
+    is all zero, d = 0), the rest to row 2i, quantized as one digit is. An outlier then no
+    longer sets d for the other 31 values of its block. The rule looks at one block only,
+    so a tensor-parallel cut (on block boundaries) quantizes x as one rank does; xs[2i] =
+    the sum over both rows."""
+    M, K = x.shape
+    halves = xs.shape[1] != K // 32
+    main = np.empty(32, np.float32)
+    rest = np.empty(32, np.float32)
+    for i in range(M):
+        for b in range(K // 32):
+            lo, hi = 32 * b, 32 * b + 32
+            amax, ss = 0.0, 0.0
+            for j in range(32):
+                v = np.float64(x[i, lo + j])
+                amax = max(amax, abs(v))
+                ss += v * v
+            cut = LIMIT * np.sqrt(max(ss - amax * amax, 0.0) / 31.0)
+            for j in range(32):
+                v = x[i, lo + j]
+                big = abs(v) > cut and cut > 0
+                main[j] = 0 if big else v
+                rest[j] = v if big else 0
+            d, total = _block(main, xq[2 * i, lo:hi])
+            d2, total2 = _block(rest, xq[2 * i + 1, lo:hi])
+            xd[2 * i, b] = d
+            xd[2 * i + 1, b] = d2
+            if halves:
+                xs[2 * i, 2 * b] = xs[2 * i, 2 * b + 1] = 0
+                _sums(xq[2 * i], lo, d, xs, 2 * i, b, halves)
+                _sums(xq[2 * i + 1], lo, d2, xs, 2 * i, b, halves)
+            else:
+                xs[2 * i, b] = d * np.float32(total) + d2 * np.float32(total2)
+
+
 def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(q, d, s) of a float32 [M, K] (K a multiple of 32)."""
     x = np.ascontiguousarray(x, np.float32)

@@ -51,6 +51,7 @@ class TiledWeight:
     n: int  # output rows (the tiles hold ⌈n/8⌉·8)
     source: str
     digits: int = 1  # int8 digits each value of x is quantized to (mpitp.kernels.quantize)
+    outliers: bool = False  # digit 2 holds x's outliers only (int8o), not what digit 1 leaves
     bound: dict = field(default_factory=dict, repr=False, compare=False)  # int8.matmul's, by (isa, threads)
     layout = "tiles"
 
@@ -180,13 +181,15 @@ def _k_planar(t: TiledWeight, r0: int, r1: int) -> BlockWeight:
     return BlockWeight("q8", q, d, None, t.source, {"sc": np.ascontiguousarray(sc), "d": dd})
 
 
-def repack(w: BlockWeight, digits: int = 1) -> TiledWeight:
+def repack(w: BlockWeight, digits: int = 1, outliers: bool = False) -> TiledWeight:
     """A planar q4/q8 weight in tiles (a copy; the planar arrays can be dropped). Q4_K and
     Q6_K with whole super-blocks keep their integer scales (q4k, q6k)."""
     if w.kind not in ("q4", "q8"):
         raise ValueError(f"no tiles for {w.kind} weights")
     if w.ks is not None and w.source in ("Q4_K", "Q6_K") and w.shape[1] % SUPER == 0:
-        return _repack_k(w, digits)
+        t = _repack_k(w, digits)
+        t.outliers = outliers
+        return t
     N, K = w.shape
     nb = K // BLOCK
     T = -(-N // ROWS)
@@ -207,7 +210,7 @@ def repack(w: BlockWeight, digits: int = 1) -> TiledWeight:
         m = None  # Q4_0: the kernels form -8·d
     dt = np.float16 if all(_halves(a) for a in (w.d, m) if a is not None) else np.float32
     return TiledWeight(w.kind, qs, scales(w.d).astype(dt), None if m is None else scales(m).astype(dt), N, w.source,
-                       digits)  # fmt: skip
+                       digits, outliers)  # fmt: skip
 
 
 def _halves(a: np.ndarray) -> bool:

@@ -410,8 +410,10 @@ class LlamaForCausalLM:
             get_logger("models").warning(f"some weights kept as float32 on this rank: {'; '.join(sorted(why))}")
         if self.weights != "float32":  # block weights in reading order: the layers', then the head's
             mods = [m for _, m in self.named_modules() if getattr(m, "qweight", None) is not None]
+            from ..kernels.cpu import SCHEMES
+
             if self.activations.startswith("int8"):
-                self._tile(mods, 2 if self.activations == "int8x2" else 1)
+                self._tile(mods, *SCHEMES[self.activations])
             from ..kernels.formats import leaves
 
             held = [w for m in mods for w in leaves(m.qweight)]
@@ -429,7 +431,7 @@ class LlamaForCausalLM:
 
                     tiled = {(w.fmt, w.group) for w in held if w.layout == "tiles"}
                     for kind, group in sorted(tiled):
-                        int8.warm(kind, 2 if self.activations == "int8x2" else 1, group)
+                        int8.warm(kind, *SCHEMES[self.activations][:1], group, SCHEMES[self.activations][1])
 
     def arithmetic(self) -> str:
         """What the matmuls multiply, for the ``[mpitp]`` line: "int8 activations (avx2)"."""
@@ -442,13 +444,13 @@ class LlamaForCausalLM:
         return f"{self.activations} activations ({isa()}{f', {n} threads per rank' if n > 1 else ''})"
 
     @staticmethod
-    def _tile(mods, digits: int) -> None:
+    def _tile(mods, digits: int, outliers: bool = False) -> None:
         """q4/q8 weights into the int8 kernels' tiles (a tied head's once, shared)."""
         from ..kernels.formats import Pieces
         from ..kernels.tiles import repack
 
         def tiled(w):
-            return repack(w, digits) if w.kind in ("q4", "q8") else w
+            return repack(w, digits, outliers) if w.kind in ("q4", "q8") else w
 
         done: dict[int, object] = {}
         for m in mods:
