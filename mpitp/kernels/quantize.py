@@ -73,6 +73,22 @@ def quantize_rows(x, xq, xd, xs):
 
 
 @njit(**EXACT)
+def _second(rest, xq, xd, xs, i, b, d, total, halves):
+    """Block b of row i's second digit: ``rest`` quantized into xq row 2i+1, both digits'
+    scales stored (the first, d, already quantized into row 2i) and xs[2i] their sum."""
+    lo = 32 * b
+    d2, total2 = _block(rest, xq[2 * i + 1, lo : lo + 32])
+    xd[2 * i, b] = d
+    xd[2 * i + 1, b] = d2
+    if halves:
+        xs[2 * i, 2 * b] = xs[2 * i, 2 * b + 1] = 0
+        _sums(xq[2 * i], lo, d, xs, 2 * i, b, halves)
+        _sums(xq[2 * i + 1], lo, d2, xs, 2 * i, b, halves)
+    else:
+        xs[2 * i, b] = d * np.float32(total) + d2 * np.float32(total2)
+
+
+@njit(**EXACT)
 def quantize_rows2(x, xq, xd, xs):
     """Two digits: row i of x -> xq rows 2i (x's blocks as above) and 2i+1 (what is left,
     x - d·q, quantized the same way); xs[2i] = the sum over both digits."""
@@ -85,15 +101,7 @@ def quantize_rows2(x, xq, xd, xs):
             d, total = _block(x[i, lo:hi], xq[2 * i, lo:hi])
             for j in range(32):
                 rest[j] = x[i, lo + j] - d * np.float32(xq[2 * i, lo + j])
-            d2, total2 = _block(rest, xq[2 * i + 1, lo:hi])
-            xd[2 * i, b] = d
-            xd[2 * i + 1, b] = d2
-            if halves:
-                xs[2 * i, 2 * b] = xs[2 * i, 2 * b + 1] = 0
-                _sums(xq[2 * i], lo, d, xs, 2 * i, b, halves)
-                _sums(xq[2 * i + 1], lo, d2, xs, 2 * i, b, halves)
-            else:
-                xs[2 * i, b] = d * np.float32(total) + d2 * np.float32(total2)
+            _second(rest, xq, xd, xs, i, b, d, total, halves)
 
 
 LIMIT = 4.0  # an outlier: |x| above LIMIT times the root mean square of the rest of its block
@@ -127,15 +135,7 @@ def quantize_rows_outliers(x, xq, xd, xs):
                 main[j] = 0 if big else v
                 rest[j] = v if big else 0
             d, total = _block(main, xq[2 * i, lo:hi])
-            d2, total2 = _block(rest, xq[2 * i + 1, lo:hi])
-            xd[2 * i, b] = d
-            xd[2 * i + 1, b] = d2
-            if halves:
-                xs[2 * i, 2 * b] = xs[2 * i, 2 * b + 1] = 0
-                _sums(xq[2 * i], lo, d, xs, 2 * i, b, halves)
-                _sums(xq[2 * i + 1], lo, d2, xs, 2 * i, b, halves)
-            else:
-                xs[2 * i, b] = d * np.float32(total) + d2 * np.float32(total2)
+            _second(rest, xq, xd, xs, i, b, d, total, halves)
 
 
 def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -412,8 +412,9 @@ class LlamaForCausalLM:
             mods = [m for _, m in self.named_modules() if getattr(m, "qweight", None) is not None]
             from ..kernels.cpu import SCHEMES
 
+            digits, outliers = SCHEMES.get(self.activations, (1, False))
             if self.activations.startswith("int8"):
-                self._tile(mods, *SCHEMES[self.activations])
+                self._tile(mods, digits, outliers)
             from ..kernels.formats import leaves
 
             held = [w for m in mods for w in leaves(m.qweight)]
@@ -431,7 +432,7 @@ class LlamaForCausalLM:
 
                     tiled = {(w.fmt, w.group) for w in held if w.layout == "tiles"}
                     for kind, group in sorted(tiled):
-                        int8.warm(kind, *SCHEMES[self.activations][:1], group, SCHEMES[self.activations][1])
+                        int8.warm(kind, digits, group, outliers)
 
     def arithmetic(self) -> str:
         """What the matmuls multiply, for the ``[mpitp]`` line: "int8 activations (avx2)"."""
