@@ -157,6 +157,8 @@ def test_kernels_equal_the_float64_product_of_what_they_multiply(t, isa, digits,
         y2 = np.full((m, n), np.nan, np.float32)
         int8.Bound(tw, isa)(x, y2)
         assert np.array_equal(y, y2)
+    # a row's bits do not depend on the batch it came in (alone, a decode step, prefill)
+    assert np.array_equal(int8.matmul(x[-1:], tw, isa)[0], y[-1])
 
 
 def test_every_instruction_set_gives_the_same_integers():
@@ -174,20 +176,23 @@ def test_every_instruction_set_gives_the_same_integers():
 
 @pytest.mark.parametrize(
     "cpu_name,isa,instruction",
-    [("sapphirerapids", "vnni", "vpdpbusd"), ("alderlake", "vnni", "vpdpbusd"), ("znver4", "vnni", "vpdpbusd"),
+    [("sapphirerapids", "avx512", "vpdpbusd"), ("znver4", "avx512", "vpdpbusd"),
+     ("sapphirerapids", "vnni", "vpdpbusd"), ("alderlake", "vnni", "vpdpbusd"), ("znver4", "vnni", "vpdpbusd"),
      ("haswell", "avx2", "vpmaddubsw"), ("x86-64", "portable", "pmaddwd")],
 )  # fmt: skip
 def test_each_instruction_set_compiles_to_its_instructions(cpu_name, isa, instruction):
     """What a CPU this machine may lack would run: the kernels compiled for it use the
-    instruction (AVX512-VNNI + VL, AVX-VNNI), and the portable ones use no AVX at all."""
+    instruction (AVX512-VNNI + VL, AVX-VNNI; avx512 on 512-bit registers), and the portable
+    ones use no AVX at all."""
     if not jit.target_machine("portable").triple.startswith("x86_64"):
         pytest.skip("x86 kernels")
     asm = jit.assembly([("q4", isa, 1, 1), ("q8", isa, 4, 2), ("q4k", isa, 8, 2, 32, True)], cpu_name, "")
     assert instruction in asm
     if isa == "portable":
         assert "ymm" not in asm and "vpdpbusd" not in asm
-    if isa != "vnni":
+    if isa not in ("vnni", "avx512"):
         assert "vpdpbusd" not in asm
+    assert ("zmm" in asm) == (isa == "avx512")
 
 
 def test_the_choice_of_instruction_set(monkeypatch):
@@ -195,6 +200,9 @@ def test_the_choice_of_instruction_set(monkeypatch):
     assert have[-1] == "portable" and cpu.isa({}) == have[0]
     assert cpu.isa({"MPITP_ISA": "portable"}) == "portable"
     assert cpu.supported(frozenset({"avx2", "avxvnni"}))[0] == "vnni"
+    wide = frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512vnni"})
+    assert cpu.supported(wide)[:2] == ("avx512", "vnni")
+    assert cpu.supported(wide - {"avx512bw"})[0] == "vnni"  # 512-bit byte shifts need BW
     assert cpu.supported(frozenset({"avx2", "avx512vnni", "avx512vl"}))[0] == "vnni"
     assert cpu.supported(frozenset({"avx2", "avx512vnni"}))[0] == "avx2"  # 256-bit VNNI needs VL
     assert cpu.supported(frozenset({"sse4.2"})) == ("portable",)

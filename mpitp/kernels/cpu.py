@@ -1,13 +1,15 @@
 """Which integer dot-product instructions this CPU has, decided once per process.
 
-The int8 kernels (:mod:`.int8`) come in three instruction sets, as ggml's CPU backend::
+The int8 kernels (:mod:`.int8`) come in four instruction sets, as ggml's CPU backend::
 
+    avx512    vnni's instruction on 512-bit vectors, 16 output rows at once (AVX512-VNNI
+              with AVX512-BW)
     vnni      vpdpbusd: 32 u8×s8 products summed in fours into 8 int32 lanes, one
               instruction (AVX512-VNNI with AVX512-VL, or AVX-VNNI)
     avx2      vpmaddubsw (u8×s8 pairs -> int16) + vpmaddwd (pairs -> int32): two
     portable  the same sums in plain LLVM vector arithmetic, for any CPU LLVM targets
 
-``MPITP_ISA`` (vnni, avx2, portable) forces one; asking for instructions the CPU lacks is
+``MPITP_ISA`` (avx512, vnni, avx2, portable) forces one; asking for instructions the CPU lacks is
 an error, not a crash. The features are LLVM's view of the host (what the JIT may use).
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-ISAS = ("vnni", "avx2", "portable")
+ISAS = ("avx512", "vnni", "avx2", "portable")
 
 
 @lru_cache(maxsize=1)
@@ -31,6 +33,8 @@ def supported(features: frozenset[str] | None = None) -> tuple[str, ...]:
     """The instruction sets this CPU can run, best first."""
     f = host()[1] if features is None else features
     out = []
+    if "avx2" in f and {"avx512f", "avx512bw", "avx512vl", "avx512vnni"} <= f:
+        out.append("avx512")
     if "avx2" in f and ("avxvnni" in f or {"avx512vnni", "avx512vl"} <= f):
         out.append("vnni")
     if "avx2" in f:

@@ -29,11 +29,16 @@ xs [R, K/32] f32 = xd·Σ xq of the block (what the minimum multiplies).
 ``isum`` in each instruction set (products and pair sums stay below 2¹⁵, so the 16-bit
 step of avx2 never saturates and all three give the same integers)::
 
-    vnni      vpdpbusd(0, w, x)
+    vnni      vpdpbusd(0, w, x)                     (avx512: the same on 512-bit vectors)
     avx2      vpmaddwd(vpmaddubsw(w, x), 1)
     portable  (zext w · sext x) as i16, neighbours added twice -> <8 x i32>
 
 q8's weights are signed: the unsigned operand is |w| and x takes w's sign (ggml's trick).
+
+``avx512`` takes two tiles a step, 16 output rows in the 16 lanes of 512-bit vectors (each
+tile's 256-bit loads joined, so the tiles' layout is the same): one broadcast of x and one
+``vpdpbusd`` serve 16 rows, half the instructions per weight of 8 lanes. An odd last tile
+is paired with itself and its second half stored nowhere.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ declare <8 x float> @llvm.fmuladd.v8f32(<8 x float>, <8 x float>, <8 x float>)
 declare float @llvm.fmuladd.f32(float, float, float)
 declare float @llvm.vector.reduce.fadd.v8f32(float, <8 x float>)
 declare <32 x i8> @llvm.abs.v32i8(<32 x i8>, i1)
+declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)
+declare <16 x float> @llvm.fmuladd.v16f32(<16 x float>, <16 x float>, <16 x float>)
+declare <64 x i8> @llvm.abs.v64i8(<64 x i8>, i1)
 """
 
 
@@ -62,11 +70,16 @@ def idx(ix) -> str:
 
 
 class _Body:
-    """Numbered SSA names and the lines that define them."""
+    """Numbered SSA names and the lines that define them, for kernels of V lanes (output
+    rows a step: 8, or 16 = two tiles): F, I, B are the float, int32 and byte vector types."""
 
-    def __init__(self):
+    def __init__(self, V: int = 8):
         self.lines: list[str] = []
         self.n = 0
+        self.V = V
+        self.F, self.I, self.B = f"<{V} x float>", f"<{V} x i32>", f"<{4 * V} x i8>"
+        # the (tile·nb + b, tile·S + super-block) index names of each tile this step
+        self.tiles = [("%tb", "%ts")] + ([("%tb_1", "%ts_1")] if V == 16 else [])
 
     def __call__(self, expr: str, name: str = "v") -> str:
         self.n += 1
@@ -80,10 +93,6 @@ class _Body:
 
 def _isum(e: _Body, isa: str, u: str, s: str) -> str:
     """<8 x i32>: lane i = Σ_{j<4} u[4i+j]·s[4i+j] (u unsigned, s signed bytes)."""
-    if isa == "vnni":
-        return e(
-            f"call <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32> zeroinitializer, <32 x i8> {u}, <32 x i8> {s})"
-        )
     if isa == "avx2":
         p = e(f"call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {u}, <32 x i8> {s})")
         return e(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {p}, <16 x i16> {splat('i16', 16, 1)})")
@@ -109,6 +118,19 @@ def _load(e: _Body, ty: str, base: str, offset: str, elem: str = "i8") -> str:
     return e(f"load {ty}, ptr {p}, align 1")
 
 
+def _lanes_of(ty: str) -> int:
+    return int(ty[1:].split(" x ")[0])
+
+
+def _per_tile(e: _Body, ty: str, base: str, offset, elem: str = "i8") -> str:
+    """``ty`` (one tile's 8 rows of something) loaded at ``offset(tb, ts)`` of each tile of
+    this step, joined: [tile t's, tile t+1's] where a step takes two."""
+    parts = [_load(e, ty, base, offset(tb, ts), elem) for tb, ts in e.tiles]
+    if len(parts) == 1:
+        return parts[0]
+    return e(f"shufflevector {ty} {parts[0]}, {ty} {parts[1]}, {idx(range(2 * _lanes_of(ty)))}")
+
+
 def _xgroups(e: _Body, row: str) -> list[str]:
     """A row of xq, this block: 8 groups of 4 bytes, each broadcast to every lane."""
     out = []
@@ -116,9 +138,9 @@ def _xgroups(e: _Body, row: str) -> list[str]:
         xo = e(f"add i64 {row}, %xo{g}", "xo")
         p = e(f"getelementptr i8, ptr %xq, i64 {xo}", "p")
         xi = e(f"load i32, ptr {p}, align 1")
-        v = e(f"insertelement <8 x i32> poison, i32 {xi}, i64 0")
-        sp = e(f"shufflevector <8 x i32> {v}, <8 x i32> poison, <8 x i32> zeroinitializer")
-        out.append(e(f"bitcast <8 x i32> {sp} to <32 x i8>"))
+        v = e(f"insertelement {e.I} poison, i32 {xi}, i64 0")
+        sp = e(f"shufflevector {e.I} {v}, {e.I} poison, <{e.V} x i32> zeroinitializer")
+        out.append(e(f"bitcast {e.I} {sp} to {e.B}"))
     return out
 
 
@@ -129,18 +151,28 @@ def _parse(fmt: str) -> tuple[str, bool, bool]:
     return ("q4" if core == "q40" else core), core == "q40", half
 
 
-def _scale8(e: _Body, isa: str, ptr: str, offset: str, half: bool) -> str:
-    """<8 x float>: 8 rows' scales at element ``offset`` of ``ptr`` (float32, or float16)."""
+def _scales(e: _Body, isa: str, ptr: str, offset, half: bool) -> str:
+    """F: each row's scale at element ``offset(tb, ts)`` of ``ptr`` (float32, or float16)."""
     if not half:
-        return _load(e, "<8 x float>", ptr, offset, "float")
+        return _per_tile(e, "<8 x float>", ptr, offset, "float")
     if isa != "portable":  # F16C: vcvtph2ps
-        return e(f"fpext <8 x half> {_load(e, '<8 x half>', ptr, offset, 'half')} to <8 x float>")
-    h = e(f"zext <8 x i16> {_load(e, '<8 x i16>', ptr, offset, 'i16')} to <8 x i32>")
+        return e(f"fpext <{e.V} x half> {_per_tile(e, '<8 x half>', ptr, offset, 'half')} to {e.F}")
+    h = e(f"zext <8 x i16> {_per_tile(e, '<8 x i16>', ptr, offset, 'i16')} to <8 x i32>")
     low15, top = splat("i32", 8, 0x7FFF), splat("i32", 8, 0x8000)
     mag = e(f"shl <8 x i32> {e(f'and <8 x i32> {h}, {low15}')}, {splat('i32', 8, 13)}")
     sign = e(f"shl <8 x i32> {e(f'and <8 x i32> {h}, {top}')}, {splat('i32', 8, 16)}")
     f = e(f"bitcast <8 x i32> {e(f'or <8 x i32> {mag}, {sign}')} to <8 x float>")
     return e(f"fmul <8 x float> {f}, {splat('float', 8, '0x46F0000000000000')}")  # × 2^112: exact
+
+
+def _at(e: _Body, shift: int, plus: int = 0, which: int = 0, name: str = "o"):
+    """offset(tb, ts) = (tb or ts) << shift (+ plus): an element offset in a tile's arrays."""
+
+    def offset(tb: str, ts: str) -> str:
+        o = e(f"shl i64 {(tb, ts)[which]}, {shift}", name)
+        return e(f"add i64 {o}, {plus}", name) if plus else o
+
+    return offset
 
 
 def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = False) -> tuple[str, str]:
@@ -151,7 +183,7 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
     blocks, and is multiplied only in blocks where some row's is not (a branch per block)."""
     name = f"{fmt}_{isa}_r{R}_d{D}_g{G}" + ("_o" if sparse else "")
     fmt, implied, half = _parse(fmt)
-    known = fmt in ("q4", "q8", "q4k", "q6k") and isa in ("vnni", "avx2", "portable") and D in (1, 2)
+    known = fmt in ("q4", "q8", "q4k", "q6k") and isa in ("avx512", "vnni", "avx2", "portable") and D in (1, 2)
     if (
         not known
         or (sparse and D != 2)
@@ -160,50 +192,47 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
         or (fmt in ("q4k", "q6k") and G != 32)
     ):
         raise ValueError(f"no int8 kernel for {name}")
-    e = _Body()
+    e = _Body(16 if isa == "avx512" else 8)
+    F = e.F
     for r in range(R):
-        e.do(f"%acc{r} = phi <8 x float> [zeroinitializer, %tile], [%acc{r}_n, %{'join' if sparse else 'blk'}]")
+        e.do(f"%acc{r} = phi {F} [zeroinitializer, %tile], [%acc{r}_n, %{'join' if sparse else 'blk'}]")
     e.do("%xb = shl i64 %b, 5")
     e.do("%b20 = shl i64 %b, 1")  # x's sums per 16 of this block: 2b, 2b + 1
     e.do("%b21 = add i64 %b20, 1")
     e.do("%bs = lshr i64 %b, 3")  # its super-block (K-quants)
-    e.do("%ts = add i64 %tS, %bs")
-    e.do("%tb = add i64 %tnb, %b")  # (tile, block) index
-    e.do("%so = shl i64 %tb, 3")  # its 8 scales
+    for j, (tb, ts) in enumerate(e.tiles):
+        sfx = f"_{j}" if j else ""
+        e.do(f"{ts} = add i64 %tS{sfx}, %bs")
+        e.do(f"{tb} = add i64 %tnb{sfx}, %b")  # (tile, block) index
     for g in range(8):
         e.do(f"%xo{g} = add i64 %xb, {4 * g}" if g else "%xo0 = add i64 %xb, 0")
     mins: list[tuple[str, int]] = []  # (minimum vector, which per-16 sum of x: 0/1; -1 per 32)
     if fmt in ("q4k", "q6k"):
         dvs, mins = _k_scales(e, fmt, isa, half)
-    elif G == 32:
-        dvs = [_scale8(e, isa, "%d", "%so", half)]
+    elif G == 32:  # 8 rows' scales per (tile, block)
+        dvs = [_scales(e, isa, "%d", _at(e, 3), half)]
     else:  # two scales a block: d[t, 2b] and d[t, 2b + 1], 8 rows each
-        so = e("shl i64 %tb, 4", "so")
-        so1 = e(f"add i64 {so}, 8", "so")
-        dvs = [_scale8(e, isa, "%d", so, half), _scale8(e, isa, "%d", so1, half)]
+        dvs = [_scales(e, isa, "%d", _at(e, 4, h * 8), half) for h in (0, 1)]
     if fmt == "q4" and implied:
-        mins = [(e(f"fmul <8 x float> {dvs[0]}, {splat('float', 8, '-8.0')}"), -1)]
+        mins = [(e(f"fmul {F} {dvs[0]}, {splat('float', e.V, '-8.0')}"), -1)]
     elif fmt == "q4":
-        mins = [(_scale8(e, isa, "%m", "%so", half), -1)]
+        mins = [(_scales(e, isa, "%m", _at(e, 3), half), -1)]
     u, w = [], []
+    B = e.B
     if fmt in ("q4", "q4k"):
-        e.do("%qo = shl i64 %tb, 7")
         hi = []
         for g in range(4):
-            qo = e(f"add i64 %qo, {32 * g}", "qo")
-            v = _load(e, "<32 x i8>", "%qs", qo)
-            u.append(e(f"and <32 x i8> {v}, {splat('i8', 32, 15)}"))
-            hi.append(e(f"lshr <32 x i8> {v}, {splat('i8', 32, 4)}"))
+            v = _per_tile(e, "<32 x i8>", "%qs", _at(e, 7, 32 * g))
+            u.append(e(f"and {B} {v}, {splat('i8', 4 * e.V, 15)}"))
+            hi.append(e(f"lshr {B} {v}, {splat('i8', 4 * e.V, 4)}"))
         u += hi
     elif fmt == "q6k":
         u = _q6_quants(e)
     else:
-        e.do("%qo = shl i64 %tb, 8")
         for g in range(8):
-            qo = e(f"add i64 %qo, {32 * g}", "qo")
-            w.append(_load(e, "<32 x i8>", "%qs", qo))
+            w.append(_per_tile(e, "<32 x i8>", "%qs", _at(e, 8, 32 * g)))
             if isa != "portable":
-                u.append(e(f"call <32 x i8> @llvm.abs.v32i8(<32 x i8> {w[g]}, i1 false)"))
+                u.append(e(f"call {B} @llvm.abs.v{4 * e.V}i8({B} {w[g]}, i1 false)"))
     main = 1 if sparse else D  # digits every block multiplies; the sparse one only where x has one
     for r in range(R):
         terms = [t for j in range(main) for t in _digit_terms(e, fmt, isa, u, w, dvs, r, j)]
@@ -231,7 +260,7 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
         e.do("br label %join")
         e.lines.append("join:")
         for r in range(R):
-            e.do(f"%acc{r}_n = phi <8 x float> [%acc{r}_a, %blk], [%acc{r}_s, %sparse]")
+            e.do(f"%acc{r}_n = phi {F} [%acc{r}_a, %blk], [%acc{r}_s, %sparse]")
         latch = "join"
     block = "\n".join(e.lines)
     rowvars = "\n".join(
@@ -242,12 +271,31 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
     rowvars += "\n" + "\n".join(f"  %live{r} = icmp slt i64 {r}, %M\n  %yrow{r} = mul i64 %ldy, {r}" for r in range(R))
     rowvars += "\n  %nb2 = shl i64 %nb, 1\n  %S = lshr i64 %nb, 3\n"
     rowvars += "\n".join(f"  %xsrow{r} = mul i64 %nb2, {D * r}" for r in range(R))
-    stores = "\n".join(
-        f"  %yo{r} = add i64 %yrow{r}, %y0\n  %yp{r} = getelementptr float, ptr %y, i64 %yo{r}\n"
-        f"  %dst{r} = select i1 %live{r}, ptr %yp{r}, ptr %scratch\n"  # rows ≥ M: padding, stored nowhere
-        f"  store <8 x float> %acc{r}_n, ptr %dst{r}, align 4"
-        for r in range(R)
-    )
+    if e.V == 8:
+        step, pair = 1, "  %tnb = mul i64 %t, %nb\n  %tS = mul i64 %t, %S"
+        stores = "\n".join(
+            f"  %yo{r} = add i64 %yrow{r}, %y0\n  %yp{r} = getelementptr float, ptr %y, i64 %yo{r}\n"
+            f"  %dst{r} = select i1 %live{r}, ptr %yp{r}, ptr %scratch\n"  # rows ≥ M: padding, stored nowhere
+            f"  store <8 x float> %acc{r}_n, ptr %dst{r}, align 4"
+            for r in range(R)
+        )
+    else:  # two tiles a step; an odd last tile paired with itself, its second half not stored
+        step = 2
+        pair = (
+            "  %tn = add i64 %t, 1\n  %has2 = icmp ult i64 %tn, %T\n  %t2 = select i1 %has2, i64 %tn, i64 %t\n"
+            "  %tnb = mul i64 %t, %nb\n  %tS = mul i64 %t, %S\n  %tnb_1 = mul i64 %t2, %nb\n  %tS_1 = mul i64 %t2, %S"
+        )
+        stores = "\n".join(
+            f"  %yo{r} = add i64 %yrow{r}, %y0\n  %yp{r} = getelementptr float, ptr %y, i64 %yo{r}\n"
+            f"  %dst{r} = select i1 %live{r}, ptr %yp{r}, ptr %scratch\n"
+            f"  %lo{r} = shufflevector {F} %acc{r}_n, {F} poison, {idx(range(8))}\n"
+            f"  store <8 x float> %lo{r}, ptr %dst{r}, align 4\n"
+            f"  %yh{r} = getelementptr float, ptr %yp{r}, i64 8\n  %liveh{r} = and i1 %live{r}, %has2\n"
+            f"  %dsth{r} = select i1 %liveh{r}, ptr %yh{r}, ptr %scratch\n"
+            f"  %hi{r} = shufflevector {F} %acc{r}_n, {F} poison, {idx(range(8, 16))}\n"
+            f"  store <8 x float> %hi{r}, ptr %dsth{r}, align 4"
+            for r in range(R)
+        )
     text = f"""
 define void @{name}({SIGNATURE}) {{
 entry:
@@ -257,8 +305,7 @@ entry:
   br label %tile
 tile:
   %t = phi i64 [0, %entry], [%t1, %tileend]
-  %tnb = mul i64 %t, %nb
-  %tS = mul i64 %t, %S
+{pair}
   br label %blk
 blk:
   %b = phi i64 [0, %tile], [%b1, %{latch}]
@@ -269,7 +316,7 @@ blk:
 tileend:
   %y0 = shl i64 %t, 3
 {stores}
-  %t1 = add i64 %t, 1
+  %t1 = add i64 %t, {step}
   %again = icmp ult i64 %t1, %T
   br i1 %again, label %tile, label %exit
 exit:
@@ -280,65 +327,68 @@ exit:
 
 
 def _k_scales(e: _Body, fmt: str, isa: str, half: bool) -> tuple[list[str], list[tuple[str, int]]]:
-    """The K-quants' float scales of this block's 8 rows, formed from the integer ones as
+    """The K-quants' float scales of this step's rows, formed from the integer ones as
     the planar weight forms them (:mod:`.tiles`): (scale vectors, minimum vectors)."""
-    ko = e("shl i64 %tb, 4", "ko")  # 16 bytes of integer scales per (tile, block)
-    raw = _load(e, "<16 x i8>", "%d", ko)
-    lo = e(f"shufflevector <16 x i8> {raw}, <16 x i8> poison, {idx(range(8))}")
-    hi = e(f"shufflevector <16 x i8> {raw}, <16 x i8> poison, {idx(range(8, 16))}")
+    raws = [_load(e, "<16 x i8>", "%d", e(f"shl i64 {tb}, 4", "ko")) for tb, _ in e.tiles]  # 16 bytes a (tile, block)
+    b, V = raws[-1], e.V  # each tile's first 8 bytes, then its last 8
+    lo = e(f"shufflevector <16 x i8> {raws[0]}, <16 x i8> {b}, {idx([*range(8), *range(16, 16 + V - 8)])}")
+    hi = e(f"shufflevector <16 x i8> {raws[0]}, <16 x i8> {b}, {idx([*range(8, 16), *range(24, 24 + V - 8)])}")
+    F = e.F
     if fmt == "q4k":  # sc | mn (unsigned 6 bits); m: d | dmin per super-block
-        so = e("shl i64 %ts, 4", "so")
-        dd = _scale8(e, isa, "%m", so, half)
-        dmin = _scale8(e, isa, "%m", e(f"add i64 {so}, 8", "so"), half)
-        sc = e(f"uitofp <8 x i8> {lo} to <8 x float>")
-        mn = e(f"uitofp <8 x i8> {hi} to <8 x float>")
-        ndmin = e(f"fneg <8 x float> {dmin}")
-        return [e(f"fmul <8 x float> {dd}, {sc}")], [(e(f"fmul <8 x float> {ndmin}, {mn}"), -1)]
-    so = e("shl i64 %ts, 3", "so")  # q6k: signed scales of k 0-15 | 16-31; m: d per super-block
-    dd = _scale8(e, isa, "%m", so, half)
-    dvs = [e(f"fmul <8 x float> {dd}, {e(f'sitofp <8 x i8> {v} to <8 x float>')}") for v in (lo, hi)]
-    m32 = splat("float", 8, "-32.0")
-    return dvs, [(e(f"fmul <8 x float> {dv}, {m32}"), h) for h, dv in enumerate(dvs)]
+        dd = _scales(e, isa, "%m", _at(e, 4, 0, 1), half)
+        dmin = _scales(e, isa, "%m", _at(e, 4, 8, 1), half)
+        sc = e(f"uitofp <{V} x i8> {lo} to {F}")
+        mn = e(f"uitofp <{V} x i8> {hi} to {F}")
+        ndmin = e(f"fneg {F} {dmin}")
+        return [e(f"fmul {F} {dd}, {sc}")], [(e(f"fmul {F} {ndmin}, {mn}"), -1)]
+    dd = _scales(e, isa, "%m", _at(e, 3, 0, 1), half)  # q6k: signed scales of k 0-15 | 16-31; m: d per super-block
+    dvs = [e(f"fmul {F} {dd}, {e(f'sitofp <{V} x i8> {v} to {F}')}") for v in (lo, hi)]
+    m32 = splat("float", V, "-32.0")
+    return dvs, [(e(f"fmul {F} {dv}, {m32}"), h) for h, dv in enumerate(dvs)]
 
 
 def _q6_quants(e: _Body) -> list[str]:
     """q6k: the 8 vectors of this block's unsigned 6-bit quants (0..63), low 4 bits from
     the nibble vectors 0-3, high 2 bits from vectors 4-5."""
-    e.do("%qo = mul i64 %tb, 192")
+    B, n = e.B, 4 * e.V
     nib: list[str] = []
     high: list[str] = []
+
+    def at(g: int):
+        return lambda tb, ts: e(f"add i64 {e(f'mul i64 {tb}, 192', 'qo')}, {32 * g}", "qo")
+
     for g in range(6):
-        qo = e(f"add i64 %qo, {32 * g}", "qo")
-        (nib if g < 4 else high).append(_load(e, "<32 x i8>", "%qs", qo))
+        (nib if g < 4 else high).append(_per_tile(e, "<32 x i8>", "%qs", at(g)))
     u = []
     for g in range(8):
         if g < 4:
-            lo = e(f"and <32 x i8> {nib[g]}, {splat('i8', 32, 15)}")
+            lo = e(f"and {B} {nib[g]}, {splat('i8', n, 15)}")
         else:
-            lo = e(f"lshr <32 x i8> {nib[g - 4]}, {splat('i8', 32, 4)}")
+            lo = e(f"lshr {B} {nib[g - 4]}, {splat('i8', n, 4)}")
         h = high[g // 4]
         if g % 4:
-            h = e(f"lshr <32 x i8> {h}, {splat('i8', 32, 2 * (g % 4))}")
-        h = e(f"and <32 x i8> {h}, {splat('i8', 32, 3)}")
-        h = e(f"shl <32 x i8> {h}, {splat('i8', 32, 4)}")
-        u.append(e(f"or <32 x i8> {lo}, {h}"))
+            h = e(f"lshr {B} {h}, {splat('i8', n, 2 * (g % 4))}")
+        h = e(f"and {B} {h}, {splat('i8', n, 3)}")
+        h = e(f"shl {B} {h}, {splat('i8', n, 4)}")
+        u.append(e(f"or {B} {lo}, {h}"))
     return u
 
 
 def _block_isum(e: _Body, fmt: str, isa: str, u: list[str], w: list[str], xs: list[str], groups=range(8)) -> str:
-    """<8 x i32>: each lane's row of this block of weights · one row of x (the groups of 4
-    k asked for: all 8, or a half for a scale per 16)."""
+    """I: each lane's row of this block of weights · one row of x (the groups of 4 k asked
+    for: all 8, or a half for a scale per 16)."""
     isum: str | None = None
     p16: str | None = None
+    B, I = e.B, e.I
     for g in groups:
         s = xs[g]
         if fmt == "q8" and isa != "portable":  # x takes the sign of w, which became |w|
-            nx = e(f"sub <32 x i8> zeroinitializer, {s}")
-            neg = e(f"icmp slt <32 x i8> {w[g]}, zeroinitializer")
-            s = e(f"select <32 x i1> {neg}, <32 x i8> {nx}, <32 x i8> {s}")
-        if isa == "vnni":
+            nx = e(f"sub {B} zeroinitializer, {s}")
+            neg = e(f"icmp slt {B} {w[g]}, zeroinitializer")
+            s = e(f"select <{4 * e.V} x i1> {neg}, {B} {nx}, {B} {s}")
+        if isa in ("vnni", "avx512"):
             acc = isum or "zeroinitializer"
-            isum = e(f"call <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32> {acc}, <32 x i8> {u[g]}, <32 x i8> {s})")
+            isum = e(f"call {I} @llvm.x86.avx512.vpdpbusd.{32 * e.V}({I} {acc}, {B} {u[g]}, {B} {s})")
         elif isa == "avx2" and fmt in ("q4", "q4k"):  # 8 pair sums of ≤ 2·15·127 fit int16: one widening
             p = e(f"call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {u[g]}, <32 x i8> {s})")
             p16 = p if p16 is None else e(f"add <16 x i16> {p16}, {p}")
@@ -362,16 +412,16 @@ def _digit_terms(e: _Body, fmt: str, isa: str, u, w, dvs, r: int, j: int) -> lis
     halves = [range(8)] if len(dvs) == 1 else [range(4), range(4, 8)]  # k 0-15, 16-31
     out = []
     for dv, gs in zip(dvs, halves):
-        f = e(f"sitofp <8 x i32> {_block_isum(e, fmt, isa, u, w, xs, gs)} to <8 x float>")
-        out.append((f, e(f"fmul <8 x float> {dv}, {xd}")))
+        f = e(f"sitofp {e.I} {_block_isum(e, fmt, isa, u, w, xs, gs)} to {e.F}")
+        out.append((f, e(f"fmul {e.F} {dv}, {xd}")))
     return out
 
 
 def _chain(e: _Body, acc: str, terms: list[tuple[str, str]], last: str) -> None:
     """``last = acc + Σ vector·scale``, the products added in order."""
-    a = acc
+    a, F = acc, e.F
     for i, (v, sc) in enumerate(terms):
-        op = f"call <8 x float> @llvm.fmuladd.v8f32(<8 x float> {v}, <8 x float> {sc}, <8 x float> {a})"
+        op = f"call {F} @llvm.fmuladd.v{e.V}f32({F} {v}, {F} {sc}, {F} {a})"
         if i + 1 < len(terms):
             a = e(op)
         else:
@@ -379,8 +429,8 @@ def _chain(e: _Body, acc: str, terms: list[tuple[str, str]], last: str) -> None:
 
 
 def _bcast(e: _Body, s: str) -> str:
-    v = e(f"insertelement <8 x float> poison, float {s}, i64 0")
-    return e(f"shufflevector <8 x float> {v}, <8 x float> poison, <8 x i32> zeroinitializer")
+    v = e(f"insertelement {e.F} poison, float {s}, i64 0")
+    return e(f"shufflevector {e.F} {v}, {e.F} poison, <{e.V} x i32> zeroinitializer")
 
 
 def module(fmt_isa_rc: list[tuple]) -> tuple[list[str], str]:

@@ -95,6 +95,25 @@ def _drivers():
     return tiles, spans
 
 
+@lru_cache(maxsize=1)
+def _serial_spans():
+    """Prefill's loop over spans and chunks of rows on the calling thread, compiled (a
+    Python loop costs ~8 µs a kernel call, ~0.25 s of a 476-token prefill on the 1B shape)."""
+    from numba import njit
+
+    @njit(nogil=True, cache=True)
+    def spans(fn, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr, xsr):
+        for t0 in range(0, T, span):
+            cnt = min(span, T - t0)
+            mj = m + t0 * sm if sm else m
+            for r0 in range(0, M, rows):
+                yo = y + (r0 * ldy + t0 * 8) * 4
+                fn(qs + t0 * sq, d + t0 * sd, mj, xq + r0 * xqr, xd + r0 * xdr, xs + r0 * xsr, yo, cnt, nb,
+                   min(rows, M - r0), ldy)  # fmt: skip
+
+    return spans
+
+
 def run_tiles(fn, n: int, wp, tile_bytes, xp, y: int, T: int, nb: int, M: int, ldy: int) -> None:
     """``fn`` over tiles 0..T-1 in ``n`` contiguous ranges, one per thread."""
     numba.set_num_threads(n)
@@ -103,14 +122,21 @@ def run_tiles(fn, n: int, wp, tile_bytes, xp, y: int, T: int, nb: int, M: int, l
 
 def run_spans(fn, n: int, span: int, rows: int, wp, tile_bytes, xp, x_row_bytes, y, T, nb, M, ldy) -> None:
     """Prefill: spans of ``span`` tiles over the threads, each span taking every ``rows``
-    rows of x in turn (``x_row_bytes``: bytes of xq, xd and xs a row of x advances)."""
+    rows of x in turn (``x_row_bytes``: bytes of xq, xd and xs a row of x advances); one
+    thread runs them in order, without the parallel pool."""
+    if n == 1:
+        _serial_spans()(fn, span, rows, *wp, *xp, y, T, nb, M, ldy, *tile_bytes, *x_row_bytes)
+        return
     numba.set_num_threads(n)
     _drivers()[1](fn, span, rows, *wp, *xp, y, T, nb, M, ldy, *tile_bytes, *x_row_bytes)
 
 
-def warm(fn) -> None:
+def warm(fn, threads: int) -> None:
     """Compile the drivers for kernels of ``fn``'s type now (at load), not inside the first
-    forward: both run on zero tiles."""
+    forward: they run on zero tiles."""
+    _serial_spans()(fn, 1, 16, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 8, 0, 0, 0, 0, 0, 0)
+    if threads == 1:
+        return
     tiles, spans = _drivers()
     tiles(fn, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 8, 0, 0, 0)
     spans(fn, 1, 16, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 8, 0, 0, 0, 0, 0, 0)
