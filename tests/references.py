@@ -32,10 +32,14 @@ def _run(requests: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
     return tuple(json.loads(res.stdout.split("TEXTS", 1)[1]))
 
 
-def greedy(model: str, requests: list[tuple[str, bool]], max_new_tokens: int) -> dict[tuple[str, bool], str]:
-    """{(prompt, chat): the text generate prints after the prompt}, greedy, at TP = 1."""
+def greedy(
+    model: str, requests: list[tuple[str, bool]], max_new_tokens: int, extra: tuple[str, ...] = ()
+) -> dict[tuple[str, bool], str]:
+    """{(prompt, chat): the text generate prints after the prompt}, greedy, at TP = 1
+    (``extra``: more of generate's options, the same for every request)."""
     args = tuple(
         ("--model", model, "--prompt", p, "--max-new-tokens", str(max_new_tokens), "--chat" if chat else "--no-chat")
+        + extra
         for p, chat in requests
     )
     out = _run(args)

@@ -213,7 +213,7 @@ def test_the_choice_of_instruction_set(monkeypatch):
             cpu.isa({"MPITP_ISA": "vnni"})
     assert cpu.activations("float32") == "float32" and cpu.activations("int8") == "int8"
     assert cpu.activations(None, {"MPITP_ACTIVATIONS": "int8"}) == "int8"
-    assert cpu.activations("auto", {}) == ("int8x2" if have[0] != "portable" else "float32")
+    assert cpu.activations("auto", {}) == ("int8o" if have[0] != "portable" else "float32")
     assert cpu.activations(None, {"MPITP_ISA": "portable"}) == "float32"  # auto: no integer instructions
     with pytest.raises(ValueError, match="one of"):
         cpu.activations("int4")

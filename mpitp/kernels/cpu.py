@@ -70,18 +70,19 @@ SCHEMES = {"int8": (1, False), "int8o": (2, True), "int8x2": (2, False)}
 
 def activations(choice: str | None = None, environ=None) -> str:
     """How block weights' matmul inputs are held: ``int8`` (one int8 digit per value, as
-    ggml quantizes them), ``int8o`` (one digit, and the few values above 6× their row's
-    root mean square kept apart in a second row, as LLM.int8() splits outliers off: they
-    no longer coarsen their block's scale, and the kernels multiply that row only in the
-    blocks where it is not zero), ``int8x2`` (two digits, ~15 bits: a second full row of
-    x each) or ``float32`` (the exact reference path). ``auto`` (the default, or
-    ``MPITP_ACTIVATIONS``) is int8o where the CPU has integer dot products (vnni, avx2) and
-    float32 elsewhere. On the default model one digit moves the logits by a mean KL of
-    ~3e-3 and answers README's question differently; int8o by ~9e-4 at one digit's speed;
-    two digits by ~5e-8 at up to twice the multiply-adds (docs/measurements.md)."""
+    ggml quantizes them), ``int8o`` (one digit, and in each block of 32 the values above 4×
+    the root mean square of the block's other values kept apart in a second row, as
+    LLM.int8() splits outliers off: they no longer coarsen their block's scale, and the
+    kernels multiply that row only in the blocks where it is not zero), ``int8x2`` (two
+    digits, ~15 bits: a second full row of x each) or ``float32`` (the exact reference
+    path). ``auto`` (the default, or ``MPITP_ACTIVATIONS``) is int8o where the CPU has
+    integer dot products (avx512, vnni, avx2) and float32 elsewhere. On the default model
+    one digit moves the logits by a mean KL of ~3e-3 and answers README's question
+    differently; int8o by ~6e-4 at about one digit's speed; two digits by ~5e-8 at up to
+    twice the multiply-adds (docs/measurements.md)."""
     choice = (choice or _env(environ).activations or "auto").strip().lower()
     if choice not in ACTIVATIONS:
         raise ValueError(f"activations {choice!r}: one of {', '.join(ACTIVATIONS)}")
     if choice == "auto":
-        return "int8x2" if isa(environ) != "portable" else "float32"
+        return "int8o" if isa(environ) != "portable" else "float32"
     return choice
