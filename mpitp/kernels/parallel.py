@@ -82,36 +82,29 @@ def _drivers():
 
     @njit(parallel=True, nogil=True, cache=True)
     def spans(fn, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr, xsr):
-        n = (T + span - 1) // span
-        for s in prange(n):
-            t0 = s * span
-            cnt = min(span, T - t0)
-            mj = m + t0 * sm if sm else m
-            for r0 in range(0, M, rows):
-                yo = y + (r0 * ldy + t0 * 8) * 4
-                fn(qs + t0 * sq, d + t0 * sd, mj, xq + r0 * xqr, xd + r0 * xdr, xs + r0 * xsr, yo, cnt, nb,
-                   min(rows, M - r0), ldy)  # fmt: skip
+        for s in prange((T + span - 1) // span):
+            _span(fn, s * span, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr, xsr)
 
     return tiles, spans
 
 
-@lru_cache(maxsize=1)
-def _serial_spans():
-    """Prefill's loop over spans and chunks of rows on the calling thread, compiled (a
-    Python loop costs ~8 µs a kernel call, ~0.25 s of a 476-token prefill on the 1B shape)."""
-    from numba import njit
+@numba.njit(nogil=True, cache=True)
+def _span(fn, t0, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr, xsr):
+    """Tiles t0 .. t0+span-1 of W, every ``rows`` rows of x in turn (prefill's unit of work)."""
+    cnt = min(span, T - t0)
+    mj = m + t0 * sm if sm else m
+    for r0 in range(0, M, rows):
+        yo = y + (r0 * ldy + t0 * 8) * 4
+        fn(qs + t0 * sq, d + t0 * sd, mj, xq + r0 * xqr, xd + r0 * xdr, xs + r0 * xsr, yo, cnt, nb,
+           min(rows, M - r0), ldy)  # fmt: skip
 
-    @njit(nogil=True, cache=True)
-    def spans(fn, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr, xsr):
-        for t0 in range(0, T, span):
-            cnt = min(span, T - t0)
-            mj = m + t0 * sm if sm else m
-            for r0 in range(0, M, rows):
-                yo = y + (r0 * ldy + t0 * 8) * 4
-                fn(qs + t0 * sq, d + t0 * sd, mj, xq + r0 * xqr, xd + r0 * xdr, xs + r0 * xsr, yo, cnt, nb,
-                   min(rows, M - r0), ldy)  # fmt: skip
 
-    return spans
+@numba.njit(nogil=True, cache=True)
+def _serial_spans(fn, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr, xsr):
+    """Prefill's spans in order on the calling thread, compiled (a Python loop costs ~8 µs
+    a kernel call, ~0.25 s of a 476-token prefill on the 1B shape)."""
+    for t0 in range(0, T, span):
+        _span(fn, t0, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr, xsr)
 
 
 def run_tiles(fn, n: int, wp, tile_bytes, xp, y: int, T: int, nb: int, M: int, ldy: int) -> None:
@@ -125,7 +118,7 @@ def run_spans(fn, n: int, span: int, rows: int, wp, tile_bytes, xp, x_row_bytes,
     rows of x in turn (``x_row_bytes``: bytes of xq, xd and xs a row of x advances); one
     thread runs them in order, without the parallel pool."""
     if n == 1:
-        _serial_spans()(fn, span, rows, *wp, *xp, y, T, nb, M, ldy, *tile_bytes, *x_row_bytes)
+        _serial_spans(fn, span, rows, *wp, *xp, y, T, nb, M, ldy, *tile_bytes, *x_row_bytes)
         return
     numba.set_num_threads(n)
     _drivers()[1](fn, span, rows, *wp, *xp, y, T, nb, M, ldy, *tile_bytes, *x_row_bytes)
@@ -134,7 +127,7 @@ def run_spans(fn, n: int, span: int, rows: int, wp, tile_bytes, xp, x_row_bytes,
 def warm(fn, threads: int) -> None:
     """Compile the drivers for kernels of ``fn``'s type now (at load), not inside the first
     forward: they run on zero tiles."""
-    _serial_spans()(fn, 1, 16, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 8, 0, 0, 0, 0, 0, 0)
+    _serial_spans(fn, 1, 16, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 8, 0, 0, 0, 0, 0, 0)
     if threads == 1:
         return
     tiles, spans = _drivers()
