@@ -127,7 +127,7 @@ def _nibbles(q4: np.ndarray, T: int, nb: int) -> np.ndarray:
     return np.ascontiguousarray(q).reshape(T, nb, 4, ROWS * 4)
 
 
-def _repack_k(w: BlockWeight, digits: int) -> TiledWeight:
+def _repack_k(w: BlockWeight, digits: int, outliers: bool) -> TiledWeight:
     """Q4_K / Q6_K with whole super-blocks, keeping the file's integer scales."""
     assert w.ks is not None
     N, K = w.shape
@@ -138,7 +138,7 @@ def _repack_k(w: BlockWeight, digits: int) -> TiledWeight:
         m = np.concatenate([_lanes(ks["d"], T), _lanes(ks["dmin"], T)], axis=2)
         m = m.astype(np.float16) if _halves(m) else m
         return TiledWeight("q4k", _nibbles(w.qs, T, nb), np.ascontiguousarray(d), np.ascontiguousarray(m), N,
-                           w.source, digits)  # fmt: skip
+                           w.source, digits, outliers)  # fmt: skip
     u = (w.qs.astype(np.int16) + 32).astype(np.uint8).reshape(N, nb, 2, 16)  # 0..63
     lo = (u[:, :, 0] & 15) | ((u[:, :, 1] & 15) << 4)  # as Q4_0 packs a block: [N, nb, 16]
     hi = (u >> 4).reshape(N, nb, 2, 4, 4)  # [.., half, group g, j]
@@ -148,7 +148,7 @@ def _repack_k(w: BlockWeight, digits: int) -> TiledWeight:
     sc = _rows8(ks["sc"].reshape(N, nb, 2), T).transpose(0, 2, 3, 1).reshape(T, nb, 2 * ROWS)
     dd = np.ascontiguousarray(_lanes(ks["d"], T))
     return TiledWeight("q6k", np.ascontiguousarray(qs), np.ascontiguousarray(sc),
-                       dd.astype(np.float16) if _halves(dd) else dd, N, w.source, digits)  # fmt: skip
+                       dd.astype(np.float16) if _halves(dd) else dd, N, w.source, digits, outliers)  # fmt: skip
 
 
 def _k_planar(t: TiledWeight, r0: int, r1: int) -> BlockWeight:
@@ -187,9 +187,7 @@ def repack(w: BlockWeight, digits: int = 1, outliers: bool = False) -> TiledWeig
     if w.kind not in ("q4", "q8"):
         raise ValueError(f"no tiles for {w.kind} weights")
     if w.ks is not None and w.source in ("Q4_K", "Q6_K") and w.shape[1] % SUPER == 0:
-        t = _repack_k(w, digits)
-        t.outliers = outliers
-        return t
+        return _repack_k(w, digits, outliers)
     N, K = w.shape
     nb = K // BLOCK
     T = -(-N // ROWS)
