@@ -351,19 +351,21 @@ PERSON = {
 }
 
 
-SLOW2_ACTIVATIONS = ("--activations", "int8x2")
+# Tests on the default model that compare texts made in different batches, prefill chunks
+# or pipeline micro-batches (a prefix found in the cache or computed) see attention differ
+# in the last bits: two int8 digits absorb that, while one digit (int8o, the default) may
+# round a value of x the other way and flip a greedy near-tie (the kernels themselves give
+# each row the same bits in any batch: tests/test_int8.py).
+CROSS_BATCH_ACTIVATIONS = ("--activations", "int8x2")
 
 
 def slow2(servers) -> Server:
     """The default model at TP 2 (3 KV heads: 2 + 1), its prefix cache room for 3 blocks of
-    16 tokens on the rank with 2 heads (see the uneven-heads test). Its tests compare texts
-    made in different batches and prefill chunks (a prefix found in the cache or computed),
-    whose attention differs in the last bits: two int8 digits absorb that, while one digit
-    (int8o, the default) may round a value of x the other way and flip a greedy near-tie
-    (the kernels themselves give each row the same bits in any batch: tests/test_int8.py)."""
+    16 tokens on the rank with 2 heads (see the uneven-heads test); int8x2 activations, as
+    its tests compare texts across batches (CROSS_BATCH_ACTIVATIONS)."""
     block = 2 * 30 * 16 * 2 * 64 * 4  # bytes of a 16-token block on the rank with 2 of the 3 KV heads
     mib = str(3 * block / 2**20)
-    return servers(2, "--prefix-cache-mib", mib, "--max-model-len", "512", *SLOW2_ACTIVATIONS, model=slow_model())
+    return servers(2, "--prefix-cache-mib", mib, "--max-model-len", "512", *CROSS_BATCH_ACTIVATIONS, model=slow_model())
 
 
 def test_structured_output_in_a_mixed_batch(servers):
@@ -444,8 +446,9 @@ def test_three_pipeline_stages_with_every_kind_of_request_at_once(servers):
     jsonschema = pytest.importorskip("jsonschema")
     model = slow_model()
     prompts = ["The capital of France is", "Water boils at", "The first law of motion says", "Bees make"]
-    want = {p: t for (p, _), t in greedy(model, [(p, False) for p in prompts], 12).items()}
-    c = servers(3, "--pp", "3", "--max-batch", "6", "--max-model-len", "512", model=model).client
+    want = {p: t for (p, _), t in greedy(model, [(p, False) for p in prompts], 12, CROSS_BATCH_ACTIVATIONS).items()}
+    srv = servers(3, "--pp", "3", "--max-batch", "6", "--max-model-len", "512", *CROSS_BATCH_ACTIVATIONS, model=model)
+    c = srv.client
     city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": city, "strict": True}}
     out: dict = {}
@@ -571,7 +574,7 @@ def test_prefix_cache_agrees_across_ranks_with_uneven_kv_heads(servers):
         "is conserved, the second that entropy never decreases in an isolated system, and the third that as the "
         "temperature of a perfect crystal approaches absolute zero, its entropy",
     ]
-    want = {p: t for (p, _), t in greedy(model, [(p, False) for p in prompts], 6, SLOW2_ACTIVATIONS).items()}
+    want = {p: t for (p, _), t in greedy(model, [(p, False) for p in prompts], 6, CROSS_BATCH_ACTIVATIONS).items()}
     srv = slow2(servers)
     c = srv.client
     hits = scrape(srv.url)[("mpitp:prefix_cache_hits_total", ())]
