@@ -72,9 +72,11 @@ class Bound:
     row count looked up once, every pointer but x's quantized rows and y fixed."""
 
     def __init__(self, w: TiledWeight, isa: str | None = None):
-        self.w, self.k, self.quantize = (
+        k = kernels(w.fmt, w.digits, isa, w.group, w.outliers)
+        # the kernel for M rows, by M (looked up once: a decode step makes ~120 calls)
+        self.w, self.by_rows, self.quantize = (
             w,
-            kernels(w.fmt, w.digits, isa, w.group, w.outliers),
+            [None] + [k[rows_for(m)] for m in range(1, SMALL + 1)],
             _quantizer(w.digits, w.outliers),
         )
         N, K = w.shape
@@ -97,11 +99,11 @@ class Bound:
         out = y if self.pad is None else self.pad
         if self.threads > 1:
             parallel.run_tiles(
-                self.k[rows_for(M)], self.threads, self.wp, self.tile_bytes, self.xp, out.ctypes.data,
+                self.by_rows[M], self.threads, self.wp, self.tile_bytes, self.xp, out.ctypes.data,
                 self.T, self.nb, M, out.shape[1],
             )  # fmt: skip
         else:
-            self.k[rows_for(M)](*self.wp, *self.xp, out.ctypes.data, self.T, self.nb, M, out.shape[1])
+            self.by_rows[M](*self.wp, *self.xp, out.ctypes.data, self.T, self.nb, M, out.shape[1])
         if self.pad is not None:
             y[:, :] = self.pad[:M, : y.shape[1]]
 
