@@ -45,6 +45,8 @@ from __future__ import annotations
 
 SIGNATURE = "ptr %qs, ptr %d, ptr %m, ptr %xq, ptr %xd, ptr %xs, ptr %y, i64 %T, i64 %nb, i64 %M, i64 %ldy"
 
+UNLIKELY = '\n!0 = !{!"branch_weights", i32 1, i32 64}\n'  # taken once in 64
+
 DECLARE = """
 declare <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8>, <32 x i8>)
 declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)
@@ -245,15 +247,14 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
             terms.append((mv, _bcast(e, xsum)))
         _chain(e, f"%acc{r}", terms, f"%acc{r}_a" if sparse else f"%acc{r}_n")
     latch = "blk"
-    if sparse:  # the outliers' digit: its blocks are zero (d = 0) but where some row has one
-        seen = []
-        for r in range(R):
-            d2 = _load(e, "float", "%xd", e(f"add i64 %xdrow{r}_1, %b", "xb"), "float")
-            seen.append(e(f"fcmp une float {d2}, 0.0", "c"))
-        some = seen[0]
-        for c in seen[1:]:
-            some = e(f"or i1 {some}, {c}", "c")
-        e.do(f"br i1 {some}, label %sparse, label %join")
+    if sparse:  # the outliers' digit: its blocks are zero (d = +0.0) but where some row has
+        # one (d > 0): the rows' scales' bits OR-ed as integers, one test and one branch
+        bits = [_load(e, "i32", "%xd", e(f"add i64 %xdrow{r}_1, %b", "xb"), "float") for r in range(R)]
+        some = bits[0]
+        for c in bits[1:]:
+            some = e(f"or i32 {some}, {c}", "c")
+        e.do(f"%some = icmp ne i32 {some}, 0")
+        e.do("br i1 %some, label %sparse, label %join, !prof !0")  # rare: kept a branch, not if-converted
         e.lines.append("sparse:")
         for r in range(R):
             _chain(e, f"%acc{r}_a", _digit_terms(e, fmt, isa, u, w, dvs, r, 1), f"%acc{r}_s")
@@ -440,4 +441,4 @@ def module(fmt_isa_rc: list[tuple]) -> tuple[list[str], str]:
         n, t = kernel(*spec)
         names.append(n)
         bodies.append(t)
-    return names, DECLARE + "\n".join(bodies)
+    return names, DECLARE + "\n".join(bodies) + UNLIKELY
