@@ -143,7 +143,7 @@ _cached: tuple[tuple, Settings] | None = None
 
 def current() -> Settings:
     """Settings for the environment as it is now (cheap: cached until one of
-    :data:`VARIABLES` changes; only those are read, so only those are looked up: ~20 µs,
+    :data:`VARIABLES` changes; only those are read, so only those are looked up: ~25 µs,
     where a scan of the whole environment took ~60 µs under mpiexec's ~100 variables,
     twice a decode step)."""
     global _cached
