@@ -73,6 +73,24 @@ def test_outliers_leave_the_other_values_their_own_scale():
     assert abs(both[0, 7] - 80.0) <= 80.0 / 254 and np.abs(both - x)[~big].max() <= d1.max() / 2 * (1 + 1e-6)
     sums = xd[0::2] * xq[0::2].reshape(3, 4, 32).sum(-1) + xd[1::2] * xq[1::2].reshape(3, 4, 32).sum(-1)
     assert np.allclose(xs[0::2], sums, rtol=1e-6)
+    # compiled from IR for each instruction set: the same bits (the portable one for a
+    # baseline x86-64); sums per 16 (K-quants' minimum) as the two digits' own
+    halves = np.zeros((6, 8), np.float32)
+    for isa in RUNNABLE:
+        q2, d2, s2 = np.zeros_like(xq), np.zeros_like(xd), np.zeros_like(xs)
+        quantize_rows_outliers(x, q2, d2, s2, isa)
+        assert np.array_equal(q2, xq) and np.array_equal(d2, xd) and np.array_equal(s2, xs), isa
+        quantize_rows_outliers(x, q2, d2, halves, isa)
+        per16 = [xd[r::2].repeat(2, 1) * xq[r::2].reshape(3, 8, 16).sum(-1).astype(np.float32) for r in (0, 1)]
+        assert np.array_equal(halves[0::2], per16[0] + per16[1]), isa
+        assert np.array_equal(q2, xq) and np.array_equal(d2, xd)
+    ro = x.copy()  # read-only x (a mapped file's): its address taken the other way
+    ro.setflags(write=False)
+    q2, d2, s2 = np.zeros_like(xq), np.zeros_like(xd), np.zeros_like(xs)
+    quantize_rows_outliers(ro, q2, d2, s2)
+    assert np.array_equal(q2, xq) and np.array_equal(d2, xd) and np.array_equal(s2, xs)
+    with pytest.raises(ValueError, match="does not fit"):
+        quantize_rows_outliers(x, xq[:4], xd[:4], xs[:4])
 
 
 def test_two_digits_hold_what_one_leaves():

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from . import cpu, jit, parallel
-from .quantize import quantize_rows, quantize_rows2, quantize_rows_outliers
+from .quantize import outlier_quantizer, quantize_rows, quantize_rows2, quantize_rows_outliers
 from .tiles import ROWS, TiledWeight
 
 KERNEL_ROWS = (1, 2, 4, 8, 16)
@@ -63,6 +63,14 @@ def _quantizer(digits: int, outliers: bool = False):
     return quantize_rows if digits == 1 else quantize_rows2
 
 
+def _bound_quantizer(w: TiledWeight, isa: str | None, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray):
+    """``f(x)``: x quantized into these buffers (int8o's compiled quantizer bound to them)."""
+    if w.outliers:
+        return outlier_quantizer(isa)(xq, xd, xs)
+    q = _quantizer(w.digits)
+    return lambda x: q(x, xq, xd, xs)
+
+
 def rows_for(m: int) -> int:
     return next(r for r in KERNEL_ROWS if r >= m)
 
@@ -74,17 +82,14 @@ class Bound:
     def __init__(self, w: TiledWeight, isa: str | None = None):
         k = kernels(w.fmt, w.digits, isa, w.group, w.outliers)
         # the kernel for M rows, by M (looked up once: a decode step makes ~120 calls)
-        self.w, self.by_rows, self.quantize = (
-            w,
-            [None] + [k[rows_for(m)] for m in range(1, SMALL + 1)],
-            _quantizer(w.digits, w.outliers),
-        )
+        self.w, self.by_rows = w, [None] + [k[rows_for(m)] for m in range(1, SMALL + 1)]
         N, K = w.shape
         self.T, self.nb = w.qs.shape[0], K // 32
         P = SMALL * w.digits
         self.xq = np.zeros((P, K), np.int8)  # rows past M may hold old values: not stored
         self.xd = np.zeros((P, self.nb), np.float32)
         self.xs = np.zeros((P, K // w.xs_group), np.float32)
+        self.quantize = _bound_quantizer(w, isa, self.xq, self.xd, self.xs)
         self.wp = (_ptr(w.qs), _ptr(w.d), _ptr(w.m))
         self.xp = (_ptr(self.xq), _ptr(self.xd), _ptr(self.xs))
         self.pad = np.empty((SMALL, self.T * ROWS), np.float32) if self.T * ROWS != N else None
@@ -95,7 +100,7 @@ class Bound:
 
     def __call__(self, x: np.ndarray, y: np.ndarray) -> None:
         M = x.shape[0]
-        self.quantize(x, self.xq, self.xd, self.xs)
+        self.quantize(x)
         out = y if self.pad is None else self.pad
         if self.threads > 1:
             parallel.run_tiles(
@@ -103,7 +108,7 @@ class Bound:
                 self.T, self.nb, M, out.shape[1],
             )  # fmt: skip
         else:
-            self.by_rows[M](*self.wp, *self.xp, out.ctypes.data, self.T, self.nb, M, out.shape[1])
+            self.by_rows[M](*self.wp, *self.xp, jit.address(out), self.T, self.nb, M, out.shape[1])
         if self.pad is not None:
             y[:, :] = self.pad[:M, : y.shape[1]]
 
@@ -135,7 +140,10 @@ def matmul(x2: np.ndarray, w: TiledWeight, isa: str | None = None) -> np.ndarray
     xd = np.zeros((P, nb), np.float32)
     ns = K // w.xs_group  # x's sums per row (per 32, or per 16 for q6k)
     xs = np.zeros((P, ns), np.float32)
-    _quantizer(D, w.outliers)(x2, xq, xd, xs)
+    if w.outliers:
+        quantize_rows_outliers(x2, xq, xd, xs, isa)
+    else:
+        _quantizer(D)(x2, xq, xd, xs)
     Y = np.empty((M, T * ROWS), np.float32)
     n = parallel.threads()
     if n > 1 and T * nb < n * parallel.MIN_WORK:

@@ -18,6 +18,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from . import cpu, jit
+from .quantize_ir import LIMIT  # noqa: F401  (int8o's rule, read by tests)
+
 # no fastmath: x · (1/d) must round as the reference does, not become x / d
 EXACT = dict(cache=True, nogil=True, boundscheck=False)
 
@@ -104,38 +107,46 @@ def quantize_rows2(x, xq, xd, xs):
             _second(rest, xq, xd, xs, i, b, d, total, halves)
 
 
-LIMIT = 4.0  # an outlier: |x| above LIMIT times the root mean square of the rest of its block
+def outlier_quantizer(isa: str | None = None):
+    """``f(x)`` -> x quantized into fixed buffers, by int8o's compiled quantizer (for
+    ``isa``: its target CPU): built once per buffers, so that a decode step's call costs
+    x's pointer and one ctypes call."""
+    fn = jit.quantizer(isa or cpu.isa())
+
+    def bind(xq: np.ndarray, xd: np.ndarray, xs: np.ndarray):
+        K = xq.shape[1]
+        fixed = (xq.ctypes.data, xd.ctypes.data, xs.ctypes.data)
+        halves = int(xs.shape[1] != K // 32)
+
+        rows = min(xq.shape[0], xd.shape[0], xs.shape[0]) // 2
+
+        def f(x: np.ndarray) -> None:
+            if x.dtype != np.float32 or not x.flags.c_contiguous:
+                x = np.ascontiguousarray(x, np.float32)
+            M, k = x.shape
+            if k != K or M > rows:
+                raise ValueError(f"x {x.shape} does not fit the buffers xq {xq.shape}, xd {xd.shape}, xs {xs.shape}")
+            if M:
+                fn(jit.address(x), *fixed, M, K, halves)
+
+        return f
+
+    return bind
 
 
-@njit(**EXACT)
-def quantize_rows_outliers(x, xq, xd, xs):
+def quantize_rows_outliers(x, xq, xd, xs, isa: str | None = None) -> None:
     """One digit and x's outliers (``int8o``), as LLM.int8() splits them off: in each block
     of 32, the values above LIMIT × the root mean square of the block's other 31 (its
     largest left out) go to xq row 2i+1, quantized in their own block (a block without one
     is all zero, d = 0), the rest to row 2i, quantized as one digit is. An outlier then no
     longer sets d for the other 31 values of its block. The rule looks at one block only,
     so a tensor-parallel cut (on block boundaries) quantizes x as one rank does; xs[2i] =
-    the sum over both rows."""
-    M, K = x.shape
-    halves = xs.shape[1] != K // 32
-    main = np.empty(32, np.float32)
-    rest = np.empty(32, np.float32)
-    for i in range(M):
-        for b in range(K // 32):
-            lo, hi = 32 * b, 32 * b + 32
-            amax, ss = 0.0, 0.0
-            for j in range(32):
-                v = np.float64(x[i, lo + j])
-                amax = max(amax, abs(v))
-                ss += v * v
-            cut = LIMIT * np.sqrt(max(ss - amax * amax, 0.0) / 31.0)
-            for j in range(32):
-                v = x[i, lo + j]
-                big = abs(v) > cut and cut > 0
-                main[j] = 0 if big else v
-                rest[j] = v if big else 0
-            d, total = _block(main, xq[2 * i, lo:hi])
-            _second(rest, xq, xd, xs, i, b, d, total, halves)
+    the sum over both rows. Compiled from IR (:mod:`.quantize_ir`): xq, xd and xs
+    C-contiguous as laid out above."""
+    for a in (xq, xd, xs):
+        if not a.flags.c_contiguous:
+            raise ValueError("int8o's quantizer writes C-contiguous buffers only")
+    outlier_quantizer(isa)(xq, xd, xs)(x)
 
 
 def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
