@@ -1,7 +1,7 @@
 """mpitp against llama.cpp on the same GGUF file and the same cores, in one run.
 
     python benchmarks/llama_cpp.py                      # the embedded default model
-    python benchmarks/llama_cpp.py --llama-bin DIR --model FILE.gguf --tp 1,2 --activations int8x2,int8,float32
+    python benchmarks/llama_cpp.py --llama-bin DIR --model FILE.gguf --tp 1,2 --activations int8o,int8x2,float32
 
 llama.cpp's ``llama-bench`` and ``llama-server`` are found in --llama-bin, $LLAMA_CPP_BIN
 or on PATH; without them its rows say so and mpitp is measured alone. Build them from
@@ -19,11 +19,11 @@ a server (llama-server -np 8, mpitp serve --max-batch 8) answering the same 8 ch
 prompts greedily with the same max_tokens, one client at a time and 8 at once (output
 tokens/s = completion tokens over wall time); prefill of a ~500-token prompt against
 ``llama-bench -p 512`` and decode steps against ``llama-batched-bench`` at 1-16 sequences
-(where found); each of mpitp's rows for each --activations mode (int8x2, the default;
-int8, ggml's one digit; float32, the exact path); weights in memory per rank; and the decode
-rate's share of two ceilings measured in the same run: the bytes a rank streams per token
-over one core's read bandwidth alone, and (as ``mpitp generate`` prints it) over the
-memcpy bandwidth of ``mpitp bench`` with every rank copying at once. Every rank has one
+(where found); each of mpitp's rows for each --activations mode (int8o, the default;
+int8, ggml's one digit; int8x2, two digits; float32, the exact path); weights in memory
+per rank; and the decode rate's share of two ceilings measured in the same run: the
+bytes a rank streams per token over one core's read bandwidth alone, and (as ``mpitp
+generate`` prints it) over the memcpy bandwidth of ``mpitp bench`` with every rank copying at once. Every rank has one
 thread.
 """
 
@@ -229,7 +229,7 @@ def main() -> int:
     )
     ap.add_argument("--max-tokens", type=int, default=64, help="per server request (default 64)")
     ap.add_argument("--rounds", type=int, default=3, help="decode rounds, llama.cpp and mpitp alternated (default 3)")
-    ap.add_argument("--activations", default="int8x2,int8,float32", help="mpitp's modes to measure (comma list)")
+    ap.add_argument("--activations", default="int8o,int8x2,float32", help="mpitp's modes to measure (comma list)")
     ap.add_argument("--no-server", action="store_true", help="skip the server rows")
     ap.add_argument("--worker-steps", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
