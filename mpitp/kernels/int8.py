@@ -13,6 +13,16 @@ over them (an int8 GEMM in tiles)::
 
 The result equals the float64 product of the dequantized int8 x and the weights up to
 float32 summation order (tests/test_int8.py).
+
+int8o (one digit, the outliers apart) holds in decode, up to 16 rows a call. Past 16 rows
+(prefill) its weights are multiplied with two full digits, as int8x2: on real activations
+the union of a chunk's outliers covers most blocks (the default model: 58% of blocks at
+K = 576, 98% at K = 1536, for some row of 8), so the outlier digit was multiplied nearly
+everywhere already and two digits cost no more (measured: prefill faster, docs/
+measurements.md); and the prompt's logits, which pick the first token, and its keys and
+values, which every later token attends to, are then float32's up to ~1e-7 KL. With one
+digit the first token of README's question was a coin toss between "The" and "L" (0.08
+apart in float32): it flipped with the kernels' summation order, by machine and TP size.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from . import cpu, jit, parallel
-from .quantize import outlier_quantizer, quantize_rows, quantize_rows2, quantize_rows_outliers
+from .quantize import outlier_quantizer, quantize_rows, quantize_rows2
 from .tiles import ROWS, TiledWeight
 
 KERNEL_ROWS = (1, 2, 4, 8, 16)
@@ -57,9 +67,7 @@ def chunk(isa: str) -> int:
     return 8 if isa == "avx512" else SMALL
 
 
-def _quantizer(digits: int, outliers: bool = False):
-    if outliers:
-        return quantize_rows_outliers
+def _quantizer(digits: int):
     return quantize_rows if digits == 1 else quantize_rows2
 
 
@@ -134,16 +142,14 @@ def matmul(x2: np.ndarray, w: TiledWeight, isa: str | None = None) -> np.ndarray
     D = w.digits
     isa = isa or cpu.isa()
     rows = chunk(isa)
-    k = kernels(w.fmt, D, isa, w.group, w.outliers)[rows]
+    # int8o's prefill multiplies two full digits (int8x2), see gemm_digits
+    k = kernels(w.fmt, D, isa, w.group, False)[rows]
     P = -(-M // rows) * rows * D
     xq = np.zeros((P, K), np.int8)
     xd = np.zeros((P, nb), np.float32)
     ns = K // w.xs_group  # x's sums per row (per 32, or per 16 for q6k)
     xs = np.zeros((P, ns), np.float32)
-    if w.outliers:
-        quantize_rows_outliers(x2, xq, xd, xs, isa)
-    else:
-        _quantizer(D)(x2, xq, xd, xs)
+    _quantizer(D)(x2, xq, xd, xs)
     Y = np.empty((M, T * ROWS), np.float32)
     n = parallel.threads()
     if n > 1 and T * nb < n * parallel.MIN_WORK:
@@ -159,11 +165,12 @@ def matmul(x2: np.ndarray, w: TiledWeight, isa: str | None = None) -> np.ndarray
 
 def warm(kind: str, digits: int = 1, group: int = 32, outliers: bool = False) -> None:
     """Compile the kernels of this layout (:attr:`TiledWeight.fmt`) now (at load), not in
-    the first forward."""
+    the first forward: decode's, and with ``outliers`` prefill's two-digit ones too."""
     k = kernels(kind, digits, None, group, outliers)
     parallel.warm(k[1], parallel.threads())
+    if outliers:
+        outlier_quantizer()
+        kernels(kind, digits, None, group)
     x = np.zeros((1, 32), np.float32)
     for sums in (1, 2):  # per 32 and per 16 (q6k)
-        _quantizer(digits, outliers)(
-            x, np.zeros((2, 32), np.int8), np.zeros((2, 1), np.float32), np.zeros((2, sums), np.float32)
-        )
+        _quantizer(digits)(x, np.zeros((2, 32), np.int8), np.zeros((2, 1), np.float32), np.zeros((2, sums), np.float32))
