@@ -102,6 +102,8 @@ def test_two_digits_hold_what_one_leaves():
     two = one + dequantized_x(xq[1::2], xd[1::2])
     q1, d1, _ = quantize(x)
     assert np.array_equal(xq[0::2], q1) and np.array_equal(xd[0::2], d1)  # digit 1 is the one-digit quantization
+    q2, d2, _ = quantize(x - d1.repeat(32, 1) * q1.astype(np.float32))  # digit 2: Q8_0 of what it leaves, bit for bit
+    assert np.array_equal(xq[1::2], q2) and np.array_equal(xd[1::2], d2)
     err1, err2 = np.abs(one - x).max(), np.abs(two - x).max()
     assert err2 <= np.repeat(xd[1::2], 32, axis=1).max() / 2 * 1.001 + 1e-12 and err2 < err1 / 100, (err1, err2)
     assert np.allclose(
@@ -109,6 +111,17 @@ def test_two_digits_hold_what_one_leaves():
         (xd[0::2] * xq[0::2].reshape(5, 3, 32).sum(-1) + xd[1::2] * xq[1::2].reshape(5, 3, 32).sum(-1)),
         rtol=1e-5,
     )
+    # compiled from IR for each instruction set: the same bits; sums per 16 as each digit's own
+    halves = np.zeros((10, 6), np.float32)
+    for isa in RUNNABLE:
+        b = [np.zeros_like(a) for a in (xq, xd, xs)]
+        quantize_rows2(x, *b, isa)
+        assert all(np.array_equal(u, v) for u, v in zip(b, (xq, xd, xs))), isa
+        quantize_rows2(x, b[0], b[1], halves, isa)
+        per16 = [xd[r::2].repeat(2, 1) * xq[r::2].reshape(5, 6, 16).sum(-1).astype(np.float32) for r in (0, 1)]
+        assert np.array_equal(halves[0::2], per16[0] + per16[1]), isa
+    with pytest.raises(ValueError, match="does not fit"):
+        quantize_rows2(x, xq[:8], xd[:8], xs[:8])
 
 
 @settings(max_examples=20, deadline=None)

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from . import cpu, jit, parallel
-from .quantize import outlier_quantizer, quantize_rows, quantize_rows2
+from .quantize import outlier_quantizer, quantize_rows, quantize_rows2, two_digit_quantizer
 from .tiles import ROWS, TiledWeight
 
 KERNEL_ROWS = (1, 2, 4, 8, 16)
@@ -67,16 +67,14 @@ def chunk(isa: str) -> int:
     return 8 if isa == "avx512" else SMALL
 
 
-def _quantizer(digits: int):
-    return quantize_rows if digits == 1 else quantize_rows2
-
-
 def _bound_quantizer(w: TiledWeight, isa: str | None, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray):
-    """``f(x)``: x quantized into these buffers (int8o's compiled quantizer bound to them)."""
+    """``f(x)``: x quantized into these buffers (the two-row quantizers compiled from IR,
+    bound to them)."""
     if w.outliers:
         return outlier_quantizer(isa)(xq, xd, xs)
-    q = _quantizer(w.digits)
-    return lambda x: q(x, xq, xd, xs)
+    if w.digits == 2:
+        return two_digit_quantizer(isa)(xq, xd, xs)
+    return lambda x: quantize_rows(x, xq, xd, xs)
 
 
 def rows_for(m: int) -> int:
@@ -149,7 +147,10 @@ def matmul(x2: np.ndarray, w: TiledWeight, isa: str | None = None) -> np.ndarray
     xd = np.zeros((P, nb), np.float32)
     ns = K // w.xs_group  # x's sums per row (per 32, or per 16 for q6k)
     xs = np.zeros((P, ns), np.float32)
-    _quantizer(D)(x2, xq, xd, xs)
+    if D == 1:
+        quantize_rows(x2, xq, xd, xs)
+    else:
+        quantize_rows2(x2, xq, xd, xs, isa)
     Y = np.empty((M, T * ROWS), np.float32)
     n = parallel.threads()
     if n > 1 and T * nb < n * parallel.MIN_WORK:
@@ -171,6 +172,8 @@ def warm(kind: str, digits: int = 1, group: int = 32, outliers: bool = False) ->
     if outliers:
         outlier_quantizer()
         kernels(kind, digits, None, group)
+    if digits == 2:
+        two_digit_quantizer()
     x = np.zeros((1, 32), np.float32)
-    for sums in (1, 2):  # per 32 and per 16 (q6k)
-        _quantizer(digits)(x, np.zeros((2, 32), np.int8), np.zeros((2, 1), np.float32), np.zeros((2, sums), np.float32))
+    for sums in (1, 2):  # one digit's numba quantizer, sums per 32 and per 16 (q6k)
+        quantize_rows(x, np.zeros((2, 32), np.int8), np.zeros((2, 1), np.float32), np.zeros((2, sums), np.float32))

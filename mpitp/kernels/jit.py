@@ -135,12 +135,13 @@ def functions(specs: list[tuple]) -> list:
         return [_FUNCS[s] for s in specs]
 
 
-def quantizer(isa: str):
-    """The ctypes function of int8o's quantizer (:mod:`.quantize_ir`) for ``isa``:
-    ``f(x, xq, xd, xs, M, K, halves)``, pointers then integers."""
-    key = ("quantizer", isa)
+def quantizer(isa: str, name: str = quantize_ir.OUTLIERS):
+    """The ctypes function of a two-row quantizer (:mod:`.quantize_ir`: int8o's, or
+    int8x2's with ``TWO_DIGITS``) for ``isa``: ``f(x, xq, xd, xs, M, K, halves)``,
+    pointers then integers."""
+    key = ("quantizer", isa, name)
     with _LOCK:
         if key not in _FUNCS:
-            name, ir = quantize_ir.module()
+            name, ir = quantize_ir.module(name)
             _FUNCS[key] = QPROTO(_addresses(ir, isa, [name])[0])
         return _FUNCS[key]

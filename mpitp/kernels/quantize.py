@@ -19,7 +19,7 @@ import numpy as np
 from numba import njit
 
 from . import cpu, jit
-from .quantize_ir import LIMIT  # noqa: F401  (int8o's rule, read by tests)
+from .quantize_ir import LIMIT, OUTLIERS, TWO_DIGITS  # noqa: F401  (LIMIT: int8o's rule, read by tests)
 
 # no fastmath: x · (1/d) must round as the reference does, not become x / d
 EXACT = dict(cache=True, nogil=True, boundscheck=False)
@@ -75,43 +75,20 @@ def quantize_rows(x, xq, xd, xs):
                 xs[i, b] = d * np.float32(total)
 
 
-@njit(**EXACT)
-def _second(rest, xq, xd, xs, i, b, d, total, halves):
-    """Block b of row i's second digit: ``rest`` quantized into xq row 2i+1, both digits'
-    scales stored (the first, d, already quantized into row 2i) and xs[2i] their sum."""
-    lo = 32 * b
-    d2, total2 = _block(rest, xq[2 * i + 1, lo : lo + 32])
-    xd[2 * i, b] = d
-    xd[2 * i + 1, b] = d2
-    if halves:
-        xs[2 * i, 2 * b] = xs[2 * i, 2 * b + 1] = 0
-        _sums(xq[2 * i], lo, d, xs, 2 * i, b, halves)
-        _sums(xq[2 * i + 1], lo, d2, xs, 2 * i, b, halves)
-    else:
-        xs[2 * i, b] = d * np.float32(total) + d2 * np.float32(total2)
-
-
-@njit(**EXACT)
-def quantize_rows2(x, xq, xd, xs):
-    """Two digits: row i of x -> xq rows 2i (x's blocks as above) and 2i+1 (what is left,
-    x - d·q, quantized the same way); xs[2i] = the sum over both digits."""
-    M, K = x.shape
-    halves = xs.shape[1] != K // 32
-    rest = np.empty(32, np.float32)
-    for i in range(M):
-        for b in range(K // 32):
-            lo, hi = 32 * b, 32 * b + 32
-            d, total = _block(x[i, lo:hi], xq[2 * i, lo:hi])
-            for j in range(32):
-                rest[j] = x[i, lo + j] - d * np.float32(xq[2 * i, lo + j])
-            _second(rest, xq, xd, xs, i, b, d, total, halves)
-
-
 def outlier_quantizer(isa: str | None = None):
-    """``f(x)`` -> x quantized into fixed buffers, by int8o's compiled quantizer (for
-    ``isa``: its target CPU): built once per buffers, so that a decode step's call costs
+    """``bind(xq, xd, xs)`` -> ``f(x)``: x quantized into those buffers by int8o's compiled
+    quantizer (for ``isa``: its target CPU), bound once, so that a decode step's call costs
     x's pointer and one ctypes call."""
-    fn = jit.quantizer(isa or cpu.isa())
+    return _binder(OUTLIERS, isa)
+
+
+def two_digit_quantizer(isa: str | None = None):
+    """As :func:`outlier_quantizer`, int8x2's two digits (:func:`quantize_rows2`)."""
+    return _binder(TWO_DIGITS, isa)
+
+
+def _binder(name: str, isa: str | None):
+    fn = jit.quantizer(isa or cpu.isa(), name)
 
     def bind(xq: np.ndarray, xd: np.ndarray, xs: np.ndarray):
         K = xq.shape[1]
@@ -134,6 +111,21 @@ def outlier_quantizer(isa: str | None = None):
     return bind
 
 
+def quantize_rows2(x, xq, xd, xs, isa: str | None = None) -> None:
+    """Two digits: row i of x -> xq rows 2i (x's blocks as one digit quantizes them) and
+    2i+1 (what is left, x - d·q in float32, quantized the same way); xd the two digits'
+    scales, xs[2i] the sum over both digits (per 32, or per 16 where xs has K/16 columns).
+    Compiled from IR (:mod:`.quantize_ir`): xq, xd and xs C-contiguous."""
+    _check(xq, xd, xs)
+    two_digit_quantizer(isa)(xq, xd, xs)(x)
+
+
+def _check(*buffers) -> None:
+    for a in buffers:
+        if not a.flags.c_contiguous:
+            raise ValueError("the two-row quantizers write C-contiguous buffers only")
+
+
 def quantize_rows_outliers(x, xq, xd, xs, isa: str | None = None) -> None:
     """One digit and x's outliers (``int8o``), as LLM.int8() splits them off: in each block
     of 32, the values above LIMIT × the root mean square of the block's other 31 (its
@@ -143,9 +135,7 @@ def quantize_rows_outliers(x, xq, xd, xs, isa: str | None = None) -> None:
     so a tensor-parallel cut (on block boundaries) quantizes x as one rank does; xs[2i] =
     the sum over both rows. Compiled from IR (:mod:`.quantize_ir`): xq, xd and xs
     C-contiguous as laid out above."""
-    for a in (xq, xd, xs):
-        if not a.flags.c_contiguous:
-            raise ValueError("int8o's quantizer writes C-contiguous buffers only")
+    _check(xq, xd, xs)
     outlier_quantizer(isa)(xq, xd, xs)(x)
 
 

@@ -1,8 +1,9 @@
-"""LLVM IR of int8o's quantizer (:func:`.quantize.quantize_rows_outliers`), one block of
-32 values a step in vector registers, compiled by :mod:`.jit` like the kernels.
+"""LLVM IR of the two-row quantizers, int8o's (:func:`.quantize.quantize_rows_outliers`)
+and int8x2's (:func:`.quantize.quantize_rows2`), one block of 32 values a step in vector
+registers, compiled by :mod:`.jit` like the kernels.
 
-numba compiled the same rule as scalar loops with a call per block (~4-5 ns a value
-against ~1 for one digit); here each block is a handful of vector instructions::
+numba compiled the same rules as scalar loops with a call per block (~4-5 ns a value
+against ~1 for one digit); here each block is a handful of vector instructions. int8o::
 
     v = x[i, 32b : 32b+32]                         <32 x float>
     amax = max |v|,  ss = Σ v² (float64)           halving trees: the same order on any CPU
@@ -11,6 +12,12 @@ against ~1 for one digit); here each block is a handful of vector instructions::
     main = big ? 0 : v  -> xq row 2i,   d  = max|main| / 127
     rest = big ? v : 0  -> xq row 2i+1, d2 = max|rest| / 127   (0 where no outlier)
     xs[2i] = d·Σq + d2·Σq2        (or per 16: ``halves``)
+
+int8x2 (``TWO_DIGITS``)::
+
+    d, q = Q8_0 of v                     -> xq row 2i
+    d2, q2 = Q8_0 of v - d·q             -> xq row 2i+1   (x - d·q: a multiply, then a subtract)
+    xs[2i] as above
 
 q = round(v / d) as ggml rounds it (half away from zero), bit for bit the one-digit
 quantizer's. Where a row of x is [M, K] float32 C-contiguous; xq [2M, K] int8, xd [2M,
@@ -22,7 +29,7 @@ from __future__ import annotations
 from .int8_ir import _Body, idx, splat
 
 LIMIT = 4.0  # an outlier: |x| above LIMIT times the root mean square of the rest of its block
-NAME = "quantize_rows_outliers"
+OUTLIERS, TWO_DIGITS = "quantize_rows_outliers", "quantize_rows2"  # the two rules, by function name
 SIGNATURE = "ptr %x, ptr %xq, ptr %xd, ptr %xs, i64 %M, i64 %K, i64 %halves"
 F32, F64, I32 = "<32 x float>", "<32 x double>", "<32 x i32>"
 
@@ -79,14 +86,8 @@ def _half_sum(e: _Body, q: str, h: int) -> str:
     return e(f"sitofp i32 {e(f'call i32 @llvm.vector.reduce.add.v16i32(<16 x i32> {part})')} to float")
 
 
-def module() -> tuple[str, str]:
-    """(name, IR text) of the quantizer."""
-    e = _Body()
-    e.do("%xrow = mul i64 %i, %K")
-    e.do("%lo = shl i64 %b, 5")
-    e.do("%at = add i64 %xrow, %lo")
-    e.do("%px = getelementptr float, ptr %x, i64 %at")
-    v = e(f"load {F32}, ptr %px, align 4")
+def _split(e: _Body, v: str) -> tuple[str, str]:
+    """int8o's rule: (v without its outliers, the outliers alone)."""
     a = e(f"call {F32} @llvm.fabs.v32f32({F32} {v})")
     amax = e(f"fpext float {_tree(e, a, 32, 'float', 'max')} to double")
     v64 = e(f"fpext {F32} {v} to {F64}")
@@ -98,15 +99,33 @@ def module() -> tuple[str, str]:
     big = e(f"fcmp ogt {F64} {e(f'fpext {F32} {a} to {F64}')}, {_splat32(e, 'double', cut)}")
     big = e(f"and <32 x i1> {big}, {_splat32(e, 'i1', e(f'fcmp ogt double {cut}, 0.0'))}")
     main = e(f"select <32 x i1> {big}, {F32} zeroinitializer, {F32} {v}")
-    out = e(f"select <32 x i1> {big}, {F32} {v}, {F32} zeroinitializer")
-    e.do("%r1 = mul i64 %i, 2")  # xq rows 2i (one digit) and 2i + 1 (the outliers)
+    return main, e(f"select <32 x i1> {big}, {F32} {v}, {F32} zeroinitializer")
+
+
+def module(name: str = OUTLIERS) -> tuple[str, str]:
+    """(name, IR text) of the quantizer ``name``: OUTLIERS (int8o) or TWO_DIGITS (int8x2)."""
+    if name not in (OUTLIERS, TWO_DIGITS):
+        raise ValueError(f"no quantizer {name!r}")
+    e = _Body()
+    e.do("%xrow = mul i64 %i, %K")
+    e.do("%lo = shl i64 %b, 5")
+    e.do("%at = add i64 %xrow, %lo")
+    e.do("%px = getelementptr float, ptr %x, i64 %at")
+    v = e(f"load {F32}, ptr %px, align 4")
+    e.do("%r1 = mul i64 %i, 2")  # xq rows 2i (one digit) and 2i + 1 (the outliers, or what it leaves)
     e.do("%r2 = add i64 %r1, 1")
     e.do("%q1at = mul i64 %r1, %K")
     e.do("%q1o = add i64 %q1at, %lo")
     e.do("%q2o = add i64 %q1o, %K")
     e.do("%pq1 = getelementptr i8, ptr %xq, i64 %q1o")
     e.do("%pq2 = getelementptr i8, ptr %xq, i64 %q2o")
-    d1, q1, t1 = _digit(e, main, "%pq1")
+    if name == OUTLIERS:
+        main, out = _split(e, v)
+        d1, q1, t1 = _digit(e, main, "%pq1")
+    else:
+        d1, q1, t1 = _digit(e, v, "%pq1")
+        dq = e(f"fmul {F32} {_splat32(e, 'float', d1)}, {e(f'sitofp {I32} {q1} to {F32}')}")
+        out = e(f"fsub {F32} {v}, {dq}")  # no contraction into an fma: numba's x - d·q, rounded twice
     d2, q2, t2 = _digit(e, out, "%pq2")
     e.do("%d1o = mul i64 %r1, %nb")
     e.do("%d1o_b = add i64 %d1o, %b")
@@ -138,7 +157,7 @@ def module() -> tuple[str, str]:
         h.do(f"store float {val}, ptr %pxh{k}, align 4")
     per16 = "\n".join(h.lines)
     text = f"""
-define void @{NAME}({SIGNATURE}) {{
+define void @{name}({SIGNATURE}) {{
 entry:
   %nb = lshr i64 %K, 5
   %hv = icmp ne i64 %halves, 0
@@ -173,4 +192,4 @@ exit:
   ret void
 }}
 """
-    return NAME, DECLARE + text
+    return name, DECLARE + text
