@@ -44,7 +44,8 @@ def add_weights_argument(p, extra: tuple[str, ...] = (), note: str = "") -> None
         "llama.cpp does) and integer dot products (AVX-VNNI/AVX512-VNNI, AVX2, or portable); int8o = int8, "
         "with the outliers of each block of 32 (above 4x the root mean square of its other values) "
         "quantized apart, as LLM.int8() splits them off (the kernels multiply them only where there are "
-        "any); int8x2 = two int8 digits per value (what one leaves, quantized again: ~15 bits, twice the "
+        "any), in decode; its prefill multiplies two digits; int8x2 = two int8 digits per value "
+        "(what one leaves, quantized again: ~15 bits, twice the "
         "multiply-adds); float32 = float32 inputs, "
         "the exact reference; auto = int8o where the CPU has VNNI or AVX2, else float32 "
         "(default: $MPITP_ACTIVATIONS or auto; $MPITP_ISA forces an instruction set)",

@@ -73,7 +73,8 @@ def activations(choice: str | None = None, environ=None) -> str:
     ggml quantizes them), ``int8o`` (one digit, and in each block of 32 the values above 4×
     the root mean square of the block's other values kept apart in a second row, as
     LLM.int8() splits outliers off: they no longer coarsen their block's scale, and the
-    kernels multiply that row only in the blocks where it is not zero), ``int8x2`` (two
+    kernels multiply that row only in the blocks where it is not zero; prefill, past 16 rows a
+    call, multiplies two digits: :mod:`.int8`), ``int8x2`` (two
     digits, ~15 bits: a second full row of x each) or ``float32`` (the exact reference
     path). ``auto`` (the default, or ``MPITP_ACTIVATIONS``) is int8o where the CPU has
     integer dot products (avx512, vnni, avx2) and float32 elsewhere. On the default model
