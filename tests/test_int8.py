@@ -229,6 +229,10 @@ def test_each_instruction_set_compiles_to_its_instructions(cpu_name, isa, instru
     if isa not in ("vnni", "avx512"):
         assert "vpdpbusd" not in asm
     assert ("zmm" in asm) == (isa == "avx512")
+    # software prefetch of the weights in the kernels bound by reading them (few rows of x)
+    # only: each of a (tile, block)'s 3 cache lines of q6k in the 1-row kernel, none at 8 rows
+    fewer = [jit.assembly([("q6k", isa, r, 1)], cpu_name, "").count("prefetcht0") for r in (1, 8)]
+    assert fewer[0] >= 3 and fewer[1] == 0, fewer
 
 
 def test_the_choice_of_instruction_set(monkeypatch):
