@@ -140,7 +140,7 @@ def matmul(x2: np.ndarray, w: TiledWeight, isa: str | None = None) -> np.ndarray
     D = w.digits
     isa = isa or cpu.isa()
     rows = chunk(isa)
-    # int8o's prefill multiplies two full digits (int8x2), see gemm_digits
+    # int8o's prefill multiplies two full digits, as int8x2 (the module's docstring says why)
     k = kernels(w.fmt, D, isa, w.group, False)[rows]
     P = -(-M // rows) * rows * D
     xq = np.zeros((P, K), np.int8)
@@ -174,6 +174,7 @@ def warm(kind: str, digits: int = 1, group: int = 32, outliers: bool = False) ->
         kernels(kind, digits, None, group)
     if digits == 2:
         two_digit_quantizer()
+        return
     x = np.zeros((1, 32), np.float32)
     for sums in (1, 2):  # one digit's numba quantizer, sums per 32 and per 16 (q6k)
         quantize_rows(x, np.zeros((2, 32), np.int8), np.zeros((2, 1), np.float32), np.zeros((2, sums), np.float32))

@@ -1,4 +1,4 @@
-"""Compile the int8 kernels' IR (:mod:`.int8_ir`; int8o's quantizer, :mod:`.quantize_ir`)
+"""Compile the int8 kernels' IR (:mod:`.int8_ir`; the two-row quantizers, :mod:`.quantize_ir`)
 for this CPU with llvmlite, once per process and format, and hand them out as ctypes
 functions (which release the GIL).
 
