@@ -185,6 +185,8 @@ def test_kernels_equal_the_float64_product_of_what_they_multiply(t, isa, digits,
     assert y.dtype == np.float32 and y.shape == (m, n)
     scale = np.abs(ref).max() + 1e-30
     assert np.abs(y - ref).max() <= 1e-5 * scale, np.abs(y - ref).max() / scale
+    if isa == "amx" and m > int8.SMALL:  # prefill on AMX's tiles: avx512's numbers, bit for bit
+        assert np.array_equal(y, int8.matmul(x, tw, "avx512"))
     if m <= int8.SMALL:  # the bound form (the decode loop's) gives the same numbers
         y2 = np.full((m, n), np.nan, np.float32)
         int8.Bound(tw, isa)(x, y2)
@@ -235,6 +237,21 @@ def test_each_instruction_set_compiles_to_its_instructions(cpu_name, isa, instru
     assert fewer[0] >= 3 and fewer[1] == 0, fewer
 
 
+def test_amx_kernels_compile_to_tile_instructions():
+    """Prefill on AMX (what a Sapphire Rapids runs, compiled on any x86 host): unsigned
+    weights by tdpbsud, q8's signed ones by tdpbssd, the tiles configured and released."""
+    if not jit.target_machine("portable").triple.startswith("x86_64"):
+        pytest.skip("x86 kernels")
+    specs = [("q40h", "amx", 16, 1), ("q4k", "amx", 8, 2), ("q6kh", "amx", 16, 1), ("q8", "amx", 8, 2, 16)]
+    asm = jit.assembly(specs, "sapphirerapids", "")
+    assert asm.count("ldtilecfg") == asm.count("tilerelease") == 4
+    assert asm.count("tdpbsud") >= 3 and asm.count("tdpbssd") >= 1 and "vpdpbusd" not in asm
+    with pytest.raises(ValueError, match="apart"):
+        jit.assembly([("q4", "amx", 16, 1), ("q4", "avx512", 16, 1)], "sapphirerapids", "")
+    with pytest.raises(ValueError, match="no AMX kernel"):
+        jit.assembly([("q4", "amx", 4, 1)], "sapphirerapids", "")  # 4 rows of x fill no tile
+
+
 def test_the_choice_of_instruction_set(monkeypatch):
     have = cpu.supported()
     assert have[-1] == "portable" and cpu.isa({}) == have[0]
@@ -242,6 +259,8 @@ def test_the_choice_of_instruction_set(monkeypatch):
     assert cpu.supported(frozenset({"avx2", "avxvnni"}))[0] == "vnni"
     wide = frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512vnni"})
     assert cpu.supported(wide)[:2] == ("avx512", "vnni")
+    assert cpu.supported(wide | {"amx-tile", "amx-int8"})[:2] == ("amx", "avx512")  # prefill on tiles
+    assert cpu.supported(wide | {"amx-tile", "amx-bf16"})[0] == "avx512"  # no integer tiles
     assert cpu.supported(wide - {"avx512bw"})[0] == "vnni"  # 512-bit byte shifts need BW
     assert cpu.supported(frozenset({"avx2", "avx512vnni", "avx512vl"}))[0] == "vnni"
     assert cpu.supported(frozenset({"avx2", "avx512vnni"}))[0] == "avx2"  # 256-bit VNNI needs VL

@@ -1,7 +1,9 @@
 """Which integer dot-product instructions this CPU has, decided once per process.
 
-The int8 kernels (:mod:`.int8`) come in four instruction sets, as ggml's CPU backend::
+The int8 kernels (:mod:`.int8`) come in five instruction sets, as ggml's CPU backend::
 
+    amx       avx512's kernels, and prefill (more than 16 rows of x a call) on Intel's
+              tile matrix unit (AMX-INT8: :mod:`.amx_ir`)
     avx512    vnni's instruction on 512-bit vectors, 16 output rows at once (AVX512-VNNI
               with AVX512-BW)
     vnni      vpdpbusd: 32 u8×s8 products summed in fours into 8 int32 lanes, one
@@ -9,7 +11,7 @@ The int8 kernels (:mod:`.int8`) come in four instruction sets, as ggml's CPU bac
     avx2      vpmaddubsw (u8×s8 pairs -> int16) + vpmaddwd (pairs -> int32): two
     portable  the same sums in plain LLVM vector arithmetic, for any CPU LLVM targets
 
-``MPITP_ISA`` (avx512, vnni, avx2, portable) forces one; asking for instructions the CPU lacks is
+``MPITP_ISA`` (amx, avx512, vnni, avx2, portable) forces one; asking for instructions the CPU lacks is
 an error, not a crash. The features are LLVM's view of the host (what the JIT may use).
 """
 
@@ -17,7 +19,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-ISAS = ("avx512", "vnni", "avx2", "portable")
+ISAS = ("amx", "avx512", "vnni", "avx2", "portable")
+# Linux's arch_prctl: ask for the AMX tile data state (XFEATURE_XTILEDATA), which a process
+# does not have until it asks (its 8 KB of registers saved on every context switch)
+SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
 
 
 @lru_cache(maxsize=1)
@@ -34,6 +39,8 @@ def supported(features: frozenset[str] | None = None) -> tuple[str, ...]:
     f = host()[1] if features is None else features
     out = []
     if "avx2" in f and {"avx512f", "avx512bw", "avx512vl", "avx512vnni"} <= f:
+        if {"amx-tile", "amx-int8"} <= f and (features is not None or amx_permitted()):
+            out.append("amx")
         out.append("avx512")
     if "avx2" in f and ("avxvnni" in f or {"avx512vnni", "avx512vl"} <= f):
         out.append("vnni")
@@ -41,6 +48,21 @@ def supported(features: frozenset[str] | None = None) -> tuple[str, ...]:
         out.append("avx2")
     out.append("portable")
     return tuple(out)
+
+
+@lru_cache(maxsize=1)
+def amx_permitted() -> bool:
+    """Whether Linux lets this process use AMX's tiles (asked once; without it the first
+    tile instruction would kill the process with SIGILL)."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    try:
+        return ctypes.CDLL(None).syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def _env(environ):
@@ -77,7 +99,7 @@ def activations(choice: str | None = None, environ=None) -> str:
     call, multiplies two digits: :mod:`.int8`), ``int8x2`` (two
     digits, ~15 bits: a second full row of x each) or ``float32`` (the exact reference
     path). ``auto`` (the default, or ``MPITP_ACTIVATIONS``) is int8o where the CPU has
-    integer dot products (avx512, vnni, avx2) and float32 elsewhere. On the default model
+    integer dot products (amx, avx512, vnni, avx2) and float32 elsewhere. On the default model
     one digit moves the logits by a mean KL of ~3e-3 and answers README's question
     differently; int8o by ~6e-4 at about one digit's speed; two digits by ~5e-8 at up to
     twice the multiply-adds (docs/measurements.md)."""

@@ -57,14 +57,26 @@ def kernels(
 def lanes(isa: str, rows: int) -> str:
     """The kernel for ``rows`` rows of x: avx512's 16 lanes from 4 rows up. With fewer the
     step is bound by memory, and one tile a step (one stream of weights) reads faster:
-    measured on Zen 4, 1 row of x over 36 MB of Q4_0, 25 GB/s with 8 lanes, 20 with 16."""
+    measured on Zen 4, 1 row of x over 36 MB of Q4_0, 25 GB/s with 8 lanes, 20 with 16.
+    ``amx`` decodes with avx512's kernels."""
+    isa = "avx512" if isa == "amx" else isa
     return "vnni" if isa == "avx512" and rows < 4 else isa
 
 
-def chunk(isa: str) -> int:
+def chunk(isa: str, digits: int = 1) -> int:
     """Rows of x each prefill kernel call takes: 16, or 8 with avx512 (16 rows of 16 lanes
-    spill their accumulators; 8 run at ~1.2-1.5x the GMAC/s of 16, measured on Zen 4)."""
+    spill their accumulators; 8 run at ~1.2-1.5x the GMAC/s of 16, measured on Zen 4);
+    amx's one tile of 16 rows of x (8 with two digits)."""
+    if isa == "amx":
+        return 16 // digits
     return 8 if isa == "avx512" else SMALL
+
+
+def prefill_kernel(kind: str, digits: int, isa: str, group: int):
+    """The kernel prefill calls for :func:`chunk` rows of x: AMX's where ``isa`` is amx."""
+    if isa == "amx":
+        return jit.functions([(kind, "amx", chunk(isa, digits), digits, group)])[0]
+    return kernels(kind, digits, isa, group, False)[chunk(isa)]
 
 
 def _bound_quantizer(w: TiledWeight, isa: str | None, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray):
@@ -139,9 +151,9 @@ def matmul(x2: np.ndarray, w: TiledWeight, isa: str | None = None) -> np.ndarray
         return y
     D = w.digits
     isa = isa or cpu.isa()
-    rows = chunk(isa)
+    rows = chunk(isa, D)
     # int8o's prefill multiplies two full digits, as int8x2 (the module's docstring says why)
-    k = kernels(w.fmt, D, isa, w.group, False)[rows]
+    k = prefill_kernel(w.fmt, D, isa, w.group)
     P = -(-M // rows) * rows * D
     xq = np.zeros((P, K), np.int8)
     xd = np.zeros((P, nb), np.float32)
@@ -171,7 +183,7 @@ def warm(kind: str, digits: int = 1, group: int = 32, outliers: bool = False) ->
     parallel.warm(k[1], parallel.threads())
     if outliers:
         outlier_quantizer()
-        kernels(kind, digits, None, group)
+    prefill_kernel(kind, digits, cpu.isa(), group)
     if digits == 2:
         two_digit_quantizer()
         return

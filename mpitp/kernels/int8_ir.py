@@ -289,7 +289,16 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
         for r in range(R):
             e.do(f"%acc{r}_n = phi {F} [%acc{r}_a, %blk], [%acc{r}_s, %sparse]")
         latch = "join"
+    return name, frame(name, e, R, D, latch)
+
+
+def frame(name: str, e: _Body, R: int, D: int, latch: str, entry: str = "", leave: str = "") -> str:
+    """A kernel's function around its block step ``e`` (ending in label ``latch``): the
+    loops over tiles (one or two a step) and blocks, each row's offsets, and the stores of
+    y (rows ≥ M, and an odd last tile's second half, stored nowhere); ``entry`` and
+    ``leave``: lines to run first and last (each ending in a newline)."""
     block = "\n".join(e.lines)
+    F = e.F
     rowvars = "\n".join(
         f"  %xrow{r}_{j} = mul i64 %K, {D * r + j}\n  %xdrow{r}_{j} = mul i64 %nb, {D * r + j}"
         for r in range(R)
@@ -327,7 +336,7 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
 define void @{name}({SIGNATURE}) {{
 entry:
   %scratch = alloca <8 x float>
-  %K = shl i64 %nb, 5
+{entry}  %K = shl i64 %nb, 5
 {rowvars}
   br label %tile
 tile:
@@ -347,10 +356,10 @@ tileend:
   %again = icmp ult i64 %t1, %T
   br i1 %again, label %tile, label %exit
 exit:
-  ret void
+{leave}  ret void
 }}
 """
-    return name, text
+    return text
 
 
 def _k_scales(e: _Body, fmt: str, isa: str, half: bool) -> tuple[list[str], list[tuple[str, int]]]:

@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from . import int8_ir, quantize_ir
+from . import amx_ir, cpu, int8_ir, quantize_ir
 
 _LOCK = threading.Lock()
 _ENGINES: list = []
@@ -75,7 +75,7 @@ def optimized(ir: str, tm):
 def assembly(specs: list[tuple], cpu: str, features: str) -> str:
     """The machine code of some kernels for any CPU, as text (to check what a CPU this
     machine lacks would run)."""
-    _, ir = int8_ir.module(specs)
+    _, ir = _module(specs)
     tm = target_machine(specs[0][1], cpu, features)
     return tm.emit_assembly(optimized(ir, tm))
 
@@ -124,12 +124,22 @@ def _addresses(ir: str, isa: str, names: list[str]) -> list[int]:
     return [engine.get_function_address(n) for n in names]
 
 
+def _module(specs: list[tuple]) -> tuple[list[str], str]:
+    amx = specs[0][1] == "amx"
+    if any((s[1] == "amx") != amx for s in specs):
+        raise ValueError("AMX kernels are compiled apart from the vector ones")
+    return (amx_ir if amx else int8_ir).module(specs)
+
+
 def functions(specs: list[tuple]) -> list:
-    """ctypes functions of the kernels ``(fmt, isa, R, D)``, compiled on first request."""
+    """ctypes functions of the kernels ``(fmt, isa, R, D)``, compiled on first request
+    (isa ``amx``: :mod:`.amx_ir`'s, not to be asked for with others in one call)."""
     with _LOCK:
         todo = [s for s in dict.fromkeys(specs) if s not in _FUNCS]
         if todo:
-            names, ir = int8_ir.module(todo)
+            if todo[0][1] == "amx" and not cpu.amx_permitted():  # else the first tile instruction: SIGILL
+                raise ValueError("AMX kernels asked for, but Linux did not grant this process AMX's tiles")
+            names, ir = _module(todo)
             for spec, address in zip(todo, _addresses(ir, todo[0][1], names)):
                 _FUNCS[spec] = PROTO(address)
         return [_FUNCS[s] for s in specs]
