@@ -62,7 +62,7 @@ def _fast(*arrays) -> bool:
 _DECODE = None
 # a prompt's attention goes this many query rows at a time, each block over the columns up
 # to its last row (the causal square's upper part is never formed): on the 1B shape at 476
-# tokens, 61 -> ~35 ms a layer (docs/measurements.md)
+# tokens, 61 -> 47 ms a layer (docs/measurements.md, "Prefill on AMX tiles")
 QUERY_BLOCK = 64
 
 
