@@ -185,7 +185,7 @@ def test_kernels_equal_the_float64_product_of_what_they_multiply(t, isa, digits,
     assert y.dtype == np.float32 and y.shape == (m, n)
     scale = np.abs(ref).max() + 1e-30
     assert np.abs(y - ref).max() <= 1e-5 * scale, np.abs(y - ref).max() / scale
-    if isa == "amx" and m > int8.SMALL:  # prefill on AMX's tiles: avx512's numbers, bit for bit
+    if isa == "amx":  # from 8 rows on AMX's tiles (int8o's too): avx512's numbers, bit for bit
         assert np.array_equal(y, int8.matmul(x, tw, "avx512"))
     if m <= int8.SMALL:  # the bound form (the decode loop's) gives the same numbers
         y2 = np.full((m, n), np.nan, np.float32)
@@ -243,8 +243,9 @@ def test_amx_kernels_compile_to_tile_instructions():
     if not jit.target_machine("portable").triple.startswith("x86_64"):
         pytest.skip("x86 kernels")
     specs = [("q40h", "amx", 16, 1), ("q4k", "amx", 8, 2), ("q6kh", "amx", 16, 1), ("q8", "amx", 8, 2, 16)]
+    specs.append(("q4", "amx", 16, 2, 32, True))  # int8o: the outliers' digit on a branch
     asm = jit.assembly(specs, "sapphirerapids", "")
-    assert asm.count("ldtilecfg") == asm.count("tilerelease") == 4
+    assert asm.count("ldtilecfg") == asm.count("tilerelease") == 5
     assert asm.count("tdpbsud") >= 3 and asm.count("tdpbssd") >= 1 and "vpdpbusd" not in asm
     with pytest.raises(ValueError, match="apart"):
         jit.assembly([("q4", "amx", 16, 1), ("q4", "avx512", 16, 1)], "sapphirerapids", "")
@@ -345,6 +346,8 @@ def test_k_quants_are_repacked_exactly_and_multiplied(t, n, supers, m, isa, seed
                 y2 = np.full((m, n), np.nan, np.float32)
                 int8.Bound(tw2, isa)(xs, y2)
                 assert np.array_equal(y2, int8.matmul(xs, tw2, isa))
+                if isa == "amx":  # 16 rows on the tiles, 3 and 1 not: all avx512's bits
+                    assert np.array_equal(y2, int8.matmul(xs, tw2, "avx512"))
 
 
 def test_mixed_pieces_of_a_merged_weight_are_kept_exactly():

@@ -1,4 +1,5 @@
-"""LLVM IR of the prefill kernels on Intel AMX (the ``amx`` instruction set): the same
+"""LLVM IR of the int8 kernels for 8 rows of x and more (batches, prefill) on Intel AMX
+(the ``amx`` instruction set): the same
 function as :mod:`.int8_ir`'s kernels (same weights in tiles, same quantized x, same
 signature), its integer dot products done by tile instructions.
 
@@ -28,7 +29,21 @@ Linux hands AMX's 8 KB of register state to a process only on request
 
 from __future__ import annotations
 
-from .int8_ir import _at, _bcast, _Body, _chain, _k_scales, _load, _parse, _per_tile, _q6_quants, _scales, frame, splat
+from .int8_ir import (
+    UNLIKELY,
+    _at,
+    _bcast,
+    _Body,
+    _chain,
+    _k_scales,
+    _load,
+    _parse,
+    _per_tile,
+    _q6_quants,
+    _scales,
+    frame,
+    splat,
+)
 
 DECLARE = """
 declare void @llvm.x86.ldtilecfg(ptr)
@@ -45,45 +60,53 @@ A_TILE, B_TILE = 0, 1  # tmm0: 16 rows of x; tmm1 (tmm2): the weights (of each h
 ROWS_A = 16  # rows of x an A tile holds
 
 
-def config(x_rows: int, halves: int) -> list[int]:
+def config(rows: int, a_tiles: int, halves: int) -> list[int]:
     """The 64-byte tile configuration: palette 1; each tile's bytes per row (16-bit, from
-    byte 16) and rows (from byte 48)."""
+    byte 16) and rows (from byte 48): A (``rows`` of x), B (each half), a C per A and half."""
     cfg = [0] * 64
     cfg[0] = 1
     kb = 32 // halves  # bytes of x (k) per A row, per half
 
-    def tile(i: int, rows: int, colsb: int) -> None:
-        cfg[16 + 2 * i], cfg[17 + 2 * i], cfg[48 + i] = colsb & 255, colsb >> 8, rows
+    def tile(i: int, n: int, colsb: int) -> None:
+        cfg[16 + 2 * i], cfg[17 + 2 * i], cfg[48 + i] = colsb & 255, colsb >> 8, n
 
-    tile(A_TILE, ROWS_A, kb)
+    tile(A_TILE, rows, kb)
     for h in range(halves):
         tile(B_TILE + h, kb // 4, 64)
-    for c in range(x_rows // ROWS_A * halves):
-        tile(3 + c, ROWS_A, 64)
+    for c in range(a_tiles * halves):
+        tile(3 + c, rows, 64)
     return cfg
 
 
-def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32) -> tuple[str, str]:
-    """(name, IR) of the AMX kernel for R rows of x (each D digits: R·D a multiple of 16)
-    over pairs of weight tiles."""
-    name = f"{fmt}_amx_r{R}_d{D}_g{G}"
+def _a_tiles(x_rows: int) -> int:
+    return -(-x_rows // ROWS_A)
+
+
+def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = False) -> tuple[str, str]:
+    """(name, IR) of the AMX kernel for R rows of x (each D digits: R·D a multiple of 8, at
+    most 32) over pairs of weight tiles. ``sparse``: int8o's second digit (x's outliers),
+    multiplied everywhere (its zeros add nothing) but added after the weights' minimum
+    term, in the order of :mod:`.int8_ir`'s ``_o`` kernels, so the bits are theirs."""
+    name = f"{fmt}_amx_r{R}_d{D}_g{G}" + ("_o" if sparse else "")
     core, implied, half = _parse(fmt)
     x_rows = R * D
     if (
         isa != "amx"
         or core not in ("q4", "q8", "q4k", "q6k")
         or D not in (1, 2)
-        or x_rows % ROWS_A
+        or x_rows % 8
         or x_rows > 2 * ROWS_A
         or G not in (16, 32)
         or (G == 16 and core != "q8")
         or (core in ("q4k", "q6k") and G != 32)
+        or (sparse and (D != 2 or R > ROWS_A))
     ):
         raise ValueError(f"no AMX kernel for {name}")
     e = _Body(16)
     F = e.F
+    latch = "join" if sparse else "main"
     for r in range(R):
-        e.do(f"%acc{r} = phi {F} [zeroinitializer, %tile], [%acc{r}_n, %main]")
+        e.do(f"%acc{r} = phi {F} [zeroinitializer, %tile], [%acc{r}_n, %{latch}]")
     e.do("%b20 = shl i64 %b, 1")  # x's sums per 16 of this block: 2b, 2b + 1
     e.do("%b21 = add i64 %b20, 1")
     e.do("%bs = lshr i64 %b, 3")  # its super-block (K-quants)
@@ -128,42 +151,78 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32) -> tuple[str, st
     for h in range(halves):
         e.do(f"%bh{h} = getelementptr i8, ptr %bufnow, i64 {256 * h}")
         e.do(f"call void @llvm.x86.tileloadd64(i8 {B_TILE + h}, ptr %bh{h}, i64 64)")
-    dot = "tdpbssd" if core == "q8" else "tdpbsud"
-    ctiles = x_rows // ROWS_A * halves
+    # A tiles: 16 rows of xq each (stride K); int8o's (``sparse``): one per digit, the
+    # digit's row of each of the R rows of x (stride 2K), the second multiplied only in
+    # the blocks where some row has an outlier, as the vector kernels do
+    n_a, a_rows = (2, R) if sparse else (_a_tiles(x_rows), min(ROWS_A, x_rows))
+    stride = "%xstride" if sparse else "%K"
     xk = e("shl i64 %b, 5", "xb")  # the block's first byte in a row of xq
-    for a in range(x_rows // ROWS_A):
+
+    def where(r: int, j: int) -> tuple[int, int]:  # (A tile, its row) of digit j of row r
+        return (j, r) if sparse else divmod(D * r + j, ROWS_A)
+
+    def multiply(a: int) -> None:  # C tiles of A tile a (one per half), stored
         e.do(f"%xa{a} = add i64 %xarow{a}, {xk}")
         for h in range(halves):
             c = 3 + a * halves + h
             e.do(f"call void @llvm.x86.tilezero(i8 {c})")
             at = e(f"add i64 %xa{a}, {16 * h}", "xa") if h else f"%xa{a}"
             p = e(f"getelementptr i8, ptr %xq, i64 {at}", "p")
-            e.do(f"call void @llvm.x86.tileloadd64(i8 {A_TILE}, ptr {p}, i64 %K)")
+            e.do(f"call void @llvm.x86.tileloadd64(i8 {A_TILE}, ptr {p}, i64 {stride})")
             e.do(f"call void @llvm.x86.{dot}(i8 {c}, i8 {A_TILE}, i8 {B_TILE + h})")
-    for c in range(ctiles):
-        e.do(f"%cp{c} = getelementptr i8, ptr %cbuf, i64 {1024 * c}")
-        e.do(f"call void @llvm.x86.tilestored64(i8 {3 + c}, ptr %cp{c}, i64 64)")
-    for r in range(R):
-        terms = []
-        for j in range(D):
-            a, i = divmod(D * r + j, ROWS_A)
-            xd = _bcast(e, _load(e, "float", "%xd", e(f"add i64 %xdrow{r}_{j}, %b", "xb"), "float"))
-            for h, dv in enumerate(dvs):
-                isum = _load(e, e.I, f"%cp{a * halves + h}", str(16 * i), "i32")  # row i of C
-                terms.append((e(f"sitofp {e.I} {isum} to {F}"), e(f"fmul {F} {dv}, {xd}")))
+        for h in range(halves):
+            c = a * halves + h
+            e.do(f"%cp{c} = getelementptr i8, ptr %cbuf, i64 {1024 * c}")
+            e.do(f"call void @llvm.x86.tilestored64(i8 {3 + c}, ptr %cp{c}, i64 64)")
+
+    def digit_terms(r: int, j: int) -> list[tuple[str, str]]:
+        a, i = where(r, j)
+        xd = _bcast(e, _load(e, "float", "%xd", e(f"add i64 %xdrow{r}_{j}, %b", "xb"), "float"))
+        out = []
+        for h, dv in enumerate(dvs):
+            isum = _load(e, e.I, f"%cp{a * halves + h}", str(16 * i), "i32")  # row i of C
+            out.append((e(f"sitofp {e.I} {isum} to {F}"), e(f"fmul {F} {dv}, {xd}")))
+        return out
+
+    def least(r: int) -> list[tuple[str, str]]:  # the weights' minimum times x's sums
+        out = []
         for mv, h in mins:
             at = f"%xdrow{r}_0, %b" if h < 0 else f"%xsrow{r}, %b2{h}"
-            terms.append((mv, _bcast(e, _load(e, "float", "%xs", e(f"add i64 {at}", "xb"), "float"))))
-        _chain(e, f"%acc{r}", terms, f"%acc{r}_n")
-    cfg = ", ".join(f"i8 {v}" for v in config(x_rows, halves))
+            out.append((mv, _bcast(e, _load(e, "float", "%xs", e(f"add i64 {at}", "xb"), "float"))))
+        return out
+
+    dot = "tdpbssd" if core == "q8" else "tdpbsud"
+    for a in range(1 if sparse else n_a):
+        multiply(a)
+    for r in range(R):
+        terms = digit_terms(r, 0) + least(r) if sparse else [t for j in range(D) for t in digit_terms(r, j)] + least(r)
+        _chain(e, f"%acc{r}", terms, f"%acc{r}_a" if sparse else f"%acc{r}_n")
+    if sparse:  # as int8_ir's: the rows' outlier scales OR-ed as integers, one branch
+        bits = [_load(e, "i32", "%xd", e(f"add i64 %xdrow{r}_1, %b", "xb"), "float") for r in range(R)]
+        some = bits[0]
+        for c in bits[1:]:
+            some = e(f"or i32 {some}, {c}", "c")
+        e.do(f"%some = icmp ne i32 {some}, 0")
+        e.do("br i1 %some, label %sparse, label %join, !prof !0")
+        e.lines.append("sparse:")
+        multiply(1)
+        for r in range(R):
+            _chain(e, f"%acc{r}_a", digit_terms(r, 1), f"%acc{r}_s")
+        e.do("br label %join")
+        e.lines.append("join:")
+        for r in range(R):
+            e.do(f"%acc{r}_n = phi {F} [%acc{r}_a, %main], [%acc{r}_s, %sparse]")
+    ctiles = n_a * halves
+    cfg = ", ".join(f"i8 {v}" for v in config(a_rows, n_a, halves))
     entry = (
         f"  %cfg = alloca <64 x i8>, align 64\n  store <64 x i8> <{cfg}>, ptr %cfg, align 64\n"
         "  call void @llvm.x86.ldtilecfg(ptr %cfg)\n"
         "  %buf0 = alloca [512 x i8], align 64\n  %buf1 = alloca [512 x i8], align 64\n"
         f"  %cbuf = alloca [{1024 * ctiles} x i8], align 64\n"
-        + "".join(f"  %xarow{a} = mul i64 %nb, {32 * ROWS_A * a}\n" for a in range(x_rows // ROWS_A))
+        + "".join(f"  %xarow{a} = mul i64 %nb, {32 * (1 if sparse else ROWS_A) * a}\n" for a in range(n_a))
+        + "  %xstride = shl i64 %nb, 6\n"  # 2K: int8o's rows of one digit
     )
-    return name, frame(name, e, R, D, "main", entry, "  call void @llvm.x86.tilerelease()\n")
+    return name, frame(name, e, R, D, latch, entry, "  call void @llvm.x86.tilerelease()\n")
 
 
 def _store_weights(e: _Body, core: str, buf: str) -> None:
@@ -191,4 +250,4 @@ def module(specs: list[tuple]) -> tuple[list[str], str]:
         n, t = kernel(*spec)
         names.append(n)
         bodies.append(t)
-    return names, DECLARE + "\n".join(bodies)
+    return names, DECLARE + "\n".join(bodies) + UNLIKELY

@@ -2,7 +2,7 @@
 
 The int8 kernels (:mod:`.int8`) come in five instruction sets, as ggml's CPU backend::
 
-    amx       avx512's kernels, and prefill (more than 16 rows of x a call) on Intel's
+    amx       avx512's kernels up to 4 rows of x; from 8 rows (batches, prefill) Intel's
               tile matrix unit (AMX-INT8: :mod:`.amx_ir`)
     avx512    vnni's instruction on 512-bit vectors, 16 output rows at once (AVX512-VNNI
               with AVX512-BW)

@@ -1,7 +1,8 @@
 """``y = x @ Wᵀ`` with int8 activations, for weights in tiles (:mod:`.tiles`).
 
 x is quantized once per call (:mod:`.quantize`), then one compiled kernel (:mod:`.jit`,
-:mod:`.int8_ir`) per row count R in 1, 2, 4, 8, 16 walks the weights once for all rows
+:mod:`.int8_ir`; with ``amx``, 8 rows and more on the tiles, :mod:`.amx_ir`) per row
+count R in 1, 2, 4, 8, 16 walks the weights once for all rows
 (a row count in between runs the next R up; its extra rows are not stored). More than 16
 rows (prefill) go a chunk at a time (16 rows, 8 with avx512: :func:`chunk`) over column
 tiles of the weight small enough to stay in the cache while every chunk of rows passes
@@ -37,6 +38,10 @@ from .tiles import ROWS, TiledWeight
 
 KERNEL_ROWS = (1, 2, 4, 8, 16)
 SMALL = KERNEL_ROWS[-1]
+# with amx, decode's kernels for this many rows of x and more run on the tiles too (TP=2
+# batch 8 / 16: default model 18.0 -> 15.2 / 27.4 -> 22.2 ms a step, 1B Q4_K_M 57-60 -> 53-54 /
+# 107-116 -> 83-86; at 4 rows no faster: docs/measurements.md)
+AMX_ROWS = 8
 SPAN = 64  # tiles (of 8 rows) per column span in prefill: 512 rows
 
 
@@ -50,8 +55,13 @@ def kernels(
     """The compiled kernels of one weight kind, digits of x and scale group, by row count
     (``outliers``: the second digit is x's outliers, multiplied only where there are any)."""
     isa = isa or cpu.isa()
-    specs = [(kind, lanes(isa, r), r, digits, group) + ((True,) if outliers else ()) for r in KERNEL_ROWS]
-    return dict(zip(KERNEL_ROWS, jit.functions(specs)))
+    vector = [r for r in KERNEL_ROWS if not (isa == "amx" and r >= AMX_ROWS)]
+    specs = [(kind, lanes(isa, r), r, digits, group) + ((True,) if outliers else ()) for r in vector]
+    out = dict(zip(vector, jit.functions(specs)))
+    tiles = [r for r in KERNEL_ROWS if r not in out]
+    extra = (True,) if outliers else ()
+    out.update(zip(tiles, jit.functions([(kind, "amx", r, digits, group) + extra for r in tiles])))
+    return out
 
 
 def lanes(isa: str, rows: int) -> str:
