@@ -179,3 +179,51 @@ def test_half_slices_and_take(t):
     out = mm.take(bw, np.array([3, -1, 39], np.int64))
     assert np.array_equal(out[[0, 2]], deq[[3, 39]]) and not out[1].any()
     assert not formats.empty(bw.kind, 2, 70, t).dequantize().any()
+
+
+def test_decode_attention_against_numpy_and_over_threads():
+    """decode.attend (RoPE, the new K/V into the cache, masked softmax · V per query head of
+    each KV head) equals a float64 NumPy reference; with threads (each row and KV head a
+    task) the same bits."""
+    import numba
+
+    from mpitp.kernels import decode
+
+    rng = np.random.default_rng(5)
+    B, nh, nkv, d, s, L = 3, 6, 2, 8, 9, 12
+    qkv = rng.standard_normal((B, (nh + 2 * nkv) * d)).astype(np.float32)
+    ang = rng.uniform(0, 6, (B, d // 2))
+    cos = np.cos(np.concatenate([ang, ang], 1)).astype(np.float32)
+    sin = np.sin(np.concatenate([ang, ang], 1)).astype(np.float32)
+    kc = rng.standard_normal((B, L, nkv, d)).astype(np.float32)
+    vc = rng.standard_normal((B, L, nkv, d)).astype(np.float32)
+    valid = rng.random((B, L)) > 0.3
+    valid[:, s] = True
+
+    def rope(x, b):
+        h = d // 2
+        return np.concatenate([x[:h] * cos[b, :h] - x[h:] * sin[b, :h], x[h:] * cos[b, h:] + x[:h] * sin[b, h:]])
+
+    x = qkv.astype(np.float64).reshape(B, nh + 2 * nkv, d)
+    want = np.zeros((B, nh * d))
+    k_all, v_all = kc.astype(np.float64), vc.astype(np.float64)
+    for b in range(B):
+        for j in range(nkv):
+            k_all[b, s, j], v_all[b, s, j] = rope(x[b, nh + j], b), x[b, nh + nkv + j]
+        for h in range(nh):
+            j = h // (nh // nkv)
+            seen = np.flatnonzero(valid[b, : s + 1])
+            sc = k_all[b, seen, j] @ rope(x[b, h], b) * 0.3
+            p = np.exp(sc - sc.max())
+            want[b, h * d : (h + 1) * d] = (p / p.sum()) @ v_all[b, seen, j]
+    outs = []
+    for f in (decode.attend, decode.attend_threads):
+        k2, v2, out = kc.copy(), vc.copy(), np.empty((B, nh * d), np.float32)
+        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+        f(qkv, cos, sin, k2, v2, valid, s, nh, nkv, np.float32(0.3), True, out)
+        outs.append((out, k2, v2))
+    out, k2, v2 = outs[0]
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(k2[:, s], k_all[:, s], rtol=1e-6, atol=1e-6)
+    assert np.array_equal(v2, v_all.astype(np.float32))
+    assert all(np.array_equal(a, c) for a, c in zip(outs[0], outs[1]))

@@ -15,7 +15,7 @@ differs)::
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from .matmul import OPTS
 
@@ -45,56 +45,76 @@ def swiglu(gu, out):
 
 
 @njit(**OPTS)
-def attend(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out):
-    """``cos``/``sin`` [B, d] of each row's position; ``kc``/``vc`` [B, L, nkv, d];
-    ``masked``: apply ``valid`` (else every column 0..s counts)."""
-    B = qkv.shape[0]
+def _attend_group(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out, b, j, q, scores, acc):
+    """Row b, KV head j: its new key and value into the cache, then its query heads'
+    attention (``q``, ``scores``, ``acc``: scratch of d, s + 1 and d floats)."""
     d = kc.shape[3]
     half = d // 2
     g = nh // nkv
+    base = (nh + j) * d  # the new key (rotated) and value into the cache
+    for i in range(half):
+        x0, x1 = qkv[b, base + i], qkv[b, base + half + i]
+        kc[b, s, j, i] = x0 * cos[b, i] - x1 * sin[b, i]
+        kc[b, s, j, half + i] = x1 * cos[b, half + i] + x0 * sin[b, half + i]
+    vbase = (nh + nkv + j) * d
+    for i in range(d):
+        vc[b, s, j, i] = qkv[b, vbase + i]
+    for h in range(j * g, (j + 1) * g):
+        base = h * d
+        for i in range(half):
+            x0, x1 = qkv[b, base + i], qkv[b, base + half + i]
+            q[i] = x0 * cos[b, i] - x1 * sin[b, i]
+            q[half + i] = x1 * cos[b, half + i] + x0 * sin[b, half + i]
+        top = MASKED
+        for t in range(s + 1):
+            if masked and not valid[b, t]:
+                scores[t] = MASKED
+            else:
+                a = np.float32(0.0)
+                for i in range(d):
+                    a += q[i] * kc[b, t, j, i]
+                scores[t] = a * scale
+            top = max(top, scores[t])
+        total = np.float32(0.0)
+        for t in range(s + 1):
+            scores[t] = np.exp(scores[t] - top)
+            total += scores[t]
+        acc[:] = 0
+        for t in range(s + 1):
+            if masked and not valid[b, t]:
+                continue  # its weight is exactly 0 (exp of MASKED - top), unless all are masked
+            p = scores[t] / total
+            for i in range(d):
+                acc[i] += p * vc[b, t, j, i]
+        for i in range(d):
+            out[b, base + i] = acc[i]
+
+
+@njit(**OPTS)
+def attend(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out):
+    """``cos``/``sin`` [B, d] of each row's position; ``kc``/``vc`` [B, L, nkv, d];
+    ``masked``: apply ``valid`` (else every column 0..s counts)."""
+    d = kc.shape[3]
     q = np.empty(d, np.float32)
     scores = np.empty(s + 1, np.float32)
     acc = np.empty(d, np.float32)
-    for b in range(B):
-        for j in range(nkv):  # the new keys (rotated) and values into the cache
-            base = (nh + j) * d
-            for i in range(half):
-                x0, x1 = qkv[b, base + i], qkv[b, base + half + i]
-                kc[b, s, j, i] = x0 * cos[b, i] - x1 * sin[b, i]
-                kc[b, s, j, half + i] = x1 * cos[b, half + i] + x0 * sin[b, half + i]
-            vbase = (nh + nkv + j) * d
-            for i in range(d):
-                vc[b, s, j, i] = qkv[b, vbase + i]
-        for h in range(nh):
-            j = h // g
-            base = h * d
-            for i in range(half):
-                x0, x1 = qkv[b, base + i], qkv[b, base + half + i]
-                q[i] = x0 * cos[b, i] - x1 * sin[b, i]
-                q[half + i] = x1 * cos[b, half + i] + x0 * sin[b, half + i]
-            top = MASKED
-            for t in range(s + 1):
-                if masked and not valid[b, t]:
-                    scores[t] = MASKED
-                else:
-                    a = np.float32(0.0)
-                    for i in range(d):
-                        a += q[i] * kc[b, t, j, i]
-                    scores[t] = a * scale
-                top = max(top, scores[t])
-            total = np.float32(0.0)
-            for t in range(s + 1):
-                scores[t] = np.exp(scores[t] - top)
-                total += scores[t]
-            acc[:] = 0
-            for t in range(s + 1):
-                if masked and not valid[b, t]:
-                    continue  # its weight is exactly 0 (exp of MASKED - top), unless all are masked
-                p = scores[t] / total
-                for i in range(d):
-                    acc[i] += p * vc[b, t, j, i]
-            for i in range(d):
-                out[b, base + i] = acc[i]
+    for b in range(qkv.shape[0]):
+        for j in range(nkv):
+            _attend_group(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out, b, j, q, scores, acc)
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=True, boundscheck=False)
+def attend_threads(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out):
+    """:func:`attend` with each (row, KV head) a task of numba's thread pool (``--threads``):
+    every head's arithmetic is :func:`attend`'s, so are its bits."""
+    d = kc.shape[3]
+    for task in prange(qkv.shape[0] * nkv):
+        b = task // nkv
+        j = task - b * nkv
+        q = np.empty(d, np.float32)
+        scores = np.empty(s + 1, np.float32)
+        acc = np.empty(d, np.float32)
+        _attend_group(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out, b, j, q, scores, acc)
 
 
 def warm() -> None:
@@ -105,4 +125,9 @@ def warm() -> None:
     swiglu(x, np.empty((1, 2), np.float32))
     kc, vc = np.zeros((1, 2, 1, 2), np.float32), np.zeros((1, 2, 1, 2), np.float32)
     cos, sin, out = np.ones((1, 2), np.float32), np.zeros((1, 2), np.float32), np.empty((1, 2), np.float32)
-    attend(np.zeros((1, 6), np.float32), cos, sin, kc, vc, np.ones((1, 2), bool), 0, 1, 1, np.float32(1), True, out)
+    args = (np.zeros((1, 6), np.float32), cos, sin, kc, vc, np.ones((1, 2), bool), 0, 1, 1, np.float32(1), True, out)
+    attend(*args)
+    from .parallel import threads
+
+    if threads() > 1:
+        attend_threads(*args)

@@ -107,6 +107,11 @@ def _serial_spans(fn, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd
         _span(fn, t0, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr, xsr)
 
 
+def use(n: int) -> None:
+    """Numba's pool runs ``n`` threads for the parallel loops this thread calls next."""
+    numba.set_num_threads(n)
+
+
 def run_tiles(fn, n: int, wp, tile_bytes, xp, y: int, T: int, nb: int, M: int, ldy: int) -> None:
     """``fn`` over tiles 0..T-1 in ``n`` contiguous ranges, one per thread."""
     numba.set_num_threads(n)

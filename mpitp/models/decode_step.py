@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels import decode as kernels
+from ..kernels import parallel
 
 
 class DecodeLayers:
@@ -33,6 +34,9 @@ class DecodeLayers:
         comm = model.comm
         self.allreduce = comm.allreduce if comm is not None and comm.size > 1 else None
         self.layers, self.rows = layers, rows
+        # with threads per rank, attention's (row, KV head) pairs go over them as well
+        self.threads = parallel.threads()
+        self.attend = kernels.attend_threads if self.threads > 1 else kernels.attend
 
     @classmethod
     def of(cls, model) -> DecodeLayers | None:
@@ -67,6 +71,8 @@ class DecodeLayers:
         h = np.array(h.reshape(B, self.hidden), np.float32)  # a copy: updated in place below
         xn = np.empty_like(h)
         s, eps, ar = cache.length, self.eps, self.allreduce
+        if self.threads > 1:
+            parallel.use(self.threads)
         for i, (w1, (qkv, nqkv, bqkv), (o, bo), w2, (gate_up, ngu, bgu), (down, bd)) in enumerate(self.layers):
             kernels.rms_norm(h, w1, eps, xn)
             y = np.empty((B, nqkv), np.float32)
@@ -74,7 +80,7 @@ class DecodeLayers:
             if bqkv is not None:
                 y += bqkv
             att = np.empty((B, self.q_width), np.float32)
-            kernels.attend(
+            self.attend(
                 y, step.cos1, step.sin1, cache.k[i], cache.v[i], cache.valid, s, self.nh, self.nkv, self.scale,
                 step.masked, att,
             )  # fmt: skip
