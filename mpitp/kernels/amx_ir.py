@@ -29,8 +29,8 @@ Linux hands AMX's 8 KB of register state to a process only on request
 
 from __future__ import annotations
 
+from . import int8_ir
 from .int8_ir import (
-    UNLIKELY,
     _at,
     _bcast,
     _Body,
@@ -245,9 +245,4 @@ def _store_weights(e: _Body, core: str, buf: str) -> None:
 
 def module(specs: list[tuple]) -> tuple[list[str], str]:
     """(names, one module's IR) for several AMX kernels."""
-    names, bodies = [], []
-    for spec in specs:
-        n, t = kernel(*spec)
-        names.append(n)
-        bodies.append(t)
-    return names, DECLARE + "\n".join(bodies) + UNLIKELY
+    return int8_ir.module(specs, kernel, DECLARE)

@@ -55,11 +55,10 @@ def kernels(
     """The compiled kernels of one weight kind, digits of x and scale group, by row count
     (``outliers``: the second digit is x's outliers, multiplied only where there are any)."""
     isa = isa or cpu.isa()
-    vector = [r for r in KERNEL_ROWS if not (isa == "amx" and r >= AMX_ROWS)]
-    specs = [(kind, lanes(isa, r), r, digits, group) + ((True,) if outliers else ()) for r in vector]
-    out = dict(zip(vector, jit.functions(specs)))
-    tiles = [r for r in KERNEL_ROWS if r not in out]
     extra = (True,) if outliers else ()
+    vector = [r for r in KERNEL_ROWS if not (isa == "amx" and r >= AMX_ROWS)]
+    out = dict(zip(vector, jit.functions([(kind, lanes(isa, r), r, digits, group) + extra for r in vector])))
+    tiles = [r for r in KERNEL_ROWS if r not in out]
     out.update(zip(tiles, jit.functions([(kind, "amx", r, digits, group) + extra for r in tiles])))
     return out
 

@@ -469,11 +469,12 @@ def _bcast(e: _Body, s: str) -> str:
     return e(f"shufflevector {e.F} {v}, {e.F} poison, <{e.V} x i32> zeroinitializer")
 
 
-def module(fmt_isa_rc: list[tuple]) -> tuple[list[str], str]:
-    """(names, one module's IR) for several kernels."""
+def module(fmt_isa_rc: list[tuple], build=None, declare: str = DECLARE) -> tuple[list[str], str]:
+    """(names, one module's IR) for several kernels (``build``: the generator of one,
+    :func:`kernel` unless given; ``declare``: the intrinsics they call)."""
     names, bodies = [], []
     for spec in fmt_isa_rc:
-        n, t = kernel(*spec)
+        n, t = (build or kernel)(*spec)
         names.append(n)
         bodies.append(t)
-    return names, DECLARE + "\n".join(bodies) + UNLIKELY
+    return names, declare + "\n".join(bodies) + UNLIKELY

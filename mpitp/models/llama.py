@@ -165,8 +165,8 @@ class Attention:
         else:  # QUERY_BLOCK rows at a time, over the columns they may see (causal: about half)
             out = self.xp.empty((B, self.nkv, g, T, d), qh.dtype)
             for t0 in range(0, T, QUERY_BLOCK):
-                t1, see = min(T, t0 + QUERY_BLOCK), min(S, s + t0 + QUERY_BLOCK)
-                rows = slice(t0, t1)
+                t1 = min(T, t0 + QUERY_BLOCK)
+                see, rows = s + t1, slice(t0, t1)
                 allowed = step.allowed[..., rows, :see]
                 out[:, :, :, rows] = attention(
                     qh[:, :, :, rows], keys[:, :, :see], vals[:, :, :see], self.scale, allowed
