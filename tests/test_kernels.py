@@ -181,16 +181,25 @@ def test_half_slices_and_take(t):
     assert not formats.empty(bw.kind, 2, 70, t).dequantize().any()
 
 
-def test_decode_attention_against_numpy_and_over_threads():
+@pytest.mark.parametrize(
+    "d, isa", [(8, None), (32, None), (32, "portable")], ids=["numba-loops", "ir-core", "ir-core-portable"]
+)
+def test_decode_attention_against_numpy_and_over_threads(d, isa, monkeypatch):
     """decode.attend (RoPE, the new K/V into the cache, masked softmax · V per query head of
-    each KV head) equals a float64 NumPy reference; with threads (each row and KV head a
-    task) the same bits."""
+    each KV head) equals a float64 NumPy reference: numba's loops (a head dimension not a
+    multiple of 16) and the IR core (one that is; also compiled for the baseline x86-64),
+    over more columns than the core's 16 and a few not valid; with threads (each row and
+    KV head a task) the same bits."""
     import numba
 
-    from mpitp.kernels import decode
+    from mpitp.kernels import cpu, decode
 
+    if isa is not None:
+        if isa not in cpu.supported():
+            pytest.skip(f"{isa} not on this machine")
+        monkeypatch.setenv("MPITP_ISA", isa)
     rng = np.random.default_rng(5)
-    B, nh, nkv, d, s, L = 3, 6, 2, 8, 9, 12
+    B, nh, nkv, s, L = 3, 6, 2, 37, 40
     qkv = rng.standard_normal((B, (nh + 2 * nkv) * d)).astype(np.float32)
     ang = rng.uniform(0, 6, (B, d // 2))
     cos = np.cos(np.concatenate([ang, ang], 1)).astype(np.float32)
@@ -199,6 +208,7 @@ def test_decode_attention_against_numpy_and_over_threads():
     vc = rng.standard_normal((B, L, nkv, d)).astype(np.float32)
     valid = rng.random((B, L)) > 0.3
     valid[:, s] = True
+    vc[~valid] = np.nan  # a column not valid is never read into the sum
 
     def rope(x, b):
         h = d // 2
@@ -216,6 +226,7 @@ def test_decode_attention_against_numpy_and_over_threads():
             sc = k_all[b, seen, j] @ rope(x[b, h], b) * 0.3
             p = np.exp(sc - sc.max())
             want[b, h * d : (h + 1) * d] = (p / p.sum()) @ v_all[b, seen, j]
+    assert (decode.core(d, nh // nkv) is None) == (d % 16 != 0)
     outs = []
     for f in (decode.attend, decode.attend_threads):
         k2, v2, out = kc.copy(), vc.copy(), np.empty((B, nh * d), np.float32)
@@ -225,5 +236,20 @@ def test_decode_attention_against_numpy_and_over_threads():
     out, k2, v2 = outs[0]
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(k2[:, s], k_all[:, s], rtol=1e-6, atol=1e-6)
-    assert np.array_equal(v2, v_all.astype(np.float32))
-    assert all(np.array_equal(a, c) for a, c in zip(outs[0], outs[1]))
+    assert np.array_equal(v2, v_all.astype(np.float32), equal_nan=True)
+    assert all(np.array_equal(a, c, equal_nan=True) for a, c in zip(outs[0], outs[1]))
+
+
+def test_swiglu_against_float64():
+    """decode.swiglu (its exp a polynomial) against float64, at ordinary gates and at ones
+    whose exp under- or overflows float32."""
+    from mpitp.kernels import decode
+
+    rng = np.random.default_rng(6)
+    gu = (rng.standard_normal((5, 2 * 75)) * 5).astype(np.float32)
+    gu[0, :6] = [100.0, -100.0, 88.5, -88.5, 87.0, -87.0]
+    out = np.empty((5, 75), np.float32)
+    decode.swiglu(gu, out)
+    g = gu.astype(np.float64)
+    want = g[:, :75] / (1 + np.exp(-g[:, :75])) * g[:, 75:]
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-30)

@@ -21,13 +21,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from . import amx_ir, cpu, int8_ir, quantize_ir
+from . import amx_ir, attend_ir, cpu, int8_ir, quantize_ir
 
 _LOCK = threading.Lock()
 _ENGINES: list = []
 _FUNCS: dict[tuple, Any] = {}
 PROTO = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 7, *[ctypes.c_int64] * 4)
 QPROTO = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3)
+APROTO = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 3)
 
 
 def address(a) -> int:
@@ -154,4 +155,16 @@ def quantizer(isa: str, name: str = quantize_ir.OUTLIERS):
         if key not in _FUNCS:
             name, ir = quantize_ir.module(name)
             _FUNCS[key] = QPROTO(_addresses(ir, isa, [name])[0])
+        return _FUNCS[key]
+
+
+def attention(D: int, G: int, isa: str):
+    """The ctypes function of decode attention's core (:mod:`.attend_ir`) for head
+    dimension D and G query heads a KV head, compiled for ``isa``'s target:
+    ``f(q, k, v, valid, out, sc, S, stride, masked)``, pointers then integers."""
+    key = ("attend", isa, D, G)
+    with _LOCK:
+        if key not in _FUNCS:
+            names, ir = attend_ir.module([(D, G)])
+            _FUNCS[key] = APROTO(_addresses(ir, isa, names)[0])
         return _FUNCS[key]

@@ -36,7 +36,7 @@ class DecodeLayers:
         self.layers, self.rows = layers, rows
         # with threads per rank, attention's (row, KV head) pairs go over them as well
         self.threads = parallel.threads()
-        self.attend = kernels.attend_threads if self.threads > 1 else kernels.attend
+        self.attend = kernels.bound_attend(attn.head_dim, attn.nh // attn.nkv, self.threads > 1)
 
     @classmethod
     def of(cls, model) -> DecodeLayers | None:
@@ -63,7 +63,13 @@ class DecodeLayers:
 
     def fits(self, batch: int, step, cache) -> bool:
         k = cache.k[0]
-        return step.one and batch <= self.rows and k.dtype == np.float32 and k.flags.c_contiguous
+        return (
+            step.one
+            and batch <= self.rows
+            and k.dtype == np.float32
+            and k.flags.c_contiguous
+            and cache.valid.flags.c_contiguous
+        )
 
     def loop(self, h, step, cache):
         """``h`` [B, 1, hidden] -> the last layer's output [B, 1, hidden]."""

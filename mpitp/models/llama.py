@@ -416,7 +416,8 @@ class LlamaForCausalLM:
                 m.finish()
         self._decode_built = False
         if self.xp is np and self.dtype == np.float32:
-            _decode_kernels().warm()
+            a = self.layers[0].self_attn
+            _decode_kernels().warm(a.head_dim, a.nh // a.nkv)
         why = {m.fallback for _, m in self.named_modules() if getattr(m, "fallback", "")}
         if why:
             from ..log import get_logger
