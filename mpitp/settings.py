@@ -44,6 +44,7 @@ class Settings:
     timeline: str | None = None  # MPITP_TIMELINE
     activations: str | None = None  # MPITP_ACTIVATIONS (mpitp.kernels.cpu checks the value)
     isa: str | None = None  # MPITP_ISA (the same)
+    kv_cache_dtype: str | None = None  # MPITP_KV_CACHE_DTYPE (mpitp.models.llama checks the value)
     threads: int = 1  # MPITP_THREADS (threads per rank in the int8 kernels: mpitp.kernels.parallel)
 
     @classmethod
@@ -132,6 +133,7 @@ _PARSE = {
     "timeline": _text,
     "activations": _text,
     "isa": _text,
+    "kv_cache_dtype": _text,
     "threads": _int(1),
 }
 

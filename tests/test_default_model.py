@@ -204,3 +204,42 @@ def test_int8_activations_keep_the_accuracy_rule_on_the_default_model(model_dir)
         kl = (np.exp(ref) * (ref - out)).sum(-1)
         flips = (ref.argmax(-1) != out.argmax(-1)) & (margin > sure)
         assert kl.mean() <= mean_kl and kl.max() <= max_kl and not flips.any(), (mode, kl.mean(), kl.max(), flips.sum())
+
+
+def test_a_float16_kv_cache_decodes_as_the_generic_layers_and_near_float32(model_dir):
+    """With int8 activations the KV cache is float16 by default (auto; as llama.cpp keeps
+    it), read by decode attention's IR core. One decode step after a left-padded ragged
+    prefill: the bound decode loop equals the generic layers bit for bit (prefill wrote
+    the cache through NumPy, the step's column through the core: the same rounding), and
+    the logits stay within 3e-2 of a float32 cache's, with the same greedy tokens. Two
+    digits (int8x2), whose own rounding is ~1e-5 of one digit's: with one, its rounding
+    (~1e-2 a value) amplifies any difference, the cache's included, to ~0.4 a logit."""
+    import copy
+
+    from mpitp.models.llama import LlamaForCausalLM, Step
+
+    prompts = [[5, 17, 42, 7, 3, 99, 1000], [9, 2], [11, 12, 13, 400]]
+    B, T = len(prompts), max(len(p) for p in prompts)
+    ids = np.zeros((B, T), np.int64)
+    out = {}
+    for kv in ("auto", "float32"):
+        m = LlamaForCausalLM.from_pretrained(model_dir, activations="int8x2", kv_cache_dtype=kv)
+        cache = m.new_cache(B, T + 1)
+        for b, p in enumerate(prompts):
+            ids[b, T - len(p) :] = p
+            cache.valid[b, T - len(p) : T + 1] = True
+        positions = np.maximum(np.cumsum(cache.valid[:, :T], axis=1) - 1, 0)
+        nxt = m.forward(ids, positions, cache, last_only=True)[:, -1].argmax(-1)[:, None]
+        pos = positions[:, -1:] + 1
+        generic_cache = copy.deepcopy(cache)
+        ran = m._decode_layers().fits(B, Step(m.rotary, pos, cache, 1, np), cache)
+        out[kv] = m.forward(nxt, pos, cache, last_only=True)[:, -1]
+        if kv == "auto":
+            assert m.kv_dtype == np.float16 and cache.k[0].dtype == np.float16 and ran
+            m._decode, m._decode_built = None, True  # the generic layers, for this one call
+            generic = m.forward(nxt, pos, generic_cache, last_only=True)[:, -1]
+            assert np.array_equal(out[kv], generic)
+        else:
+            assert m.kv_dtype == np.float32
+    assert np.abs(out["auto"] - out["float32"]).max() <= 3e-2  # measured 1.4e-2 (logits ~30)
+    assert np.array_equal(out["auto"].argmax(-1), out["float32"].argmax(-1))

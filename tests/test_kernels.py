@@ -182,14 +182,17 @@ def test_half_slices_and_take(t):
 
 
 @pytest.mark.parametrize(
-    "d, isa", [(8, None), (32, None), (32, "portable")], ids=["numba-loops", "ir-core", "ir-core-portable"]
+    "d, isa, kv",
+    [(8, None, np.float32), (32, None, np.float32), (32, "portable", np.float32), (32, None, np.float16)],
+    ids=["numba-loops", "ir-core", "ir-core-portable", "ir-core-float16-cache"],
 )
-def test_decode_attention_against_numpy_and_over_threads(d, isa, monkeypatch):
+def test_decode_attention_against_numpy_and_over_threads(d, isa, kv, monkeypatch):
     """decode.attend (RoPE, the new K/V into the cache, masked softmax · V per query head of
     each KV head) equals a float64 NumPy reference: numba's loops (a head dimension not a
-    multiple of 16) and the IR core (one that is; also compiled for the baseline x86-64),
-    over more columns than the core's 16 and a few not valid; with threads (each row and
-    KV head a task) the same bits."""
+    multiple of 16) and the IR core (one that is; also compiled for the baseline x86-64;
+    and over a float16 cache, the new column rounded as NumPy rounds it), over more
+    columns than the core's 16 and a few not valid; with threads (each row and KV head a
+    task) the same bits."""
     import numba
 
     from mpitp.kernels import cpu, decode
@@ -198,14 +201,15 @@ def test_decode_attention_against_numpy_and_over_threads(d, isa, monkeypatch):
         if isa not in cpu.supported():
             pytest.skip(f"{isa} not on this machine")
         monkeypatch.setenv("MPITP_ISA", isa)
+        monkeypatch.setattr(decode, "_CORES", {})  # the cores compiled for this one
     rng = np.random.default_rng(5)
     B, nh, nkv, s, L = 3, 6, 2, 37, 40
     qkv = rng.standard_normal((B, (nh + 2 * nkv) * d)).astype(np.float32)
     ang = rng.uniform(0, 6, (B, d // 2))
     cos = np.cos(np.concatenate([ang, ang], 1)).astype(np.float32)
     sin = np.sin(np.concatenate([ang, ang], 1)).astype(np.float32)
-    kc = rng.standard_normal((B, L, nkv, d)).astype(np.float32)
-    vc = rng.standard_normal((B, L, nkv, d)).astype(np.float32)
+    kc = rng.standard_normal((B, L, nkv, d)).astype(kv)
+    vc = rng.standard_normal((B, L, nkv, d)).astype(kv)
     valid = rng.random((B, L)) > 0.3
     valid[:, s] = True
     vc[~valid] = np.nan  # a column not valid is never read into the sum
@@ -220,13 +224,16 @@ def test_decode_attention_against_numpy_and_over_threads(d, isa, monkeypatch):
     for b in range(B):
         for j in range(nkv):
             k_all[b, s, j], v_all[b, s, j] = rope(x[b, nh + j], b), x[b, nh + nkv + j]
+    k_all = k_all.astype(np.float32).astype(kv).astype(np.float64)  # as the cache holds them
+    v_all = v_all.astype(np.float32).astype(kv).astype(np.float64)
+    for b in range(B):
         for h in range(nh):
             j = h // (nh // nkv)
             seen = np.flatnonzero(valid[b, : s + 1])
             sc = k_all[b, seen, j] @ rope(x[b, h], b) * 0.3
             p = np.exp(sc - sc.max())
             want[b, h * d : (h + 1) * d] = (p / p.sum()) @ v_all[b, seen, j]
-    assert (decode.core(d, nh // nkv) is None) == (d % 16 != 0)
+    assert (decode.core(d, nh // nkv, kv) is None) == (d % 16 != 0)
     outs = []
     for f in (decode.attend, decode.attend_threads):
         k2, v2, out = kc.copy(), vc.copy(), np.empty((B, nh * d), np.float32)
@@ -235,8 +242,10 @@ def test_decode_attention_against_numpy_and_over_threads(d, isa, monkeypatch):
         outs.append((out, k2, v2))
     out, k2, v2 = outs[0]
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(k2[:, s], k_all[:, s], rtol=1e-6, atol=1e-6)
-    assert np.array_equal(v2, v_all.astype(np.float32), equal_nan=True)
+    np.testing.assert_allclose(
+        k2[:, s].astype(np.float64), k_all[:, s], rtol=1e-6 if kv == np.float32 else 1e-3, atol=1e-6
+    )
+    assert np.array_equal(v2, v_all.astype(kv), equal_nan=True)
     assert all(np.array_equal(a, c, equal_nan=True) for a, c in zip(outs[0], outs[1]))
 
 

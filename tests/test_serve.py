@@ -363,9 +363,19 @@ def slow2(servers) -> Server:
     """The default model at TP 2 (3 KV heads: 2 + 1), its prefix cache room for 3 blocks of
     16 tokens on the rank with 2 heads (see the uneven-heads test); int8x2 activations, as
     its tests compare texts across batches (CROSS_BATCH_ACTIVATIONS)."""
-    block = 2 * 30 * 16 * 2 * 64 * 4  # bytes of a 16-token block on the rank with 2 of the 3 KV heads
+    block = 2 * 30 * 16 * 2 * 64 * 2  # bytes of a 16-token block on the rank with 2 of the 3 KV heads (float16)
     mib = str(3 * block / 2**20)
-    return servers(2, "--prefix-cache-mib", mib, "--max-model-len", "512", *CROSS_BATCH_ACTIVATIONS, model=slow_model())
+    return servers(
+        2,
+        "--prefix-cache-mib",
+        mib,
+        "--max-model-len",
+        "512",
+        "--kv-cache-dtype",
+        "float16",
+        *CROSS_BATCH_ACTIVATIONS,
+        model=slow_model(),
+    )
 
 
 def test_structured_output_in_a_mixed_batch(servers):

@@ -89,6 +89,7 @@ def run(
     activations: str | None = None,
     pp: int = 1,
     inside: bool = False,
+    kv_cache_dtype: str | None = None,
 ) -> dict:
     """Load the model (``None``: the default one) with ``weights``, time the steps, print
     the table on rank 0; returns the figures. With ``pp`` stages a step is one pass through
@@ -99,7 +100,13 @@ def run(
 
     path = model_dir(model_name, comm)
     model = LlamaForCausalLM.from_pretrained(
-        str(path), comm=comm, weights=weights, activations=activations, pp=pp, stage_inside_node=inside
+        str(path),
+        comm=comm,
+        weights=weights,
+        activations=activations,
+        pp=pp,
+        stage_inside_node=inside,
+        kv_cache_dtype=kv_cache_dtype,
     )
     held = comm.allgather_object(model.weight_bytes())
     streamed = _in_turn(comm, model, model.streamed_bytes())
@@ -111,7 +118,10 @@ def run(
     bw_floor = streamed / (ceiling * 1e9)
     floors = {B: max(bw_floor, B * madds / rate) for B in batches}
     where = describe(comm.size, model.stage)
-    say(f"# mpitp bench decode: {path.name}, {where}, --weights {weights}, {model.arithmetic()}")
+    say(
+        f"# mpitp bench decode: {path.name}, {where}, --weights {weights}, {model.arithmetic()}, "
+        f"KV cache {model.kv_dtype}"
+    )
     say(f"# weights per rank: {', '.join(f'{b / 2**20:.1f}' for b in held)} MiB (rank 0: {kinds})")
     say(
         f"# streamed per step by the busiest rank {streamed / 2**20:.1f} MiB"

@@ -217,6 +217,7 @@ def run(args) -> int:
                 model,
                 weights,
                 activations=args.activations,
+                kv_cache_dtype=args.kv_cache_dtype,
                 say=print if comm.rank == 0 else (lambda *a, **k: None),
                 pp=args.pp,
                 inside=args.tp is not None,

@@ -59,6 +59,14 @@ def add_weights_argument(p, extra: tuple[str, ...] = (), note: str = "") -> None
         "(as MPI + OpenMP codes run a rank per socket); ranks × threads should not exceed the cores "
         "(default: $MPITP_THREADS or 1)",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=["auto", "float32", "float16"],
+        help="how the KV cache holds keys and values: float16 = half the bytes decode attention reads (as "
+        "llama.cpp's default f16 cache), rounded to nearest; auto = float16 with int8 activations on the CPU, "
+        "else the model's dtype (float32 activations stay exact) (default: $MPITP_KV_CACHE_DTYPE or auto)",
+    )
 
 
 def add_parallel_arguments(p) -> None:
@@ -209,6 +217,7 @@ def _generate(args, comm, LlamaForCausalLM) -> int:
         activations=args.activations,
         pp=args.pp,
         stage_inside_node=args.tp is not None,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     if tok.get_vocab_size(with_added_tokens=True) > model.config.vocab_size:
         from ..log import get_logger
@@ -267,7 +276,7 @@ def _generate(args, comm, LlamaForCausalLM) -> int:
             f"weights per rank {', '.join(f'{b / 2**20:.1f} MiB' for b in per_rank)} "
             f"({' + '.join(f'{k} {v / 2**20:.1f}' for k, v in model.weight_formats().items())} on rank 0); "
             f"decode at {streamed * s['decode_tokens_per_s'] / (ceiling * 1e9):.0%} of the memcpy ceiling "
-            f"({ceiling:.1f} GB/s per rank, all ranks copying); {model.arithmetic()}",
+            f"({ceiling:.1f} GB/s per rank, all ranks copying); {model.arithmetic()}, KV cache {model.kv_dtype}",
             file=sys.stderr,
         )
     return 0

@@ -90,6 +90,7 @@ def _serve(args, comm) -> int:
         activations=args.activations,
         pp=args.pp,
         stage_inside_node=args.tp is not None,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     context = model.config.max_position_embeddings
     if args.max_model_len is not None and args.max_model_len > context:

@@ -7,13 +7,17 @@ and a horizontal sum for every (column, head) pair and keep the accumulators in 
 (G·D/16 vectors of 16 floats) while the columns stream past once::
 
     q [G, D] (rotated, times the softmax scale)      k, v: column t at k + t·stride
+    column S-1:  the new key and value (float32) stored, as the cache holds them
     for t < S:   s[h, t] = Σ_i q[h, i]·k[t, i]  (a halving tree per head), MASKED where
                  ``masked`` and not valid[t]; top[h] = max_t s[h, t]
     for 16 t:    e = exp(s - top[h])             (Cephes' polynomial, 0 below -87), Σ e
     for t < S:   acc[h] += e[h, t]·v[t]          (columns not valid skipped: their e is 0)
     out[h] = acc[h] / Σ e
 
-``sc`` is the scratch of the scores: G rows of S rounded up to 16. Exp is Cephes' expf
+The cache holds float32, or float16 (``half``: rows converted as they are loaded, and
+the new column rounded to nearest even, as NumPy's astype rounds it: prefill's writes
+and these agree bit for bit). ``sc`` is the scratch of the scores: G rows of S rounded
+up to 16. Exp is Cephes' expf
 (relative error ~2e-7, like libm's float exp); a softmax's sums run in another order than
 :func:`.decode._attend_group`'s, so results agree with it to float32 rounding, not bits.
 """
@@ -27,7 +31,9 @@ from .int8_ir import _Body, idx, splat
 MASKED = -3.4028234663852886e38  # float32's lowest, as decode.MASKED
 LANES = 16
 F = f"<{LANES} x float>"
-SIGNATURE = "ptr %q, ptr %k, ptr %v, ptr %valid, ptr %out, ptr %sc, i64 %S, i64 %stride, i64 %masked"
+SIGNATURE = (
+    "ptr %q, ptr %k, ptr %v, ptr %valid, ptr %out, ptr %sc, ptr %knew, ptr %vnew, i64 %S, i64 %stride, i64 %masked"
+)
 DECLARE = f"""
 declare {F} @llvm.floor.v16f32({F})
 declare {F} @llvm.fmuladd.v16f32({F}, {F}, {F})
@@ -47,8 +53,8 @@ POLY = [_f(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.166
 LOWEST = _f(-87.0)  # exp below this is taken as 0 (2^-126, float32's smallest normal, is e^-87.3)
 
 
-def name(D: int, G: int) -> str:
-    return f"attend_d{D}_g{G}"
+def name(D: int, G: int, half: bool = False) -> str:
+    return f"attend_d{D}_g{G}" + ("_h" if half else "")
 
 
 def _vsplat(v) -> str:
@@ -88,11 +94,14 @@ def _exp(e: _Body, x: str) -> str:
     return e(f"select <{LANES} x i1> {low}, {F} zeroinitializer, {F} {y}")
 
 
-def kernel(D: int, G: int) -> str:
-    """The IR of one core for head dimension D (a multiple of 16) and G query heads a KV head."""
+def kernel(D: int, G: int, half: bool = False) -> str:
+    """The IR of one core for head dimension D (a multiple of 16) and G query heads a KV
+    head, over a float32 cache (or float16: ``half``)."""
     if D % LANES or D <= 0 or G <= 0:
         raise ValueError(f"attention's IR core takes a head dimension that is a multiple of {LANES}, not {D}")
     C, H, m = D // LANES, range(G), _f(MASKED)
+    KT = "half" if half else "float"  # the cache's type
+    KV = f"<{LANES} x {KT}>"
     blocks: dict[str, _Body] = {}
 
     def block(label: str) -> _Body:  # the blocks' SSA names numbered in one sequence
@@ -112,17 +121,27 @@ def kernel(D: int, G: int) -> str:
     for h in H:
         e.do(f"%row{h} = mul i64 %S16, {h}")
     q = [[e(f"load {F}, ptr {ptr(e, 'float', '%q', h * D + LANES * c)}, align 4") for c in range(C)] for h in H]
+    for new, cache in (("%knew", "%k"), ("%vnew", "%v")):  # this step's column, S - 1
+        at = e("mul i64 %last, %stride")
+        for c in range(C):
+            x = e(f"load {F}, ptr {ptr(e, 'float', new, LANES * c)}, align 4")
+            x = e(f"fptrunc {F} {x} to {KV}") if half else x
+            e.do(f"store {KV} {x}, ptr {ptr(e, KT, cache, e(f'add i64 {at}, {LANES * c}'))}, align 2")
+
+    def row(b: _Body, base: str) -> list[str]:  # one column's D values, as float32
+        loads = [b(f"load {KV}, ptr {ptr(b, KT, base, LANES * c)}, align 2") for c in range(C)]
+        return [b(f"fpext {KV} {x} to {F}") for x in loads] if half else loads
 
     e = block("qk")  # scores: one column a step, every head of the group
-    kp = e("getelementptr float, ptr %k, i64 %ko")
-    kv = [e(f"load {F}, ptr {ptr(e, 'float', kp, LANES * c)}, align 4") for c in range(C)]
-    # the cache is read by rows of D floats at a stride: ahead of the hardware's prefetcher,
+    kp = e(f"getelementptr {KT}, ptr %k, i64 %ko")
+    kv = row(e, kp)
+    # the cache is read by rows of D values at a stride: ahead of the hardware's prefetcher,
     # keys AHEAD columns on, and this column's values for the second pass
-    ka = ptr(e, "float", kp, "%kahead")
-    vp = ptr(e, "float", "%v", "%ko")
-    for c in range(C):
-        e.do(f"call void @llvm.prefetch.p0(ptr {ptr(e, 'float', ka, LANES * c)}, i32 0, i32 3, i32 1)")
-        e.do(f"call void @llvm.prefetch.p0(ptr {ptr(e, 'float', vp, LANES * c)}, i32 0, i32 3, i32 1)")
+    ka = ptr(e, KT, kp, "%kahead")
+    vp = ptr(e, KT, "%v", "%ko")
+    for line in range(0, D, 32 if half else 16):
+        e.do(f"call void @llvm.prefetch.p0(ptr {ptr(e, KT, ka, line)}, i32 0, i32 3, i32 1)")
+        e.do(f"call void @llvm.prefetch.p0(ptr {ptr(e, KT, vp, line)}, i32 0, i32 3, i32 1)")
     vb = e(f"load i8, ptr {ptr(e, 'i8', '%valid', '%t')}")
     ok = e(f"icmp ne i8 {vb}, 0")
     keep = e(f"or i1 {ok}, %open")
@@ -156,8 +175,7 @@ def kernel(D: int, G: int) -> str:
         e.do(f"%total{h} = fadd float -0.0, {_sum(e, sums[h])}")
 
     e = block("do")  # probabilities times values: the columns in order
-    vp = e("getelementptr float, ptr %v, i64 %vo")
-    vv = [e(f"load {F}, ptr {ptr(e, 'float', vp, LANES * c)}, align 4") for c in range(C)]
+    vv = row(e, e(f"getelementptr {KT}, ptr %v, i64 %vo"))
     accs = []
     for h in H:
         at = e(f"add i64 %u, %row{h}")
@@ -189,8 +207,9 @@ def kernel(D: int, G: int) -> str:
         f"  %accL{h}_{c} = phi {F} [%acc{h}_{c}, %pv], [{accs[h][c]}, %do]" for h in H for c in range(C)
     )
     return f"""
-define void @{name(D, G)}({SIGNATURE}) {{
+define void @{name(D, G, half)}({SIGNATURE}) {{
 entry:
+  %last = sub i64 %S, 1
   %S16a = add i64 %S, 15
   %S16 = and i64 %S16a, -16
   %open = icmp eq i64 %masked, 0
@@ -251,6 +270,6 @@ fin:
 """
 
 
-def module(shapes: list[tuple[int, int]]) -> tuple[list[str], str]:
-    """(names, IR) of the cores for (D, G) pairs."""
-    return [name(D, G) for D, G in shapes], DECLARE + "\n".join(kernel(D, G) for D, G in shapes)
+def module(shapes: list[tuple[int, int, bool]]) -> tuple[list[str], str]:
+    """(names, IR) of the cores for (D, G, half) triples."""
+    return [name(*s) for s in shapes], DECLARE + "\n".join(kernel(*s) for s in shapes)

@@ -19,8 +19,6 @@ in numba's loops here (:func:`_attend_group`).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 from numba import njit, prange
 
@@ -142,20 +140,16 @@ def attend_loops_threads(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked
 
 
 @njit(**OPTS)
-def _rope_group(qkv, cos, sin, kc, vc, s, nh, nkv, scale, b, j, q):
-    """Row b, KV head j: its new key (rotated) and value into the cache at column s, and
-    its query heads rotated, times ``scale``, into ``q`` [G, d]."""
-    d = kc.shape[3]
+def _rope_group(qkv, cos, sin, nh, nkv, d, scale, b, j, q, kn):
+    """Row b, KV head j: its new key rotated into ``kn`` [d], and its query heads rotated,
+    times ``scale``, into ``q`` [G, d]."""
     half = d // 2
     g = nh // nkv
     base = (nh + j) * d
     for i in range(half):
         x0, x1 = qkv[b, base + i], qkv[b, base + half + i]
-        kc[b, s, j, i] = x0 * cos[b, i] - x1 * sin[b, i]
-        kc[b, s, j, half + i] = x1 * cos[b, half + i] + x0 * sin[b, half + i]
-    vbase = (nh + nkv + j) * d
-    for i in range(d):
-        vc[b, s, j, i] = qkv[b, vbase + i]
+        kn[i] = x0 * cos[b, i] - x1 * sin[b, i]
+        kn[half + i] = x1 * cos[b, half + i] + x0 * sin[b, half + i]
     for hh in range(g):
         base = (j * g + hh) * d
         for i in range(half):
@@ -165,86 +159,124 @@ def _rope_group(qkv, cos, sin, kc, vc, s, nh, nkv, scale, b, j, q):
 
 
 @njit(**OPTS)
-def _core_group(core, qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out, b, j, q, sc):
-    """Row b, KV head j through the IR core (``q``, ``sc``: scratch of [G, d] and G·S16 floats)."""
-    _rope_group(qkv, cos, sin, kc, vc, s, nh, nkv, scale, b, j, q)
-    L, d = kc.shape[1], kc.shape[3]
-    at = (b * L * nkv + j) * d * 4  # bytes to [b, 0, j, 0] of the cache
+def _core_group(core, qkv, cos, sin, cache, valid, s, nh, nkv, d, scale, masked, out, b, j, q, kn, sc):
+    """Row b, KV head j through the IR core. ``cache``: (k, v addresses, bytes a row b and
+    a head j advance them, values a column advances), as numba cannot hold a float16 array;
+    ``q``, ``kn``, ``sc``: scratch of [G, d], d and G·S16 floats."""
+    _rope_group(qkv, cos, sin, nh, nkv, d, scale, b, j, q, kn)
+    k, v, sb, sj, st = cache
+    at = b * sb + j * sj  # bytes to [b, 0, j, 0] (k and v alike)
     o = (b * out.shape[1] + j * (nh // nkv) * d) * 4
-    core(q.ctypes.data, kc.ctypes.data + at, vc.ctypes.data + at, valid.ctypes.data + b * valid.shape[1],
-         out.ctypes.data + o, sc.ctypes.data, s + 1, nkv * d, 1 if masked else 0)  # fmt: skip
+    vnew = qkv.ctypes.data + (b * qkv.shape[1] + (nh + nkv + j) * d) * 4
+    core(q.ctypes.data, k + at, v + at, valid.ctypes.data + b * valid.shape[1], out.ctypes.data + o, sc.ctypes.data,
+         kn.ctypes.data, vnew, s + 1, st, 1 if masked else 0)  # fmt: skip
 
 
 @njit(**OPTS)
-def _attend_core(core, qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out):
-    d, g = kc.shape[3], nh // nkv
-    q = np.empty((g, d), np.float32)
+def _attend_core(core, qkv, cos, sin, cache, valid, s, nh, nkv, d, scale, masked, out):
+    g = nh // nkv
+    q, kn = np.empty((g, d), np.float32), np.empty(d, np.float32)
     sc = np.empty(g * ((s + 16) // 16 * 16), np.float32)
     for b in range(qkv.shape[0]):
         for j in range(nkv):
-            _core_group(core, qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out, b, j, q, sc)
+            _core_group(core, qkv, cos, sin, cache, valid, s, nh, nkv, d, scale, masked, out, b, j, q, kn, sc)
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True, boundscheck=False)
-def _attend_core_threads(core, qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out):
-    d, g = kc.shape[3], nh // nkv
+def _attend_core_threads(core, qkv, cos, sin, cache, valid, s, nh, nkv, d, scale, masked, out):
+    g = nh // nkv
     for task in prange(qkv.shape[0] * nkv):
         b = task // nkv
-        q = np.empty((g, d), np.float32)
+        q, kn = np.empty((g, d), np.float32), np.empty(d, np.float32)
         sc = np.empty(g * ((s + 16) // 16 * 16), np.float32)
-        _core_group(core, qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out, b, task - b * nkv, q, sc)
+        _core_group(core, qkv, cos, sin, cache, valid, s, nh, nkv, d, scale, masked, out, b, task - b * nkv, q, kn, sc)
 
 
 _CORES: dict = {}
+CACHE_TYPES = (np.float32, np.float16)  # what the core reads; numba's loops: float32 only
 
 
-def core(d: int, g: int):
-    """The IR core for head dimension ``d`` and ``g`` query heads a KV head, or None where
-    d is not a multiple of 16 (compiled once per process and ``MPITP_ISA``)."""
-    if d % 16:
+def core(d: int, g: int, dtype=np.float32):
+    """The IR core for head dimension ``d``, ``g`` query heads a KV head and a cache of
+    ``dtype``, or None where there is none: d not a multiple of 16, or float16 on the
+    baseline x86-64 (``MPITP_ISA=portable``: no conversion instructions). Compiled once
+    per process, for the instruction set the process chose first."""
+    half = np.dtype(dtype) == np.float16
+    if d % 16 or np.dtype(dtype) not in CACHE_TYPES:
         return None
-    key = (d, g, os.environ.get("MPITP_ISA", ""))
-    f = _CORES.get(key)
-    if f is None:
-        f = _CORES[key] = jit.attention(d, g, cpu.isa())
+    key = (d, g, half)
+    f = _CORES.get(key, False)
+    if f is False:
+        isa = cpu.isa()
+        f = _CORES[key] = None if half and isa == "portable" else jit.attention(d, g, isa, half)
     return f
 
 
-def bound_attend(d: int, g: int, threads: bool):
+def rows_fit(kc, vc) -> bool:
+    """A cache the core (or numba's loops, float32) can read: each head's row of d values
+    contiguous, k and v alike (any order of the other axes)."""
+    return (
+        type(kc) is np.ndarray
+        and kc.dtype == vc.dtype
+        and kc.dtype in CACHE_TYPES
+        and kc.strides == vc.strides
+        and kc.strides[3] == kc.itemsize
+    )
+
+
+def usable(kc, vc, g: int) -> bool:
+    """Whether :func:`attend` takes this cache: the core's, or float32 for numba's loops."""
+    return rows_fit(kc, vc) and (kc.dtype == np.float32 or core(kc.shape[3], g, kc.dtype) is not None)
+
+
+def _cache(kc, vc) -> tuple[int, int, int, int, int]:
+    return kc.ctypes.data, vc.ctypes.data, kc.strides[0], kc.strides[2], kc.strides[1] // kc.itemsize
+
+
+def bound_attend(d: int, g: int, threads: bool, dtype=np.float32):
     """:func:`attend` (or :func:`attend_threads`) with its core looked up once, for a
-    decode loop whose arrays are C-contiguous (``f(qkv, cos, ..., out)``)."""
-    f = core(d, g)
+    decode loop over a cache of ``dtype`` that :func:`usable` takes."""
+    f = core(d, g, dtype)
     if f is None:
         return attend_loops_threads if threads else attend_loops
     run = _attend_core_threads if threads else _attend_core
-    return lambda *args: run(f, *args)
+
+    def attend(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out):
+        run(f, qkv, cos, sin, _cache(kc, vc), valid, s, nh, nkv, d, scale, masked, out)
+
+    return attend
 
 
-def _fits(qkv, kc, vc, valid, out) -> bool:
-    return all(a.flags.c_contiguous for a in (qkv, kc, vc, valid, out)) and valid.dtype == np.bool_
+def _pick(qkv, kc, vc, valid, out, nh, nkv):
+    """The core for these arrays, None for numba's loops, or an error where neither fits."""
+    plain = all(a.flags.c_contiguous for a in (qkv, valid, out)) and qkv.dtype == out.dtype == np.float32
+    f = core(kc.shape[3], nh // nkv, kc.dtype) if plain and rows_fit(kc, vc) else None
+    if f is None and kc.dtype != np.float32:
+        raise ValueError(f"decode attention over a {kc.dtype} cache needs the IR core (head dim a multiple of 16)")
+    return f
 
 
 def attend(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out) -> None:
-    """``cos``/``sin`` [B, d] of each row's position; ``kc``/``vc`` [B, L, nkv, d];
-    ``masked``: apply ``valid`` (else every column 0..s counts)."""
-    f = core(kc.shape[3], nh // nkv) if _fits(qkv, kc, vc, valid, out) else None
+    """``cos``/``sin`` [B, d] of each row's position; ``kc``/``vc`` [B, L, nkv, d] (float32,
+    or float16 for the core); ``masked``: apply ``valid`` (else every column 0..s counts)."""
+    f = _pick(qkv, kc, vc, valid, out, nh, nkv)
     if f is None:
         attend_loops(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out)
     else:
-        _attend_core(f, qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out)
+        _attend_core(f, qkv, cos, sin, _cache(kc, vc), valid, s, nh, nkv, kc.shape[3], scale, masked, out)
 
 
 def attend_threads(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out) -> None:
     """:func:`attend` with each (row, KV head) a task of numba's thread pool (``--threads``):
     every head's arithmetic is :func:`attend`'s, so are its bits."""
-    f = core(kc.shape[3], nh // nkv) if _fits(qkv, kc, vc, valid, out) else None
+    f = _pick(qkv, kc, vc, valid, out, nh, nkv)
     if f is None:
         attend_loops_threads(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out)
     else:
-        _attend_core_threads(f, qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out)
+        _attend_core_threads(f, qkv, cos, sin, _cache(kc, vc), valid, s, nh, nkv, kc.shape[3], scale, masked, out)
 
 
-def warm(head_dim: int = 0, group: int = 1) -> None:
+def warm(head_dim: int = 0, group: int = 1, kv_dtype=np.float32) -> None:
     """Compile (or load from numba's cache) these now, at load time, with the argument
     types a forward passes, rather than inside the first prefill or decode step."""
     x = np.zeros((1, 4), np.float32)
@@ -258,13 +290,13 @@ def warm(head_dim: int = 0, group: int = 1) -> None:
 
     if threads() > 1:
         attend_loops_threads(*args)
-    f = core(head_dim, group) if head_dim else None
+    f = core(head_dim, group, kv_dtype) if head_dim else None
     if f is not None:  # the model's core, and numba's callers of it: one row, one KV head
         d = head_dim
-        kc, vc = np.zeros((1, 2, 1, d), np.float32), np.zeros((1, 2, 1, d), np.float32)
+        kc, vc = np.zeros((1, 2, 1, d), kv_dtype), np.zeros((1, 2, 1, d), kv_dtype)
         cos, sin, out = np.ones((1, d), np.float32), np.zeros((1, d), np.float32), np.empty((1, group * d), np.float32)
         qkv, valid = np.zeros((1, (group + 2) * d), np.float32), np.ones((1, 2), bool)
-        args = (qkv, cos, sin, kc, vc, valid, 0, group, 1, np.float32(1), True, out)
-        _attend_core(f, *args)
+        core_args = (qkv, cos, sin, _cache(kc, vc), valid, 0, group, 1, d, np.float32(1), True, out)
+        _attend_core(f, *core_args)
         if threads() > 1:
-            _attend_core_threads(f, *args)
+            _attend_core_threads(f, *core_args)

@@ -28,7 +28,7 @@ _ENGINES: list = []
 _FUNCS: dict[tuple, Any] = {}
 PROTO = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 7, *[ctypes.c_int64] * 4)
 QPROTO = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3)
-APROTO = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 3)
+APROTO = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 8, *[ctypes.c_int64] * 3)
 
 
 def address(a) -> int:
@@ -158,13 +158,14 @@ def quantizer(isa: str, name: str = quantize_ir.OUTLIERS):
         return _FUNCS[key]
 
 
-def attention(D: int, G: int, isa: str):
+def attention(D: int, G: int, isa: str, half: bool = False):
     """The ctypes function of decode attention's core (:mod:`.attend_ir`) for head
-    dimension D and G query heads a KV head, compiled for ``isa``'s target:
-    ``f(q, k, v, valid, out, sc, S, stride, masked)``, pointers then integers."""
-    key = ("attend", isa, D, G)
+    dimension D and G query heads a KV head (``half``: a float16 cache), compiled for
+    ``isa``'s target: ``f(q, k, v, valid, out, sc, knew, vnew, S, stride, masked)``,
+    pointers then integers."""
+    key = ("attend", isa, D, G, half)
     with _LOCK:
         if key not in _FUNCS:
-            names, ir = attend_ir.module([(D, G)])
+            names, ir = attend_ir.module([(D, G, half)])
             _FUNCS[key] = APROTO(_addresses(ir, isa, names)[0])
         return _FUNCS[key]

@@ -36,7 +36,8 @@ class DecodeLayers:
         self.layers, self.rows = layers, rows
         # with threads per rank, attention's (row, KV head) pairs go over them as well
         self.threads = parallel.threads()
-        self.attend = kernels.bound_attend(attn.head_dim, attn.nh // attn.nkv, self.threads > 1)
+        self.group, self.kv_dtype = attn.nh // attn.nkv, model.kv_dtype  # the cache attend is bound to
+        self.attend = kernels.bound_attend(attn.head_dim, self.group, self.threads > 1, self.kv_dtype)
 
     @classmethod
     def of(cls, model) -> DecodeLayers | None:
@@ -66,8 +67,8 @@ class DecodeLayers:
         return (
             step.one
             and batch <= self.rows
-            and k.dtype == np.float32
-            and k.flags.c_contiguous
+            and k.dtype == self.kv_dtype
+            and kernels.usable(k, cache.v[0], self.group)
             and cache.valid.flags.c_contiguous
         )
 

@@ -66,6 +66,31 @@ _DECODE = None
 QUERY_BLOCK = 64
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "float16")
+
+
+def kv_cache_dtype(choice: str | None, model) -> np.dtype:
+    """The KV cache's type: ``choice``, else ``MPITP_KV_CACHE_DTYPE``, else ``auto``. auto is
+    float16 where the model multiplies on int8 tiles on the CPU and decode attention's IR
+    core reads float16 (a head dimension that is a multiple of 16): as llama.cpp keeps its
+    cache by default, half the bytes a decode step's attention reads, rounded to nearest,
+    ~5e-4 relative, far inside int8 activations' own rounding. Else the model's dtype:
+    float32 activations stay the exact reference."""
+    from .. import settings
+    from .config import ConfigError
+
+    c = (choice or settings.current().kv_cache_dtype or "auto").lower()
+    if c not in KV_CACHE_DTYPES:
+        raise ConfigError(f"KV cache dtype {c!r}: one of {', '.join(KV_CACHE_DTYPES)}")
+    if c != "auto":
+        return np.dtype(c)
+    if model.xp is np and model.layers and model.int8_tiles():
+        a = model.layers[0].self_attn  # decode attention's IR core reads float16 (not on the baseline x86-64)
+        if _decode_kernels().core(a.head_dim, a.nh // a.nkv, np.float16) is not None:
+            return np.dtype(np.float16)
+    return np.dtype(model.dtype)
+
+
 def _decode_kernels():
     global _DECODE
     if _DECODE is None:
@@ -142,7 +167,7 @@ class Attention:
         d = self.head_dim
         B, T, _ = x.shape
         qkv = self.qkv_proj(x)
-        if step.one and _fast(qkv, cache.k[layer]):
+        if step.one and _fast(qkv) and _decode_kernels().usable(cache.k[layer], cache.v[layer], self.nh // self.nkv):
             out = np.empty((B, self.nh * d), np.float32)
             _decode_kernels().attend(
                 qkv.reshape(B, -1), step.cos1, step.sin1, cache.k[layer], cache.v[layer], cache.valid,
@@ -158,6 +183,8 @@ class Attention:
         S = s + T
         keys = cache.k[layer][:, :S].transpose(0, 2, 1, 3)  # [B, kv, S, d]
         vals = cache.v[layer][:, :S].transpose(0, 2, 1, 3)  # [B, kv, S, d]
+        if keys.dtype != qkv.dtype:  # a float16 cache: widened once, exactly
+            keys, vals = keys.astype(qkv.dtype), vals.astype(qkv.dtype)
         g = self.nh // self.nkv
         qh = q.reshape(B, T, self.nkv, g, d).transpose(0, 2, 3, 1, 4)  # [B, kv, g, T, d]
         if not step.masked:  # every column seen by every row
@@ -258,6 +285,8 @@ class LlamaForCausalLM:
         self.is_first, self.is_last = self.first_layer == 0, end == config.num_hidden_layers
         self.weights = weights if xp is np else "float32"  # how matmul weights are kept (loader.WEIGHTS)
         self.activations = "float32"  # of block weights' matmuls: int8 or float32 (set by the loader)
+        self.kv_dtype = np.dtype(dtype)  # of the KV cache: kv_cache_dtype(kv_choice) once loaded
+        self.kv_choice: str | None = None  # the loader's kv_cache_dtype
         c = config
         self.rotary = Rotary(
             c.head_dim, c.rope_theta, c.rope_scaling, min(c.max_position_embeddings, 4096), xp=xp, dtype=np.float32
@@ -295,6 +324,7 @@ class LlamaForCausalLM:
         activations: str | None = None,
         pp: int = 1,
         stage_inside_node: bool = False,
+        kv_cache_dtype: str | None = None,
     ) -> LlamaForCausalLM:
         from .loader import load_pretrained
 
@@ -308,11 +338,12 @@ class LlamaForCausalLM:
             activations=activations,
             pp=pp,
             stage_inside_node=stage_inside_node,
+            kv_cache_dtype=kv_cache_dtype,
         )
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         a = self.layers[0].self_attn
-        return KVCache(len(self.layers), batch, max_len, a.nkv, self.config.head_dim, self.dtype, self.xp)
+        return KVCache(len(self.layers), batch, max_len, a.nkv, self.config.head_dim, self.kv_dtype, self.xp)
 
     def check_ids(self, ids) -> None:
         ids = np.asarray(ids)
@@ -415,9 +446,6 @@ class LlamaForCausalLM:
             if hasattr(m, "finish"):
                 m.finish()
         self._decode_built = False
-        if self.xp is np and self.dtype == np.float32:
-            a = self.layers[0].self_attn
-            _decode_kernels().warm(a.head_dim, a.nh // a.nkv)
         why = {m.fallback for _, m in self.named_modules() if getattr(m, "fallback", "")}
         if why:
             from ..log import get_logger
@@ -448,6 +476,17 @@ class LlamaForCausalLM:
                     tiled = {(w.fmt, w.group) for w in held if w.layout == "tiles"}
                     for kind, group in sorted(tiled):
                         int8.warm(kind, digits, group, outliers)
+        self.kv_dtype = kv_cache_dtype(self.kv_choice, self)
+        if self.xp is np and self.dtype == np.float32:
+            a = self.layers[0].self_attn
+            _decode_kernels().warm(a.head_dim, a.nh // a.nkv, self.kv_dtype)
+
+    def int8_tiles(self) -> bool:
+        """Whether some matmul of this rank runs on int8 tiles (int8 activations)."""
+        from ..kernels.formats import leaves
+
+        mods = [m for _, m in self.named_modules() if getattr(m, "qweight", None) is not None]
+        return any(getattr(w, "layout", "") == "tiles" for m in mods for w in leaves(m.qweight))
 
     def arithmetic(self) -> str:
         """What the matmuls multiply, for the ``[mpitp]`` line: "int8 activations (avx2)"."""

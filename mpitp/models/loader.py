@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import settings
 from ..errors import MpitpError
 from ..progress import Progress
 from ..tp import SafetensorsSource
@@ -176,6 +177,7 @@ def load_pretrained(
     activations: str | None = None,
     pp: int = 1,
     stage_inside_node: bool = False,
+    kv_cache_dtype: str | None = None,
 ):
     """``pp``: pipeline stages (:mod:`.pipeline`), each a tensor-parallel group of
     ``comm.size / pp`` ranks holding its run of layers (``stage_inside_node``: each inside
@@ -185,7 +187,8 @@ def load_pretrained(
     the matmul weights at load. On a GPU, weights are always ``dtype`` (quantized files
     dequantize). ``activations`` (int8, float32, auto: :func:`mpitp.kernels.cpu.activations`)
     says how block weights multiply: int8 activations with the weights repacked in tiles
-    (:mod:`mpitp.kernels.int8`), or float32 activations, the exact reference."""
+    (:mod:`mpitp.kernels.int8`), or float32 activations, the exact reference.
+    ``kv_cache_dtype``: :func:`mpitp.models.llama.kv_cache_dtype`."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such directory")
@@ -228,5 +231,11 @@ def load_pretrained(
             model.activations = resolve(activations)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    from .llama import KV_CACHE_DTYPES
+
+    choice = kv_cache_dtype or settings.current().kv_cache_dtype
+    if choice is not None and choice.lower() not in KV_CACHE_DTYPES:  # before the weights load
+        raise ConfigError(f"KV cache dtype {choice!r}: one of {', '.join(KV_CACHE_DTYPES)}")
+    model.kv_choice = choice  # the model's finish_load settles it, knowing its weights
     model.load_info = load_weights(model, path)
     return model

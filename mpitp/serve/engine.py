@@ -166,7 +166,7 @@ class Engine:
         size = model.comm.size if model.comm is not None else 1  # the tensor-parallel cut of the KV heads
         most = max(partition.attention(cfg.num_attention_heads, cfg.num_key_value_heads, size).kv)
         if prefix is None:
-            prefix = PrefixCache(len(model.layers), a.nkv, cfg.head_dim, model.dtype, prefix_bytes, model.xp, most)
+            prefix = PrefixCache(len(model.layers), a.nkv, cfg.head_dim, model.kv_dtype, prefix_bytes, model.xp, most)
         self.prefix = prefix
 
     # ------------------------------------------------------------------ lockstep control
@@ -202,7 +202,9 @@ class Engine:
         h = len(hits) * BLOCK
         a = m.layers[0].self_attn
         shape = (P, a.nkv, m.config.head_dim)
-        pf = Prefill(job, h, [xp.empty(shape, m.dtype) for _ in m.layers], [xp.empty(shape, m.dtype) for _ in m.layers])
+        pf = Prefill(
+            job, h, [xp.empty(shape, m.kv_dtype) for _ in m.layers], [xp.empty(shape, m.kv_dtype) for _ in m.layers]
+        )
         for layer in range(len(m.layers) if h else 0):
             pf.k[layer][:h], pf.v[layer][:h] = self.prefix.read(hits, layer)
         self.waiting.append(pf)
