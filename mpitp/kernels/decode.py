@@ -230,7 +230,7 @@ def usable(kc, vc, g: int) -> bool:
 
 
 def _cache(kc, vc) -> tuple[int, int, int, int, int]:
-    return kc.ctypes.data, vc.ctypes.data, kc.strides[0], kc.strides[2], kc.strides[1] // kc.itemsize
+    return jit.address(kc), jit.address(vc), kc.strides[0], kc.strides[2], kc.strides[1] // kc.itemsize
 
 
 def bound_attend(d: int, g: int, threads: bool, dtype=np.float32):
