@@ -13,8 +13,9 @@ differs)::
 
 attend's scores, softmax and sum over values run in an IR core (:mod:`.attend_ir`, one
 call per row and KV head: its query heads in registers while the cache streams past
-once) where the head dimension is a multiple of 16 and the arrays are C-contiguous; else
-in numba's loops here (:func:`_attend_group`).
+once, the new key and value stored by it) where the head dimension is a multiple of 16
+and each head's row of the cache is contiguous; the cache float32 or float16. Else (a
+float32 cache) in numba's loops here (:func:`_attend_group`).
 """
 
 from __future__ import annotations
