@@ -378,6 +378,17 @@ def slow2(servers) -> Server:
     )
 
 
+def test_a_prompt_longer_than_the_token_budget_on_the_default_model(servers):
+    """A prompt of ~300 tokens against the default budget of 256 a forward: its first
+    chunk wants no position's logits, so the LM head's int8 matmul gets no rows (it raised
+    there, and the server aborted). Its text equals mpitp generate's."""
+    prompt = SHARED * 24 + "and so the story"
+    want = greedy(slow_model(), [(prompt, False)], 4, CROSS_BATCH_ACTIVATIONS)[(prompt, False)]
+    r = slow2(servers).client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens > 256
+    assert r.choices[0].text.rstrip("\n") == want  # generate's printed text, its last newline dropped
+
+
 def test_structured_output_in_a_mixed_batch(servers):
     """8 requests at once, 4 held to a JSON schema (nested, enum, integer) and 4 free: every
     constrained reply parses and validates, every free one equals what it gets alone.

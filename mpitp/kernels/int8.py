@@ -127,6 +127,8 @@ class Bound:
 
     def __call__(self, x: np.ndarray, y: np.ndarray) -> None:
         M = x.shape[0]
+        if M == 0:  # no rows (a prefill chunk with no position's logits wanted): nothing to do
+            return
         self.quantize(x)
         out = y if self.pad is None else self.pad
         if self.threads > 1:
@@ -150,6 +152,8 @@ def matmul(x2: np.ndarray, w: TiledWeight, isa: str | None = None) -> np.ndarray
     M, K = x2.shape
     N = w.shape[0]
     T, nb = w.qs.shape[0], K // 32
+    if M == 0:
+        return np.empty((0, N), np.float32)
     if M <= SMALL:  # a decode step: the bound kernel kept with the weight (the head's, every step)
         y = np.empty((M, N), np.float32)
         key = (isa or cpu.isa(), parallel.threads())
