@@ -17,9 +17,9 @@ and a horizontal sum for every (column, head) pair and keep the accumulators in 
 The cache holds float32, or float16 (``half``: rows converted as they are loaded, and
 the new column rounded to nearest even, as NumPy's astype rounds it: prefill's writes
 and these agree bit for bit). ``sc`` is the scratch of the scores: G rows of S rounded
-up to 16. Exp is Cephes' expf
-(relative error ~2e-7, like libm's float exp); a softmax's sums run in another order than
-:func:`.decode._attend_group`'s, so results agree with it to float32 rounding, not bits.
+up to 16. Exp is Cephes' expf (relative error ~2e-7, like libm's float exp); a softmax's
+sums run in another order than :func:`.decode._attend_group`'s, so results agree with it
+to float32 rounding, not bits.
 """
 
 from __future__ import annotations
