@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import struct
 
-from .int8_ir import _Body, idx, splat
+from .int8_ir import _Body, splat
+from .quantize_ir import _tree
 
 MASKED = -3.4028234663852886e38  # float32's lowest, as decode.MASKED
 LANES = 16
@@ -47,9 +48,12 @@ def _f(x: float) -> str:
     return "0x" + struct.pack(">d", struct.unpack("f", struct.pack("f", x))[0]).hex().upper()
 
 
-# Cephes' expf: exp(x) = 2^k · p(r), k = round(x·log2 e), r = x - k·ln 2 (ln 2 in two parts)
-LOG2E, LN2HI, LN2LO = _f(1.44269504088896341), _f(0.693359375), _f(-2.12194440e-4)
-POLY = [_f(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 0.5)]
+# Cephes' expf: exp(x) = 2^k · p(r), k = round(x·log2 e), r = x - k·ln 2 (ln 2 in two parts);
+# decode.swiglu evaluates the same polynomial in numba
+EXP_LOG2E, EXP_LN2 = 1.44269504088896341, (0.693359375, -2.12194440e-4)
+EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 0.5)
+LOG2E, LN2HI, LN2LO = _f(EXP_LOG2E), _f(EXP_LN2[0]), _f(EXP_LN2[1])
+POLY = [_f(c) for c in EXP_POLY]
 LOWEST = _f(-87.0)  # exp below this is taken as 0 (2^-126, float32's smallest normal, is e^-87.3)
 
 
@@ -59,18 +63,6 @@ def name(D: int, G: int, half: bool = False) -> str:
 
 def _vsplat(v) -> str:
     return splat("float", LANES, v)
-
-
-def _sum(e: _Body, v: str) -> str:
-    """The 16 lanes of ``v`` summed by halving (the same order on every CPU)."""
-    n = LANES
-    while n > 1:
-        h = n // 2
-        lo = e(f"shufflevector <{n} x float> {v}, <{n} x float> poison, {idx(range(h))}")
-        hi = e(f"shufflevector <{n} x float> {v}, <{n} x float> poison, {idx(range(h, n))}")
-        v = e(f"fadd <{h} x float> {lo}, {hi}")
-        n = h
-    return e(f"extractelement <1 x float> {v}, i64 0")
 
 
 def _exp(e: _Body, x: str) -> str:
@@ -150,7 +142,7 @@ def kernel(D: int, G: int, half: bool = False) -> str:
         acc = e(f"fmul {F} {q[h][0]}, {kv[0]}")
         for c in range(1, C):
             acc = e(f"call {F} @llvm.fmuladd.v16f32({F} {q[h][c]}, {F} {kv[c]}, {F} {acc})")
-        s = e(f"select i1 {keep}, float {_sum(e, acc)}, float {m}")
+        s = e(f"select i1 {keep}, float {_tree(e, acc, LANES, 'float', 'fadd')}, float {m}")
         at = e(f"add i64 %t, %row{h}")
         e.do(f"store float {s}, ptr {ptr(e, 'float', '%sc', at)}, align 4")
         gt = e(f"fcmp ogt float {s}, %top{h}")
@@ -172,7 +164,7 @@ def kernel(D: int, G: int, half: bool = False) -> str:
 
     e = block("softend")
     for h in H:
-        e.do(f"%total{h} = fadd float -0.0, {_sum(e, sums[h])}")
+        e.do(f"%total{h} = fadd float -0.0, {_tree(e, sums[h], LANES, 'float', 'fadd')}")
 
     e = block("do")  # probabilities times values: the columns in order
     vv = row(e, e(f"getelementptr {KT}, ptr %v, i64 %vo"))

@@ -24,6 +24,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import cpu, jit
+from .attend_ir import EXP_LN2, EXP_LOG2E, EXP_POLY
 from .matmul import OPTS
 
 MASKED = np.float32(np.finfo(np.float32).min)
@@ -41,9 +42,10 @@ def rms_norm(x, w, eps, out):
             out[r, h] = x[r, h] * inv * w[h]
 
 
-# exp(x) = 2^k · p(r), k = round(x·log2 e), r = x - k·ln 2 (Cephes' expf; relative error
-# ~2e-7, as libm's): a polynomial LLVM vectorizes, where np.exp is a call per value
-LOG2E, LN2HI, LN2LO = np.float32(1.44269504088896341), np.float32(0.693359375), np.float32(-2.12194440e-4)
+# exp(x) = 2^k · p(r), k = round(x·log2 e), r = x - k·ln 2 (Cephes' expf, attend_ir's; relative
+# error ~2e-7, as libm's): a polynomial LLVM vectorizes, where np.exp is a call per value
+LOG2E, LN2HI, LN2LO = np.float32(EXP_LOG2E), np.float32(EXP_LN2[0]), np.float32(EXP_LN2[1])
+P0, P1, P2, P3, P4, P5 = (np.float32(c) for c in EXP_POLY)
 
 
 @njit(**OPTS)
@@ -57,12 +59,7 @@ def swiglu(gu, out):
             x = min(max(-gu[r, i], np.float32(-87.0)), np.float32(88.0))
             k = np.floor(x * LOG2E + np.float32(0.5))
             t = x - k * LN2HI - k * LN2LO
-            p = np.float32(1.9875691500e-4)
-            p = p * t + np.float32(1.3981999507e-3)
-            p = p * t + np.float32(8.3334519073e-3)
-            p = p * t + np.float32(4.1665795894e-2)
-            p = p * t + np.float32(1.6666665459e-1)
-            p = p * t + np.float32(0.5)
+            p = ((((P0 * t + P1) * t + P2) * t + P3) * t + P4) * t + P5
             out[r, i] = p * t * t + t + np.float32(1.0)
             bits[i] = (np.int32(k) + np.int32(127)) << 23
         for i in range(n):  # silu(gate) · up = gate / (1 + exp(-gate)) · up
@@ -257,24 +254,24 @@ def _pick(qkv, kc, vc, valid, out, nh, nkv):
     return f
 
 
-def attend(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out) -> None:
+def attend(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out, *, threads: bool = False) -> None:
     """``cos``/``sin`` [B, d] of each row's position; ``kc``/``vc`` [B, L, nkv, d] (float32,
-    or float16 for the core); ``masked``: apply ``valid`` (else every column 0..s counts)."""
+    or float16 for the core); ``masked``: apply ``valid`` (else every column 0..s counts).
+    ``threads``: each (row, KV head) a task of numba's pool (``--threads``), every head's
+    arithmetic the serial one's, so are its bits."""
     f = _pick(qkv, kc, vc, valid, out, nh, nkv)
     if f is None:
-        attend_loops(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out)
+        (attend_loops_threads if threads else attend_loops)(
+            qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out
+        )
     else:
-        _attend_core(f, qkv, cos, sin, _cache(kc, vc), valid, s, nh, nkv, kc.shape[3], scale, masked, out)
+        run = _attend_core_threads if threads else _attend_core
+        run(f, qkv, cos, sin, _cache(kc, vc), valid, s, nh, nkv, kc.shape[3], scale, masked, out)
 
 
-def attend_threads(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out) -> None:
-    """:func:`attend` with each (row, KV head) a task of numba's thread pool (``--threads``):
-    every head's arithmetic is :func:`attend`'s, so are its bits."""
-    f = _pick(qkv, kc, vc, valid, out, nh, nkv)
-    if f is None:
-        attend_loops_threads(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out)
-    else:
-        _attend_core_threads(f, qkv, cos, sin, _cache(kc, vc), valid, s, nh, nkv, kc.shape[3], scale, masked, out)
+def attend_threads(*args) -> None:
+    """:func:`attend` over numba's pool."""
+    attend(*args, threads=True)
 
 
 def warm(head_dim: int = 0, group: int = 1, kv_dtype=np.float32) -> None:

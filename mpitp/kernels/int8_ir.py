@@ -290,11 +290,7 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
         # block (a segment's loop exit is a mispredicted branch, where the block's own is
         # learnt: TP=2 1B Q4_K_M batch 4, 39.0 ms a step with the branch, 41.6-42.4 segmented).
         # The rows' scales' bits OR-ed as integers, one test and one branch
-        bits = [_load(e, "i32", "%xd", e(f"add i64 %xdrow{r}_1, %b", "xb"), "float") for r in range(R)]
-        some = bits[0]
-        for c in bits[1:]:
-            some = e(f"or i32 {some}, {c}", "c")
-        e.do(f"%some = icmp ne i32 {some}, 0")
+        _any_outlier(e, R, "%b", "%some")
         e.do("br i1 %some, label %sparse, label %join, !prof !0")  # rare: kept a branch, not if-converted
         e.lines.append("sparse:")
         for r in range(R):
@@ -305,6 +301,16 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
             e.do(f"%acc{r}_n = phi {F} [%acc{r}_a, %blk], [%acc{r}_s, %sparse]")
         latch = "join"
     return name, frame(name, e, R, D, latch)
+
+
+def _any_outlier(e: _Body, R: int, b: str, name: str) -> None:
+    """``name`` = whether some row of x has an outlier in block ``b``: the rows' outlier
+    scales (row 2r + 1 of xd) OR-ed as integers, one test."""
+    bits = [_load(e, "i32", "%xd", e(f"add i64 %xdrow{r}_1, {b}", "xb"), "float") for r in range(R)]
+    some = bits[0]
+    for c in bits[1:]:
+        some = e(f"or i32 {some}, {c}", "c")
+    e.do(f"{name} = icmp ne i32 {some}, 0")
 
 
 def frame(
@@ -357,54 +363,13 @@ def frame(
             f"  store <8 x float> %hi{r}, ptr %dsth{r}, align 4"
             for r in range(R)
         )
-    if outliers is not None:
-        return _segments(name, e, outliers, R, rowvars, pair, stores, step, entry, leave)
-    text = f"""
-define void @{name}({SIGNATURE}) {{
-entry:
-  %scratch = alloca <8 x float>
-{entry}  %K = shl i64 %nb, 5
-{rowvars}
-  br label %tile
-tile:
-  %t = phi i64 [0, %entry], [%t1, %tileend]
-{pair}
-  br label %blk
-blk:
-  %b = phi i64 [0, %tile], [%b1, %{latch}]
-{block}
-  %b1 = add i64 %b, 1
-  %more = icmp ult i64 %b1, %nb
-  br i1 %more, label %blk, label %tileend
-tileend:
-  %y0 = shl i64 %t, 3
-{stores}
-  %t1 = add i64 %t, {step}
-  %again = icmp ult i64 %t1, %T
-  br i1 %again, label %tile, label %exit
-exit:
-{leave}  ret void
-}}
-"""
-    return text
-
-
-def _segments(name: str, e: _Body, o: _Body, R: int, rowvars, pair, stores, step, entry, leave) -> str:
-    """:func:`frame`'s loops for a kernel with the outliers' digit ``o``: per tile, segments
-    of blocks [b0, stop], stop the next block where some row has an outlier (or the last)."""
-    F = e.F
-    some = " | ".join(f"%sb{r}" for r in range(R))
-    scan = "\n".join(
-        f"  %sx{r} = add i64 %xdrow{r}_1, %q\n  %sp{r} = getelementptr float, ptr %xd, i64 %sx{r}\n"
-        f"  %sb{r} = load i32, ptr %sp{r}, align 4"
-        for r in range(R)
-    )
-    ors = ["%sb0"]
-    for r in range(1, R):
-        scan += f"\n  %so{r} = or i32 {ors[-1]}, %sb{r}"
-        ors.append(f"%so{r}")
-    del some
-    each = lambda fmt: "\n".join(fmt.format(r=r) for r in range(R))  # noqa: E731
+    if outliers is None:
+        loop, ends = _block_loop(block, latch), ""
+    else:
+        loop, ends = (
+            _segments(e, outliers, R),
+            "".join(f"  %acc{r}_n = phi {F} [%acc{r}_a, %blkexit], [%acc{r}_s, %outl]\n" for r in range(R)),
+        )
     return f"""
 define void @{name}({SIGNATURE}) {{
 entry:
@@ -415,15 +380,49 @@ entry:
 tile:
   %t = phi i64 [0, %entry], [%t1, %tileend]
 {pair}
-  br label %seg
+{loop}
+tileend:
+{ends}  %y0 = shl i64 %t, 3
+{stores}
+  %t1 = add i64 %t, {step}
+  %again = icmp ult i64 %t1, %T
+  br i1 %again, label %tile, label %exit
+exit:
+{leave}  ret void
+}}
+"""
+
+
+def _block_loop(block: str, latch: str) -> str:
+    """A tile's loop over its blocks, the step ``block`` (ending in label ``latch``) each."""
+    return f"""  br label %blk
+blk:
+  %b = phi i64 [0, %tile], [%b1, %{latch}]
+{block}
+  %b1 = add i64 %b, 1
+  %more = icmp ult i64 %b1, %nb
+  br i1 %more, label %blk, label %tileend"""
+
+
+def _segments(e: _Body, o: _Body, R: int) -> str:
+    """A tile's blocks in segments [b0, stop], stop the next block where some row has an
+    outlier (or the last): the step ``e`` in a loop, then the outliers' digit ``o``."""
+    F = e.F
+    scan = _Body(e.V)
+    scan.n = o.n
+    _any_outlier(scan, R, "%q", "%hit")
+
+    def each(fmt: str) -> str:
+        return "\n".join(fmt.format(r=r) for r in range(R))
+
+    return f"""  br label %seg
 seg:
   %b0 = phi i64 [0, %tile], [%bn, %outl]
 {each(f"  %accin{{r}} = phi {F} [zeroinitializer, %tile], [%acc{{r}}_s, %outl]")}
   br label %scan
 scan:
   %q = phi i64 [%b0, %seg], [%q1, %scannext]
-{scan}
-  %hit = icmp ne i32 {ors[-1]}, 0
+{chr(10).join(scan.lines)}
   %q1 = add i64 %q, 1
   br i1 %hit, label %scandone, label %scannext
 scannext:
@@ -446,18 +445,7 @@ outl:
 {chr(10).join(o.lines)}
   %bn = add i64 %b, 1
   %tmore = icmp ult i64 %bn, %nb
-  br i1 %tmore, label %seg, label %tileend
-tileend:
-{each(f"  %acc{{r}}_n = phi {F} [%acc{{r}}_a, %blkexit], [%acc{{r}}_s, %outl]")}
-  %y0 = shl i64 %t, 3
-{stores}
-  %t1 = add i64 %t, {step}
-  %again = icmp ult i64 %t1, %T
-  br i1 %again, label %tile, label %exit
-exit:
-{leave}  ret void
-}}
-"""
+  br i1 %tmore, label %seg, label %tileend"""
 
 
 def _k_scales(e: _Body, fmt: str, isa: str, half: bool) -> tuple[list[str], list[tuple[str, int]]]:

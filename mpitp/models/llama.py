@@ -69,6 +69,17 @@ QUERY_BLOCK = 64
 KV_CACHE_DTYPES = ("auto", "float32", "float16")
 
 
+def kv_cache_choice(choice: str | None) -> str:
+    """``choice``, else ``MPITP_KV_CACHE_DTYPE``, else ``auto``: checked, lower case."""
+    from .. import settings
+    from .config import ConfigError
+
+    c = (choice or settings.current().kv_cache_dtype or "auto").lower()
+    if c not in KV_CACHE_DTYPES:
+        raise ConfigError(f"KV cache dtype {c!r}: one of {', '.join(KV_CACHE_DTYPES)}")
+    return c
+
+
 def kv_cache_dtype(choice: str | None, model) -> np.dtype:
     """The KV cache's type: ``choice``, else ``MPITP_KV_CACHE_DTYPE``, else ``auto``. auto is
     float16 where the model multiplies on int8 tiles on the CPU and decode attention's IR
@@ -76,12 +87,7 @@ def kv_cache_dtype(choice: str | None, model) -> np.dtype:
     cache by default, half the bytes a decode step's attention reads, rounded to nearest,
     ~5e-4 relative, far inside int8 activations' own rounding. Else the model's dtype:
     float32 activations stay the exact reference."""
-    from .. import settings
-    from .config import ConfigError
-
-    c = (choice or settings.current().kv_cache_dtype or "auto").lower()
-    if c not in KV_CACHE_DTYPES:
-        raise ConfigError(f"KV cache dtype {c!r}: one of {', '.join(KV_CACHE_DTYPES)}")
+    c = kv_cache_choice(choice)
     if c != "auto":
         return np.dtype(c)
     if model.xp is np and model.layers and model.int8_tiles():

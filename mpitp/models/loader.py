@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from .. import settings
 from ..errors import MpitpError
 from ..progress import Progress
 from ..tp import SafetensorsSource
@@ -231,11 +230,9 @@ def load_pretrained(
             model.activations = resolve(activations)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    from .llama import KV_CACHE_DTYPES
+    from .llama import kv_cache_choice
 
-    choice = kv_cache_dtype or settings.current().kv_cache_dtype
-    if choice is not None and choice.lower() not in KV_CACHE_DTYPES:  # before the weights load
-        raise ConfigError(f"KV cache dtype {choice!r}: one of {', '.join(KV_CACHE_DTYPES)}")
-    model.kv_choice = choice  # the model's finish_load settles it, knowing its weights
+    # checked before the weights load; the model's finish_load settles auto, knowing its weights
+    model.kv_choice = kv_cache_choice(kv_cache_dtype)
     model.load_info = load_weights(model, path)
     return model
