@@ -52,6 +52,15 @@ class Server:
     runs); ``client`` is an openai client for it."""
 
     def __init__(self, n: int, *extra: str, model: str = str(FIX)):
+        for _ in range(3):  # another process can take the free port before the server binds it: again
+            if self._start(n, extra, model) or "address already in use" not in self.stderr():
+                break
+        if self.proc.poll() is not None:
+            pytest.fail(f"server did not come up: {self.stderr()[-3000:]}")
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def _start(self, n: int, extra: tuple, model: str) -> bool:
+        """Launch on a free port; whether it answers /health."""
         import tempfile
 
         self.port = free_port()
@@ -71,16 +80,13 @@ class Server:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
                     if r.status == 200:
-                        break
+                        return True
             except OSError:
                 if self.proc.poll() is not None:
-                    break
+                    return False
                 time.sleep(0.1)
-        else:
-            self.stop()
-        if self.proc.poll() is not None:
-            pytest.fail(f"server did not come up: {self.stderr()[-3000:]}")
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        self.stop()
+        return False
 
     def stderr(self) -> str:
         with open(self.log.name) as f:
