@@ -1,6 +1,8 @@
 """mpitp serve under load: N concurrent streaming clients (1, 4, 8, 16) against the same
 prompts one at a time, in one run: time to first token, inter-token latency, output
-tokens/s; then the time to first token of a question after a long document an earlier
+tokens/s. Each round's prompts are new (numbered by round), so the prefix cache holds only
+what real traffic shares (the chat template's system prompt), not the previous round's
+questions; then the time to first token of a question after a long document an earlier
 request sent, with the prefix cache and with it off. Starts the server itself (the
 embedded model by default).
 
@@ -72,11 +74,11 @@ def main() -> int:
         print(f"# mpitp serve, TP={args.tp}, {args.max_tokens} new tokens per request, greedy")
         print(f"{'clients':>8} {'TTFT ms':>9} {'ITL ms':>8} {'output tok/s':>13} {'vs 1 client':>12}")
         base = None
-        for n in (int(c) for c in args.clients.split(",")):
+        for round_, n in enumerate(int(c) for c in args.clients.split(",")):
             results: list = [None] * n
 
-            def client_run(i: int, results=results) -> None:
-                results[i] = one(client, PROMPTS[i % len(PROMPTS)], args.max_tokens)
+            def client_run(i: int, results=results, tag=f"Request {round_}.{{}}: ") -> None:
+                results[i] = one(client, tag.format(i) + PROMPTS[i % len(PROMPTS)], args.max_tokens)
 
             threads = [threading.Thread(target=client_run, args=(i,)) for i in range(n)]
             t0 = time.perf_counter()
