@@ -5,6 +5,7 @@ finished equals the same request decoded alone (greedy), whether the timeline re
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from mpitp.models.llama import LlamaForCausalLM
 from mpitp.serve.engine import Engine, Job
@@ -57,13 +58,15 @@ def _close(a, b):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * scale)
 
 
-def test_packed_chunked_prefill_equals_each_prompt_alone():
+@pytest.mark.parametrize("budget", [24, 200])
+def test_packed_chunked_prefill_equals_each_prompt_alone(budget):
     """Prompts of different lengths packed into one forward, under a budget that cuts the
-    long ones into chunks across iterations: each prompt's logits equal its own forward."""
+    long ones into chunks across iterations: each prompt's logits equal its own forward.
+    (200: whole prompts longer than a block of query rows, attention's parts, packed.)"""
     model = LlamaForCausalLM.from_pretrained(FIX / "gqa")
     rng = np.random.default_rng(0)
-    prompts = [list(rng.integers(3, 250, n)) for n in (5, 70, 1, 33, 17)]
-    e = Engine(model, max_batch=8, max_len=512, budget=24)
+    prompts = [list(rng.integers(3, 250, n)) for n in (5, 70, 1, 33, 17, 90)]
+    e = Engine(model, max_batch=8, max_len=512, budget=budget)
     for i, p in enumerate(prompts):
         e.add(Job(i, [int(t) for t in p], 4, echo=(i == 1), logprobs=(0 if i == 1 else None)))
     out, rounds = {}, 0
@@ -71,7 +74,7 @@ def test_packed_chunked_prefill_equals_each_prompt_alone():
         for row, result in e.prefill().items():
             out[e.slots[row].job.id] = result.logits
         rounds += 1
-    assert rounds == -(-sum(map(len, prompts)) // 24)  # every iteration filled its budget
+    assert rounds == -(-sum(map(len, prompts)) // budget)  # every iteration filled its budget
     for i, p in enumerate(prompts):
         ref = _alone(model, p)
         _close(out[i], ref if i == 1 else ref[-1])  # job 1 kept every position (echo)

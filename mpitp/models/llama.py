@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -121,10 +122,43 @@ class Step:
             allowed = allowed & (owner[None, :S] == owner[s:S, None])[None]
         self.allowed = allowed[:, None, None]  # [B, 1, 1, T, S]
         self.masked = not bool(self.allowed.all())  # decoding without pads masks nothing
+        self._cut = (allowed, s, owner, xp)
         self.one = T == 1 and _fast(self.cos)  # a decode step: attention in one compiled call
         if self.one:
             self.cos1 = np.ascontiguousarray(self.cos[:, 0, 0])  # [B, head_dim]
             self.sin1 = np.ascontiguousarray(self.sin[:, 0, 0])
+
+    @cached_property
+    def parts(self) -> list:
+        """Masked attention's parts (:func:`_parts`), cut at the first layer that asks."""
+        return _parts(*self._cut)
+
+
+def _parts(allowed, s: int, owner, xp) -> list:
+    """A masked forward's attention in parts: (rows, columns, their mask [B, 1, 1, rows,
+    columns]) each. QUERY_BLOCK rows at a time over the columns they may see (causal: about
+    half of them); a packed prefill's prompts each apart, over their own columns only (the
+    whole packed row would score every prompt's queries against every prompt's keys, the
+    square of the sum of the lengths, nearly all of it masked: 8 prompts of ~20 new tokens
+    after a cached system prompt, 47 -> 15 ms of attention on the default model's rank 0)::
+
+        packed row   [a a b b b | A A A B B]      rows A: columns a a A A A
+                      cached      new             rows B: columns b b b B B
+    """
+    T, S = allowed.shape[1], allowed.shape[2]
+    if owner is None:
+        spans = [
+            (t0, min(T, t0 + QUERY_BLOCK), slice(0, min(S, s + t0 + QUERY_BLOCK))) for t0 in range(0, T, QUERY_BLOCK)
+        ]
+    else:
+        own = np.asarray(owner[:S].tolist())
+        spans = []
+        ends = np.flatnonzero(np.diff(own[s:])) + 1  # the new rows of each prompt: runs of one owner
+        for t0, t1 in zip([0, *ends.tolist()], [*ends.tolist(), T]):
+            cols = np.flatnonzero(own == own[s + t0])
+            for b0 in range(t0, t1, QUERY_BLOCK):
+                spans.append((b0, min(t1, b0 + QUERY_BLOCK), xp.asarray(cols)))
+    return [(slice(t0, t1), c, allowed[:, t0:t1][:, :, c][:, None, None]) for t0, t1, c in spans]
 
 
 class KVCache:
@@ -195,14 +229,11 @@ class Attention:
         qh = q.reshape(B, T, self.nkv, g, d).transpose(0, 2, 3, 1, 4)  # [B, kv, g, T, d]
         if not step.masked:  # every column seen by every row
             out, _ = attention(qh, keys, vals, self.scale)
-        else:  # QUERY_BLOCK rows at a time, over the columns they may see (causal: about half)
+        else:  # in parts (_parts): rows over the columns they may see
             out = self.xp.empty((B, self.nkv, g, T, d), qh.dtype)
-            for t0 in range(0, T, QUERY_BLOCK):
-                t1 = min(T, t0 + QUERY_BLOCK)
-                see, rows = s + t1, slice(t0, t1)
-                allowed = step.allowed[..., rows, :see]
+            for rows, cols, allowed in step.parts:
                 out[:, :, :, rows] = attention(
-                    qh[:, :, :, rows], keys[:, :, :see], vals[:, :, :see], self.scale, allowed
+                    qh[:, :, :, rows], keys[:, :, cols], vals[:, :, cols], self.scale, allowed
                 )[0]
         out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, self.nh * d)
         return self.o_proj(out)
