@@ -188,6 +188,12 @@ def test_kernels_equal_the_float64_product_of_what_they_multiply(t, isa, digits,
     assert np.abs(y - ref).max() <= 1e-5 * scale, np.abs(y - ref).max() / scale
     if isa == "amx":  # from 8 rows on AMX's tiles (int8o's too): avx512's numbers, bit for bit
         assert np.array_equal(y, int8.matmul(x, tw, "avx512"))
+        if m > int8.SMALL and tw.digits == 2:  # prefill's chunk of 8 rows (long rows of x) too
+            wide, int8.AMX_WIDE_K = int8.AMX_WIDE_K, 0
+            try:
+                assert int8.chunk("amx", 2, k) == 8 and np.array_equal(y, int8.matmul(x, tw, isa))
+            finally:
+                int8.AMX_WIDE_K = wide
     if m <= int8.SMALL:  # the bound form (the decode loop's) gives the same numbers
         y2 = np.full((m, n), np.nan, np.float32)
         int8.Bound(tw, isa)(x, y2)

@@ -72,19 +72,25 @@ def lanes(isa: str, rows: int) -> str:
     return "vnni" if isa == "avx512" and rows < 4 else isa
 
 
-def chunk(isa: str, digits: int = 1) -> int:
+def chunk(isa: str, digits: int = 1, K: int = 0) -> int:
     """Rows of x each prefill kernel call takes: 16, or 8 with avx512 (16 rows of 16 lanes
     spill their accumulators; 8 run at ~1.2-1.5x the GMAC/s of 16, measured on Zen 4);
-    amx's one tile of 16 rows of x (8 with two digits)."""
+    amx's 16 rows of x, in one tile, or with two digits in two tiles that share each block's
+    weights, as long as those 32 rows of xq (32·K bytes) stay in L1 (``K`` at most
+    AMX_WIDE_K); past that 8 (measured on a Xeon with AMX, two digits, 171-512 rows:
+    96 -> 110-120 GMAC/s at K = 576-1024, even at 1536, 119 -> 91 at 2048)."""
     if isa == "amx":
-        return 16 // digits
+        return 16 if digits == 1 or K <= AMX_WIDE_K else 8
     return 8 if isa == "avx512" else SMALL
 
 
-def prefill_kernel(kind: str, digits: int, isa: str, group: int):
+AMX_WIDE_K = 1024
+
+
+def prefill_kernel(kind: str, digits: int, isa: str, group: int, K: int = 0):
     """The kernel prefill calls for :func:`chunk` rows of x: AMX's where ``isa`` is amx."""
     if isa == "amx":
-        return jit.functions([(kind, "amx", chunk(isa, digits), digits, group)])[0]
+        return jit.functions([(kind, "amx", chunk(isa, digits, K), digits, group)])[0]
     return kernels(kind, digits, isa, group, False)[chunk(isa)]
 
 
@@ -164,9 +170,9 @@ def matmul(x2: np.ndarray, w: TiledWeight, isa: str | None = None) -> np.ndarray
         return y
     D = w.digits
     isa = isa or cpu.isa()
-    rows = chunk(isa, D)
+    rows = chunk(isa, D, K)
     # int8o's prefill multiplies two full digits, as int8x2 (the module's docstring says why)
-    k = prefill_kernel(w.fmt, D, isa, w.group)
+    k = prefill_kernel(w.fmt, D, isa, w.group, K)
     P = -(-M // rows) * rows * D
     xq = np.zeros((P, K), np.int8)
     xd = np.zeros((P, nb), np.float32)
@@ -196,7 +202,8 @@ def warm(kind: str, digits: int = 1, group: int = 32, outliers: bool = False) ->
     parallel.warm(k[1], parallel.threads())
     if outliers:
         outlier_quantizer()
-    prefill_kernel(kind, digits, cpu.isa(), group)
+    for K in (AMX_WIDE_K, AMX_WIDE_K + 1):  # both of amx's chunks
+        prefill_kernel(kind, digits, cpu.isa(), group, K)
     if digits == 2:
         two_digit_quantizer()
         return
