@@ -6,7 +6,7 @@ questions; then the time to first token of a question after a long document an e
 request sent, with the prefix cache and with it off. Starts the server itself (the
 embedded model by default).
 
-    python benchmarks/serve.py --tp 2 --max-tokens 48
+    python benchmarks/serve.py --tp 2 --max-tokens 48 --clients 1,8 --rounds 5
 """
 
 import argparse
@@ -61,6 +61,7 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--clients", default="1,4,8,16")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every client count, alternated (default 3)")
     ap.add_argument(
         "--shared-prefix",
         type=int,
@@ -72,27 +73,38 @@ def main() -> int:
     try:
         one(client, PROMPTS[0], 4)  # warm
         print(f"# mpitp serve, TP={args.tp}, {args.max_tokens} new tokens per request, greedy")
-        print(f"{'clients':>8} {'TTFT ms':>9} {'ITL ms':>8} {'output tok/s':>13} {'vs 1 client':>12}")
-        base = None
-        for round_, n in enumerate(int(c) for c in args.clients.split(",")):
-            results: list = [None] * n
+        counts = [int(c) for c in args.clients.split(",")]
+        runs: dict[int, list[tuple[float, float, float]]] = {n: [] for n in counts}
+        tag = 0
+        for _ in range(args.rounds):  # the client counts alternated, so that drift hits all alike
+            for n in counts:
+                results: list = [None] * n
 
-            def client_run(i: int, results=results, tag=f"Request {round_}.{{}}: ") -> None:
-                results[i] = one(client, tag.format(i) + PROMPTS[i % len(PROMPTS)], args.max_tokens)
+                def client_run(i: int, results=results, tag=f"Request {tag}.{{}}: ") -> None:
+                    results[i] = one(client, tag.format(i) + PROMPTS[i % len(PROMPTS)], args.max_tokens)
 
-            threads = [threading.Thread(target=client_run, args=(i,)) for i in range(n)]
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - t0
-            tokens = sum(r["pieces"] for r in results)
-            rate = tokens / wall
-            base = base or rate
-            ttft = np.median([r["ttft"] for r in results]) * 1e3
-            itl = np.median([r["itl"] for r in results]) * 1e3
-            print(f"{n:>8} {ttft:>9.1f} {itl:>8.1f} {rate:>13.1f} {rate / base:>11.2f}x")
+                tag += 1
+                threads = [threading.Thread(target=client_run, args=(i,)) for i in range(n)]
+                t0 = time.perf_counter()
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                wall = time.perf_counter() - t0
+                ttft = float(np.median([r["ttft"] for r in results])) * 1e3
+                itl = float(np.median([r["itl"] for r in results])) * 1e3
+                runs[n].append((ttft, itl, sum(r["pieces"] for r in results) / wall))
+        print(f"# medians over {args.rounds} round(s) per client count (TTFT: each round's median client)")
+        print(
+            f"{'clients':>8} {'TTFT ms':>9} {'(rounds)':>15} {'vs 1':>6} {'ITL ms':>8} {'output tok/s':>13} {'vs 1':>6}"
+        )
+        first = None
+        for n in counts:
+            t, i, r = (np.median([x[k] for x in runs[n]]) for k in range(3))
+            lo, hi = min(x[0] for x in runs[n]), max(x[0] for x in runs[n])
+            first = first or (t, r)
+            spread = f"{lo:.0f}-{hi:.0f}"
+            print(f"{n:>8} {t:>9.1f} {spread:>15} {t / first[0]:>5.2f}x {i:>8.1f} {r:>13.1f} {r / first[1]:>5.2f}x")
         # the same prompts one at a time through mpitp generate, for reference
         gen = [sys.executable, "-m", "mpitp.cli.main", "generate", "--max-new-tokens", str(args.max_tokens), "--chat"]
         gen += ["--model", args.model] if args.model else []
