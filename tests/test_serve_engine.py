@@ -115,6 +115,23 @@ def test_prefix_cache_reuses_prompt_and_conversation_blocks():
     _close(every, _alone(model, b))
 
 
+def test_prompts_packed_after_their_cached_blocks_equal_each_alone():
+    """Prompts that start with cached blocks, prefilled in one packed forward: each prompt's
+    columns are two runs (its cached blocks, then its new tokens) with the others' between
+    them, and attention takes exactly those. Each prompt's logits equal its own forward."""
+    model = LlamaForCausalLM.from_pretrained(FIX / "gqa")
+    e = Engine(model, max_batch=8, max_len=512, prefix_bytes=1 << 22)
+    system = [7 + i % 200 for i in range(40)]  # 2 full blocks and 8 tokens
+    e.admit(Job(0, system + [3], 1))  # leaves the 2 blocks in the cache
+    prompts = [system + [11 + i] * n for i, n in enumerate((3, 90, 1, 17))]  # 90: past a query block
+    for i, p in enumerate(prompts, 1):
+        e.add(Job(i, p, 1))
+    out = e.prefill()
+    assert e.prefix.hits == 4 * 32 and not e.waiting  # one forward, every prompt after its 32 cached tokens
+    for row, result in out.items():
+        _close(result.logits, _alone(model, prompts[e.slots[row].job.id - 1])[-1])
+
+
 def test_prefix_cache_evicts_least_recently_used_within_its_budget():
     model = LlamaForCausalLM.from_pretrained(FIX / "gqa")
     assert Engine(model, max_batch=1, max_len=512).prefix.capacity == 0  # off unless given memory

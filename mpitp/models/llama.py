@@ -155,9 +155,14 @@ def _parts(allowed, s: int, owner, xp) -> list:
         spans = []
         ends = np.flatnonzero(np.diff(own[s:])) + 1  # the new rows of each prompt: runs of one owner
         for t0, t1 in zip([0, *ends.tolist()], [*ends.tolist(), T]):
-            cols = np.flatnonzero(own == own[s + t0])
+            mine = np.flatnonzero(own == own[s + t0])
             for b0 in range(t0, t1, QUERY_BLOCK):
-                spans.append((b0, min(t1, b0 + QUERY_BLOCK), xp.asarray(cols)))
+                b1 = min(t1, b0 + QUERY_BLOCK)
+                cols = mine[mine < s + b1]  # what these rows may see (causal)
+                if cols[-1] - cols[0] + 1 == cols.size:  # one run (a prompt alone): a view, not a copy
+                    spans.append((b0, b1, slice(int(cols[0]), int(cols[-1]) + 1)))
+                else:
+                    spans.append((b0, b1, xp.asarray(cols)))
     return [(slice(t0, t1), c, allowed[:, t0:t1][:, :, c][:, None, None]) for t0, t1, c in spans]
 
 
