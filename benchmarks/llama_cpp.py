@@ -36,7 +36,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -46,7 +45,7 @@ from mpitp import launch
 from mpitp.bench.decode import read_bandwidth
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve import PROMPTS  # noqa: E402  (the same 8 prompts as benchmarks/serve.py)
+from serve import PROMPTS, concurrently  # noqa: E402  (the same 8 prompts as benchmarks/serve.py)
 
 ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
 
@@ -101,13 +100,8 @@ def load(port: int | str, clients: int, max_tokens: int, chat: bool = True) -> f
         for k in range(len(PROMPTS) if clients == 1 else 1):
             counts[i] += ask(PROMPTS[(i + k) % len(PROMPTS)], max_tokens)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(counts) / (time.perf_counter() - t0)
+    wall = concurrently(run, clients)
+    return sum(counts) / wall
 
 
 def llama_bench(bin_: str, model: str, threads: int) -> float:

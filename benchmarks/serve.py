@@ -36,6 +36,17 @@ PROMPTS = [
 ]
 
 
+def concurrently(fn, n: int) -> float:
+    """``fn(0)`` … ``fn(n - 1)``, each in its own thread, all started at once: the wall seconds."""
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def one(client, prompt: str, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     stamps = []
@@ -75,22 +86,16 @@ def main() -> int:
         print(f"# mpitp serve, TP={args.tp}, {args.max_tokens} new tokens per request, greedy")
         counts = [int(c) for c in args.clients.split(",")]
         runs: dict[int, list[tuple[float, float, float]]] = {n: [] for n in counts}
-        tag = 0
+        batch = 0  # numbers each batch of requests, so that no prompt repeats
         for _ in range(args.rounds):  # the client counts alternated, so that drift hits all alike
             for n in counts:
                 results: list = [None] * n
 
-                def client_run(i: int, results=results, tag=f"Request {tag}.{{}}: ") -> None:
+                def client_run(i: int, results=results, tag=f"Request {batch}.{{}}: ") -> None:
                     results[i] = one(client, tag.format(i) + PROMPTS[i % len(PROMPTS)], args.max_tokens)
 
-                tag += 1
-                threads = [threading.Thread(target=client_run, args=(i,)) for i in range(n)]
-                t0 = time.perf_counter()
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                wall = time.perf_counter() - t0
+                batch += 1
+                wall = concurrently(client_run, n)
                 ttft = float(np.median([r["ttft"] for r in results])) * 1e3
                 itl = float(np.median([r["itl"] for r in results])) * 1e3
                 runs[n].append((ttft, itl, sum(r["pieces"] for r in results) / wall))

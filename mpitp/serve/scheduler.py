@@ -95,12 +95,12 @@ def run(engines: list[Engine] | Engine, service: Service | None, stop: Stop | No
         if service is not None:
             service.metrics.kv_used(sum(x.kv_usage() for x in engines) / len(engines))
             service.metrics.prefix(e.prefix.queries, e.prefix.hits)
-        if fresh and not lag and any(s and s.last >= 0 for s in e.slots):
+        fed = any(s and s.last >= 0 for s in e.slots)
+        if fresh and fed and not lag:
             # the new prompts' first tokens go out now, not after the running rows' step
             # (which then feeds them too): 8 clients' first tokens waited ~14 ms more
             _sample(e, fresh, None, service, requests, home)
             fresh = {}
-        fed = any(s and s.last >= 0 for s in e.slots)
         in_flight.append((e, fresh, e.step() if fed else None))
         while len(in_flight) > (0 if shutdown else lag):
             _sample(*in_flight.popleft(), service, requests, home)
