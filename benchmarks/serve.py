@@ -11,6 +11,7 @@ embedded model by default).
 
 import argparse
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -79,11 +80,16 @@ def main() -> int:
         default=80,
         help="sentences (~14 tokens each) of a document two questions share; 0 skips it (default 80)",
     )
+    ap.add_argument("--serve-args", default="", help="more arguments for mpitp serve, e.g. '--prefill-pacing off'")
     args = ap.parse_args()
-    proc, client = start(args.tp, args.model)
+    proc, client = start(args.tp, args.model, *shlex.split(args.serve_args))
     try:
         one(client, PROMPTS[0], 4)  # warm
-        print(f"# mpitp serve, TP={args.tp}, {args.max_tokens} new tokens per request, greedy")
+        print(
+            f"# mpitp serve {args.serve_args}, TP={args.tp}, {args.max_tokens} new tokens per request, greedy".replace(
+                "  ", " "
+            )
+        )
         counts = [int(c) for c in args.clients.split(",")]
         runs: dict[int, list[tuple[float, float, float]]] = {n: [] for n in counts}
         batch = 0  # numbers each batch of requests, so that no prompt repeats

@@ -9,6 +9,7 @@ import pytest
 
 from mpitp.models.llama import LlamaForCausalLM
 from mpitp.serve.engine import Engine, Job
+from mpitp.serve.pacing import Pacing, take
 
 FIX = Path(__file__).resolve().parent / "fixtures"
 
@@ -87,6 +88,45 @@ def test_packed_chunked_prefill_equals_each_prompt_alone(budget):
         if s is not None:
             ids = prompts[s.job.id] + [s.last]
             _close(logits[row].logits, _alone(model, ids)[-1])
+
+
+def test_take_splits_waiting_prompts_where_a_forward_costs_few_tokens():
+    """pacing.take: k = round(sqrt(W / pace)) forwards of whole prompts, ~W/k tokens each."""
+    seven = [22] * 7  # W = 154
+    assert take(seven, None) is None  # off: all that fit the budget
+    assert take([500], 1.0) is None  # one prompt goes whole (the budget still chunks it)
+    assert take(seven, 1000.0) is None  # a GPU-like fixed cost: k = 1, one forward
+    assert take(seven, 26.0) == 3  # k = 2: 66 tokens is as close to 77 as 88, so 3 prompts
+    assert take(seven, 5.0) == 1  # k = 6: ~26 tokens a forward, one prompt
+    assert take([40, 5, 5, 5, 5], 10.0) == 1  # k = 2: 40 already passes W/k = 30
+    assert take([5, 5, 5, 5, 40], 10.0) == 4  # W/k = 30: the fifth would overshoot it
+    p = Pacing(0.020, 0.001)
+    assert p.pace(False) == pytest.approx(20.0)
+    p.stepped(0.010)
+    assert p.pace(True) == pytest.approx(30.0) and p.pace(False) == pytest.approx(20.0)
+    assert Pacing().pace(True) is None and Pacing(0.01, -0.001).pace(True) is None
+
+
+def test_paced_prefill_takes_the_prompts_take_picks_and_equals_each_alone():
+    """With a pace the engine starts only the prompts take() picks (whole ones, in arrival
+    order), over as many forwards as that takes; each prompt's logits equal its own forward."""
+    model = LlamaForCausalLM.from_pretrained(FIX / "gqa")
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(3, 250, n)] for n in (5, 70, 1, 33, 17, 9, 21)]
+    e = Engine(model, max_batch=8, max_len=512, budget=512)
+    for i, p in enumerate(prompts):
+        e.add(Job(i, p, 4))
+    out, forwards = {}, []
+    while e.waiting:
+        most = take([len(pf.job.ids) - pf.done for pf in e.waiting], 12.0)
+        expect = [pf.job.id for pf in e.waiting[: most or len(e.waiting)]]
+        got = e.prefill(12.0)
+        assert sorted(e.slots[row].job.id for row in got) == expect  # the budget cut none
+        out.update({e.slots[row].job.id: r.logits for row, r in got.items()})
+        forwards.append(len(got))
+    assert len(forwards) > 2 and sum(forwards) == len(prompts)
+    for i, p in enumerate(prompts):
+        _close(out[i], _alone(model, p)[-1])
 
 
 def test_prefix_cache_reuses_prompt_and_conversation_blocks():

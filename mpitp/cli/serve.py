@@ -36,6 +36,15 @@ def add_parser(sub) -> None:
         "the next iterations' chunks while running requests keep decoding (default 256)",
     )
     p.add_argument(
+        "--prefill-pacing",
+        choices=["auto", "off"],
+        default="auto",
+        help="auto: prompts that wait together are prefilled a few per forward, as many as the costs "
+        "measured at start make best for their mean time to first token (where a forward's fixed cost "
+        "is small against its tokens', as on CPUs); off: one forward takes all that fit "
+        "--max-num-batched-tokens (default auto)",
+    )
+    p.add_argument(
         "--prefix-cache-mib",
         type=float,
         default=256.0,
@@ -145,7 +154,14 @@ def _serve(args, comm) -> int:
             f"prefix cache up to {engine.prefix.capacity} blocks "
             f"of 16 tokens, {engine.prefix.capacity * engine.prefix.block_bytes / 2**20:.0f} MiB"
         )
-    serve_loop(engines, service, stop)
+    pacing = None
+    if args.prefill_pacing == "auto" and stages == 1:
+        from ..serve.pacing import calibrate
+
+        pacing = calibrate(model, comm.rank == 0, comm, engine.max_len)
+        if comm.rank == 0:
+            get_logger("serve").info(f"prefill pacing: {pacing.describe()}")
+    serve_loop(engines, service, stop, pacing if comm.rank == 0 else None)
     if server is not None:
         server.shutdown()
     get_logger("serve").info("stopped")

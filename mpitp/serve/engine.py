@@ -36,6 +36,7 @@ from mpi4py import MPI
 
 from ..models.generate import sample
 from ..tp import partition
+from .pacing import take
 from .prefix import BLOCK, PrefixCache
 
 
@@ -209,16 +210,18 @@ class Engine:
             pf.k[layer][:h], pf.v[layer][:h] = self.prefix.read(hits, layer)
         self.waiting.append(pf)
 
-    def prefill(self) -> dict[int, Out]:
+    def prefill(self, pace: float | None = None) -> dict[int, Out]:
         """One packed forward over the next ``budget`` prompt tokens of the waiting jobs (in
-        arrival order). Returns, for each job whose prompt is now complete, its row and its
+        arrival order); with ``pace`` (a forward's fixed cost in tokens), over the prompts
+        :func:`.pacing.take` picks for it. Returns, for each job whose prompt is now complete, its row and its
         next-token logits [V] — or, when it asks for its prompt's log-probabilities, every
         position's [P, V] (the last row is the next token's)."""
         if not self.waiting:
             return {}
         m, xp = self.model, self.model.xp
         chunks, left = [], self.budget
-        for pf in self.waiting:
+        most = take([len(pf.job.ids) - pf.done for pf in self.waiting], pace)
+        for pf in self.waiting[:most]:
             if left <= 0:
                 break
             n = min(len(pf.job.ids) - pf.done, left)

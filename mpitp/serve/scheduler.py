@@ -23,6 +23,7 @@ from typing import Any
 from ..log import get_logger
 from . import logprobs as lp
 from .engine import Engine, Job, Next, Out
+from .pacing import Pacing
 from .requests import Request, Service
 
 
@@ -41,8 +42,12 @@ class Stop(threading.Event):
         self.set()
 
 
-def run(engines: list[Engine] | Engine, service: Service | None, stop: Stop | None = None) -> None:
-    """Every rank: serve until SIGTERM/SIGINT (rank 0 decides; the others follow).
+def run(
+    engines: list[Engine] | Engine, service: Service | None, stop: Stop | None = None, pacing: Pacing | None = None
+) -> None:
+    """Every rank: serve until SIGTERM/SIGINT (rank 0 decides; the others follow). With
+    ``pacing`` (rank 0's, :mod:`.pacing`), each prefill forward takes the waiting prompts it
+    picks; without, all that fit the token budget.
 
     With P pipeline stages ``engines`` holds P engines (vLLM's virtual engines: each its own
     rows and KV cache; a request stays in one). Iteration i runs engine i mod P's forward,
@@ -83,15 +88,16 @@ def run(engines: list[Engine] | Engine, service: Service | None, stop: Stop | No
                 jobs.append(req.job)
                 requests[req.job.id], home[req.job.id] = req, v
                 service.metrics.admitted(req)
-            control = (jobs, cancels, stop.is_set())
-        jobs, cancels, shutdown = e.exchange(control, busy)
+            pace = pacing.pace(e.running > 0) if pacing is not None and not lag else None
+            control = (jobs, cancels, stop.is_set(), pace)
+        jobs, cancels, shutdown, pace = e.exchange(control, busy)
         e.cancel(cancels)  # (an engine's results are all sampled before it runs again)
         for j in cancels if rank0 else ():
             r, _ = requests.pop(j), home.pop(j)
             _finish(r, "length" if time.monotonic() > r.deadline else "cancelled")
         for job in jobs:
             e.add(job)
-        fresh = e.prefill()
+        fresh = e.prefill(pace)
         if service is not None:
             service.metrics.kv_used(sum(x.kv_usage() for x in engines) / len(engines))
             service.metrics.prefix(e.prefix.queries, e.prefix.hits)
@@ -101,7 +107,10 @@ def run(engines: list[Engine] | Engine, service: Service | None, stop: Stop | No
             # (which then feeds them too): 8 clients' first tokens waited ~14 ms more
             _sample(e, fresh, None, service, requests, home)
             fresh = {}
+        t = time.perf_counter()
         in_flight.append((e, fresh, e.step() if fed else None))
+        if fed and pacing is not None:
+            pacing.stepped(time.perf_counter() - t)
         while len(in_flight) > (0 if shutdown else lag):
             _sample(*in_flight.popleft(), service, requests, home)
         if shutdown:
