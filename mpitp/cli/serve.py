@@ -121,6 +121,11 @@ def _serve(args, comm) -> int:
             )
         )
     engine = engines[0]
+    pacing = None
+    if args.prefill_pacing == "auto" and stages == 1:  # timed before the HTTP side takes requests
+        from ..serve.pacing import calibrate
+
+        pacing = calibrate(model, comm.rank == 0, comm, engine.max_len)
     service = None
     if comm.rank == 0:
         tok = resolve.tokenizer(model_dir)
@@ -154,13 +159,7 @@ def _serve(args, comm) -> int:
             f"prefix cache up to {engine.prefix.capacity} blocks "
             f"of 16 tokens, {engine.prefix.capacity * engine.prefix.block_bytes / 2**20:.0f} MiB"
         )
-    pacing = None
-    if args.prefill_pacing == "auto" and stages == 1:
-        from ..serve.pacing import calibrate
-
-        pacing = calibrate(model, comm.rank == 0, comm, engine.max_len)
-        if comm.rank == 0:
-            get_logger("serve").info(f"prefill pacing: {pacing.describe()}")
+        get_logger("serve").info(f"prefill pacing: {pacing.describe() if pacing else 'off'}")
     serve_loop(engines, service, stop, pacing if comm.rank == 0 else None)
     if server is not None:
         server.shutdown()
