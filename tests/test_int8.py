@@ -93,32 +93,38 @@ def test_outliers_leave_the_other_values_their_own_scale():
         quantize_rows_outliers(x, xq[:4], xd[:4], xs[:4])
 
 
-def test_two_digits_hold_what_one_leaves():
+@pytest.mark.parametrize("nb", [3, 19])  # blocks a row: one at a time; two steps of 8 (GROUP) and 3
+def test_two_digits_hold_what_one_leaves(nb):
     rng = np.random.default_rng(3)
-    x = (rng.standard_normal((5, 96)) * np.exp(rng.standard_normal((1, 96)) * 2)).astype(np.float32)
-    xq, xd, xs = np.zeros((10, 96), np.int8), np.zeros((10, 3), np.float32), np.zeros((10, 3), np.float32)
+    K = 32 * nb
+    x = (rng.standard_normal((5, K)) * np.exp(rng.standard_normal((1, K)) * 2)).astype(np.float32)
+    x[1, 40:72] = 0.0  # a block of zeros (d = 0)
+    x[2, 3] = x[2, 5] = 0.0
+    x[3, :8] = [127.0, 2.5, -3.5, 0.5, -0.5, 1.4999999, -126.5, 0.49999997]  # d = 1: ties round away from 0
+    xq, xd, xs = np.zeros((10, K), np.int8), np.zeros((10, nb), np.float32), np.zeros((10, nb), np.float32)
     quantize_rows2(x, xq, xd, xs)
     one = dequantized_x(xq[0::2], xd[0::2])
     two = one + dequantized_x(xq[1::2], xd[1::2])
     q1, d1, _ = quantize(x)
     assert np.array_equal(xq[0::2], q1) and np.array_equal(xd[0::2], d1)  # digit 1 is the one-digit quantization
+    assert list(xq[6, :8]) == [127, 3, -4, 1, -1, 1, -127, 0]
     q2, d2, _ = quantize(x - d1.repeat(32, 1) * q1.astype(np.float32))  # digit 2: Q8_0 of what it leaves, bit for bit
     assert np.array_equal(xq[1::2], q2) and np.array_equal(xd[1::2], d2)
     err1, err2 = np.abs(one - x).max(), np.abs(two - x).max()
     assert err2 <= np.repeat(xd[1::2], 32, axis=1).max() / 2 * 1.001 + 1e-12 and err2 < err1 / 100, (err1, err2)
     assert np.allclose(
         xs[0::2],
-        (xd[0::2] * xq[0::2].reshape(5, 3, 32).sum(-1) + xd[1::2] * xq[1::2].reshape(5, 3, 32).sum(-1)),
+        (xd[0::2] * xq[0::2].reshape(5, nb, 32).sum(-1) + xd[1::2] * xq[1::2].reshape(5, nb, 32).sum(-1)),
         rtol=1e-5,
     )
     # compiled from IR for each instruction set: the same bits; sums per 16 as each digit's own
-    halves = np.zeros((10, 6), np.float32)
+    halves = np.zeros((10, 2 * nb), np.float32)
     for isa in RUNNABLE:
         b = [np.zeros_like(a) for a in (xq, xd, xs)]
         quantize_rows2(x, *b, isa)
         assert all(np.array_equal(u, v) for u, v in zip(b, (xq, xd, xs))), isa
         quantize_rows2(x, b[0], b[1], halves, isa)
-        per16 = [xd[r::2].repeat(2, 1) * xq[r::2].reshape(5, 6, 16).sum(-1).astype(np.float32) for r in (0, 1)]
+        per16 = [xd[r::2].repeat(2, 1) * xq[r::2].reshape(5, 2 * nb, 16).sum(-1).astype(np.float32) for r in (0, 1)]
         assert np.array_equal(halves[0::2], per16[0] + per16[1]), isa
     with pytest.raises(ValueError, match="does not fit"):
         quantize_rows2(x, xq[:8], xd[:8], xs[:8])
