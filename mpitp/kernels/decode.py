@@ -6,6 +6,7 @@ in one call each (float32, as :mod:`mpitp.models.ops`; only the summation order
 differs)::
 
     rms_norm   x [R, H], w [H]                                   -> x / sqrt(mean(x²) + eps) · w
+    rotate     qkv [R, W]: RoPE on its first heads (prefill's q and k, every row)
     swiglu     gu [R, 2I] (gate | up)                            -> silu(gate) · up   [R, I]
     attend     qkv [B, (nh + 2·nkv)·d] of one new token per row  -> [B, nh·d]
                RoPE (rotate-half) on q and k, k and v written into the cache at column s,
@@ -40,6 +41,24 @@ def rms_norm(x, w, eps, out):
         inv = np.float32(1.0) / np.sqrt(s / np.float32(H) + np.float32(eps))
         for h in range(H):
             out[r, h] = x[r, h] * inv * w[h]
+
+
+@njit(cache=True, nogil=True, boundscheck=False)  # no fastmath: rounded as NumPy's x·cos + rot·sin
+def rotate(qkv, heads, cos, sin, out):
+    """RoPE (rotate-half) on the first ``heads`` heads of each row of qkv [R, W] (q and k
+    side by side), cos and sin [R, d] -> out [R, heads·d]: one pass, where NumPy's
+    concatenate, two products and a sum (prefill: 5.8 ms of an 8-prompt forward) made four."""
+    R = qkv.shape[0]
+    d = cos.shape[1]
+    half = d // 2
+    for r in range(R):
+        x, y, c, s = qkv[r], out[r], cos[r], sin[r]
+        for h in range(heads):
+            xa, xb = x[h * d : h * d + half], x[h * d + half : (h + 1) * d]
+            ya, yb = y[h * d : h * d + half], y[h * d + half : (h + 1) * d]
+            for i in range(half):
+                ya[i] = xa[i] * c[i] + (-xb[i]) * s[i]
+                yb[i] = xb[i] * c[half + i] + xa[i] * s[half + i]
 
 
 # exp(x) = 2^k · p(r), k = round(x·log2 e), r = x - k·ln 2 (Cephes' expf, attend_ir's; relative

@@ -220,7 +220,14 @@ class Attention:
             )  # fmt: skip
             return self.o_proj(out.reshape(B, 1, -1))
         nq = self.nh + self.nkv  # q and k sit side by side: one rotation for both
-        qk = self.rotary.apply(qkv[..., : nq * d].reshape(B, T, nq, d), step.cos, step.sin)
+        if _fast(qkv, step.cos, step.sin):
+            qk = np.empty((B, T, nq, d), np.float32)
+            flat = (B * T, -1)
+            _decode_kernels().rotate(
+                qkv.reshape(flat), nq, step.cos.reshape(B * T, d), step.sin.reshape(B * T, d), qk.reshape(flat)
+            )
+        else:
+            qk = self.rotary.apply(qkv[..., : nq * d].reshape(B, T, nq, d), step.cos, step.sin)
         q, k, v = qk[:, :, : self.nh], qk[:, :, self.nh :], qkv[..., nq * d :]
         s = cache.length
         cache.k[layer][:, s : s + T] = k
