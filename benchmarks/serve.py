@@ -85,11 +85,8 @@ def main() -> int:
     proc, client = start(args.tp, args.model, *shlex.split(args.serve_args))
     try:
         one(client, PROMPTS[0], 4)  # warm
-        print(
-            f"# mpitp serve {args.serve_args}, TP={args.tp}, {args.max_tokens} new tokens per request, greedy".replace(
-                "  ", " "
-            )
-        )
+        served = " ".join(["mpitp serve", args.serve_args]).strip()
+        print(f"# {served}, TP={args.tp}, {args.max_tokens} new tokens per request, greedy")
         counts = [int(c) for c in args.clients.split(",")]
         runs: dict[int, list[tuple[float, float, float]]] = {n: [] for n in counts}
         batch = 0  # numbers each batch of requests, so that no prompt repeats

@@ -90,20 +90,51 @@ def test_packed_chunked_prefill_equals_each_prompt_alone(budget):
             _close(logits[row].logits, _alone(model, ids)[-1])
 
 
-def test_take_splits_waiting_prompts_where_a_forward_costs_few_tokens():
-    """pacing.take: k = round(sqrt(W / pace)) forwards of whole prompts, ~W/k tokens each."""
-    seven = [22] * 7  # W = 154
-    assert take(seven, None) is None  # off: all that fit the budget
+def _groupings(n: int):
+    """Every way to cut n prompts, in order, into forwards (compositions of n)."""
+    if n == 0:
+        yield ()
+        return
+    for first in range(1, n + 1):
+        for rest in _groupings(n - first):
+            yield (first,) + rest
+
+
+def _mean_ttft(left: list[int], groups, pace: float) -> float:
+    t = total = 0.0
+    at = 0
+    for g in groups:
+        t += pace + sum(left[at : at + g])  # this forward's cost delays it and every later one
+        total += g * t
+        at += g
+    return total / len(left)
+
+
+def test_take_starts_the_grouping_with_the_least_mean_time_to_first_token():
+    """pacing.take, applied forward after forward, equals the best of every grouping of the
+    waiting prompts (brute force), for prompts of mixed lengths and fixed costs from a
+    GPU-like 1000 tokens down to 2."""
+    assert take([22] * 7, None) is None  # off: all that fit the budget
     assert take([500], 1.0) is None  # one prompt goes whole (the budget still chunks it)
-    assert take(seven, 1000.0) is None  # a GPU-like fixed cost: k = 1, one forward
-    assert take(seven, 26.0) == 3  # k = 2: 66 tokens is as close to 77 as 88, so 3 prompts
-    assert take(seven, 5.0) == 1  # k = 6: ~26 tokens a forward, one prompt
-    assert take([40, 5, 5, 5, 5], 10.0) == 1  # k = 2: 40 already passes W/k = 30
-    assert take([5, 5, 5, 5, 40], 10.0) == 4  # W/k = 30: the fifth would overshoot it
+    assert take([22] * 7, 1000.0) is None  # a GPU-like fixed cost: one forward
+    assert take([22] * 7, 40.0) == 4  # 4, 2, 1 (docs: the groups shrink by ~P tokens)
+    rng = np.random.default_rng(5)
+    for _ in range(60):
+        left = [int(v) for v in rng.integers(1, 130, rng.integers(2, 9))]
+        pace = float(rng.choice([2.0, 5.0, 12.5, 40.0, 80.0, 1000.0]))
+        plan, at = [], 0
+        while at < len(left):
+            n = take(left[at:], pace) or len(left) - at
+            plan.append(n)
+            at += n
+        best = min(_mean_ttft(left, g, pace) for g in _groupings(len(left)))
+        assert _mean_ttft(left, plan, pace) == pytest.approx(best, rel=1e-12), (left, pace, plan)
     p = Pacing(0.020, 0.001)
     assert p.pace(False) == pytest.approx(20.0)
     p.stepped(0.010)
     assert p.pace(True) == pytest.approx(30.0) and p.pace(False) == pytest.approx(20.0)
+    p.prefilled(100, 0.130)  # a served forward: its fixed part (30 ms) pulls a up by a fifth
+    assert p.a == pytest.approx(0.022) and p.b == pytest.approx(0.001)
     assert Pacing().pace(True) is None and Pacing(0.01, -0.001).pace(True) is None
 
 

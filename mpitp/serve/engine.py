@@ -163,6 +163,7 @@ class Engine:
             a.fill(0)  # row would otherwise fault in its (huge) pages, ~0.2 s per row on a VM
         self.slots: list[Slot | None] = [None] * self.B
         self.waiting: list[Prefill] = []
+        self.last_tokens = 0  # prompt tokens of the last prefill forward
         a, cfg = model.layers[0].self_attn, model.config
         size = model.comm.size if model.comm is not None else 1  # the tensor-parallel cut of the KV heads
         most = max(partition.attention(cfg.num_attention_heads, cfg.num_key_value_heads, size).kv)
@@ -228,7 +229,7 @@ class Engine:
             chunks.append((pf, n))
             left -= n
         D = sum(pf.done for pf, _ in chunks)
-        T = sum(n for _, n in chunks)
+        T = self.last_tokens = sum(n for _, n in chunks)
         row = m.new_cache(1, D + T)
         row.valid[:] = True
         owner = np.empty(D + T, np.int64)

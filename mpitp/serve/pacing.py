@@ -5,21 +5,27 @@ A prefill forward of n prompt tokens costs about ``a + b·n``: a is the forward'
 cost (its ~200 kernel calls and collectives), b a token's multiply-adds; while requests
 run, each iteration also makes their decode step, s. Packing every waiting prompt into
 one forward makes each wait for all of them. Forwards of a few prompts each give the
-first their tokens sooner, at a + s per extra forward. For W waiting tokens in k equal
-forwards the mean time to the first token is ``(a + s + b·W/k)·(k + 1)/2``, least at::
+first their tokens sooner, at a + s per extra forward. In tokens, with P = (a + s)/b, a
+grouping of the waiting prompts (whole ones, in arrival order) into forwards of W₁, W₂, …
+tokens gives the prompts of forward j their first token after Σ_{i≤j} (P + W_i): rank 0
+picks the grouping with the least mean (:func:`take`, a small dynamic program), and the
+next forward takes its first group. The best groups shrink from first to last, by about P
+tokens each (a forward delays every prompt after it, so the early ones should amortize P
+over more): 7 prompts of 22 tokens with P = 40 go as 4, 2, 1.
 
-    k = sqrt(W / P),   P = (a + s) / b    (the fixed cost per forward, in tokens)
+On a GPU P is thousands of tokens and one forward takes all (vLLM's packing). On a CPU
+prefill is bound by its multiply-adds and P is small: the default model, TP=2 on 2 cores,
+a ≈ 20 ms and b ≈ 0.8 ms, P ≈ 40 with a decode step (docs/measurements.md: 8 clients'
+median time to first token 245 -> ~180 ms); on the 1B shape b is ~6x larger and each
+prompt goes nearly alone. One prompt is never split for it (the token budget still cuts a
+long prompt into chunks).
 
-so each forward takes whole prompts, in arrival order, up to about W/k tokens (at least
-one; the token budget still cuts a long prompt into chunks). On a GPU P is thousands of
-tokens and k is 1: vLLM's packing. On a CPU prefill is bound by its multiply-adds and P
-is small: the default model, TP=2 on 2 cores, a ≈ 17 ms and b ≈ 1 ms, so 8 prompts of
-~22 tokens that arrive together go in 2-3 forwards (docs/measurements.md: 8 clients'
-median time to first token 250 -> ~200 ms); on the 1B shape b is ~6x larger and each
-prompt goes alone.
-
-a and b are measured once at start (two forward sizes, the best of two each); s is a
-running average of rank 0's decode steps.
+a and b are measured at start through a small engine (one short prompt, and four longer
+ones packed, the best of two each): a forward of the bare model costs less than the
+engine's (its packing, the prompts' keys and values moved in and out), and the intercept
+of a bare fit was half the served one. While serving, a follows the served forwards
+(their time less b per token: HTTP threads and all), and s is a running average of rank
+0's decode steps.
 """
 
 from __future__ import annotations
@@ -29,12 +35,12 @@ import time
 
 import numpy as np
 
-SIZES = (16, 128)  # prompt tokens of the two timed forwards
+SHORT, LONG, PROMPTS = 16, 128, 4  # the timed prefills: one prompt of 16 tokens; 4 of 32
 REPS = 2
 
 
 class Pacing:
-    """Rank 0's cost model (``None`` costs: pacing off, a forward takes all that fits)."""
+    """Rank 0's cost model (``None`` costs: pacing off, a forward takes all that fit)."""
 
     def __init__(self, a: float | None = None, b: float | None = None):
         self.a, self.b = a, b
@@ -46,6 +52,13 @@ class Pacing:
 
     def stepped(self, seconds: float) -> None:
         self.step = seconds if not self.step else 0.8 * self.step + 0.2 * seconds
+
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        """A served forward's cost: a follows what the fixed part costs while serving (HTTP
+        threads and all), b stays the calibrated one."""
+        if self.on and tokens > 0:
+            assert self.a is not None and self.b is not None
+            self.a = 0.8 * self.a + 0.2 * max(0.0, seconds - self.b * tokens)
 
     def pace(self, running: bool) -> float | None:
         """P: a forward's fixed cost (and the decode step it delays, while rows run) in
@@ -68,43 +81,51 @@ class Pacing:
 def take(left: list[int], pace: float | None) -> int | None:
     """How many of the waiting prompts (``left``: each one's tokens still to prefill, in
     arrival order) the next forward starts, for a fixed cost of ``pace`` tokens a forward;
-    None: all that fit the budget. The same on every rank for the same arguments."""
+    None: all that fit the budget. The first forward of the grouping (whole prompts, in
+    order) with the least mean time to first token, by dynamic programming from the last
+    prompt: ``best[i] = min over j of (pace + Σ left[i:j])·(n - i) + best[j]`` (a forward
+    delays every prompt from i on). The same on every rank for the same arguments."""
     if pace is None or len(left) < 2:
         return None
-    W = sum(left)
-    k = max(1, round(math.sqrt(W / max(pace, 1e-9))))
-    if k == 1:
-        return None
-    target, taken, n = W / k, 0, 0
-    for t in left:  # whole prompts while the next brings the forward closer to W/k
-        if n and abs(taken + t - target) >= abs(taken - target):
-            break
-        taken, n = taken + t, n + 1
-    return n
+    n = len(left)
+    best, first = [0.0] * (n + 1), [n] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        best[i], tokens = float("inf"), 0
+        for j in range(i + 1, n + 1):
+            tokens += left[j - 1]
+            cost = (pace + tokens) * (n - i) + best[j]
+            if cost < best[i]:
+                best[i], first[i] = cost, j
+    return None if first[0] == n else first[0]
 
 
-def calibrate(model, rank0: bool, comm=None, max_len: int = SIZES[1]) -> Pacing:
-    """Every rank: the timed forwards (in lockstep, at most ``max_len`` tokens); rank 0's
-    :class:`Pacing` from them (the others get one too, unused). Off where the fit makes no
-    sense (b ≤ 0, a < 0) or the context is too short to time two sizes."""
-    sizes = (min(SIZES[0], max_len // 8), min(SIZES[1], max_len))
-    if sizes[0] < 1:
+def calibrate(model, rank0: bool, comm=None, max_len: int = 4096) -> Pacing:
+    """Every rank: timed prefills (in lockstep) through a small engine of its own (no
+    prefix cache), so its packing is in the figures: one prompt of SHORT tokens, and LONG
+    tokens in PROMPTS prompts; rank 0's :class:`Pacing` from them (the others get one too,
+    unused). Off where the fit makes no sense (b ≤ 0, a < 0) or the context is too short."""
+    from .engine import Engine, Job
+
+    per = LONG // PROMPTS
+    if max_len < per + 1:
         return Pacing()
-    times = {n: math.inf for n in sizes}
+    e = Engine(model, PROMPTS, max_len=per + 1, budget=LONG, prefix_bytes=0, comm=comm)
     vocab = model.config.vocab_size
+    times = {SHORT: math.inf, LONG: math.inf}
+    job = 0
     for _ in range(REPS):
-        for n in sizes:
-            cache = model.new_cache(1, n)
-            cache.valid[:] = True
-            ids = (np.arange(n, dtype=np.int64) * 7919 % vocab)[None]
+        for n, prompts in ((SHORT, 1), (LONG, PROMPTS)):
+            for k in range(prompts):
+                job += 1
+                e.add(Job(job, [int(v) for v in (np.arange(n // prompts) * 7919 + k) % vocab], 1))
             if comm is not None:
                 comm.barrier()
             t = time.perf_counter()
-            model.forward(model.xp.asarray(ids), model.xp.asarray(np.arange(n)[None]), cache, last_only=True)
+            e.prefill()
             times[n] = min(times[n], time.perf_counter() - t)
-    (n0, n1), (t0, t1) = sizes, (times[sizes[0]], times[sizes[1]])
-    b = (t1 - t0) / (n1 - n0)
-    a = t0 - b * n0
+            e.cancel(range(job + 1))
+    b = (times[LONG] - times[SHORT]) / (LONG - SHORT)
+    a = times[SHORT] - b * SHORT
     if not rank0 or b <= 0 or a < 0:
         return Pacing()
     return Pacing(a, b)

@@ -97,7 +97,10 @@ def run(
             _finish(r, "length" if time.monotonic() > r.deadline else "cancelled")
         for job in jobs:
             e.add(job)
+        ran, t = bool(e.waiting), time.perf_counter()
         fresh = e.prefill(pace)
+        if ran and pacing is not None:  # a served forward's cost (pacing.Pacing.prefilled)
+            pacing.prefilled(e.last_tokens, time.perf_counter() - t)
         if service is not None:
             service.metrics.kv_used(sum(x.kv_usage() for x in engines) / len(engines))
             service.metrics.prefix(e.prefix.queries, e.prefix.hits)
