@@ -9,7 +9,7 @@ import pytest
 
 from mpitp.models.llama import LlamaForCausalLM
 from mpitp.serve.engine import Engine, Job
-from mpitp.serve.pacing import Pacing, take
+from mpitp.serve.pacing import PLANNED, Pacing, take
 
 FIX = Path(__file__).resolve().parent / "fixtures"
 
@@ -118,6 +118,8 @@ def test_take_starts_the_grouping_with_the_least_mean_time_to_first_token():
     assert take([500], 1.0) is None  # one prompt goes whole (the budget still chunks it)
     assert take([22] * 7, 1000.0) is None  # a GPU-like fixed cost: one forward
     assert take([22] * 7, 40.0) == 4  # 4, 2, 1 (docs: the groups shrink by ~P tokens)
+    assert take([22] * 500, 40.0) == take([22] * PLANNED, 40.0) < PLANNED  # a long queue: its head
+    assert take([1] * 100, 1000.0) is None  # the planned ones all in one forward: all that fit
     rng = np.random.default_rng(5)
     for _ in range(60):
         left = [int(v) for v in rng.integers(1, 130, rng.integers(2, 9))]

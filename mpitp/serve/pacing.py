@@ -37,6 +37,7 @@ import numpy as np
 
 SHORT, LONG, PROMPTS = 16, 128, 4  # the timed prefills: one prompt of 16 tokens; 4 of 32
 REPS = 2
+PLANNED = 32  # waiting prompts the grouping looks at (its cost grows with their square)
 
 
 class Pacing:
@@ -87,6 +88,7 @@ def take(left: list[int], pace: float | None) -> int | None:
     delays every prompt from i on). The same on every rank for the same arguments."""
     if pace is None or len(left) < 2:
         return None
+    left = left[:PLANNED]  # a long queue: its first prompts decide the next forward
     n = len(left)
     best, first = [0.0] * (n + 1), [n] * (n + 1)
     for i in range(n - 1, -1, -1):
@@ -96,7 +98,7 @@ def take(left: list[int], pace: float | None) -> int | None:
             cost = (pace + tokens) * (n - i) + best[j]
             if cost < best[i]:
                 best[i], first[i] = cost, j
-    return None if first[0] == n else first[0]
+    return None if first[0] == n else first[0]  # all in one: all that fit the budget
 
 
 def calibrate(model, rank0: bool, comm=None, max_len: int = 4096) -> Pacing:
