@@ -262,3 +262,39 @@ def test_swiglu_against_float64():
     g = gu.astype(np.float64)
     want = g[:, :75] / (1 + np.exp(-g[:, :75])) * g[:, 75:]
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-30)
+
+
+def test_prefill_attention_rows_against_float64():
+    """decode.attend_rows (prefill: every query row against its own columns, grouped heads)
+    against float64 softmax attention over the same mask: two rows of a batch, one packed
+    with prompts that share cached columns, one left-padded, and a query row that sees
+    nothing (its output zero)."""
+    from mpitp.kernels import decode
+
+    rng = np.random.default_rng(8)
+    B, T, S0, nkv, g, d = 2, 37, 5, 2, 3, 32
+    nh, S = nkv * g, S0 + T
+    qk = rng.standard_normal((B, T, nh + nkv, d)).astype(np.float32)
+    k, v = (rng.standard_normal((B, S, nkv, d)).astype(np.float32) for _ in range(2))
+    owner = np.repeat([0, 1, 2], [10, 20, 7])  # row 0: three prompts packed after 5 shared columns
+    allowed = np.zeros((B, T, S), bool)
+    for t in range(T):
+        allowed[0, t, :S0] = True
+        allowed[0, t, S0:] = (owner == owner[t]) & (np.arange(T) <= t)
+        allowed[1, t, S0 + 4 : S0 + t + 1] = True  # row 1: 4 pad columns, causal
+    allowed[1, 2] = False  # a pad query: no column at all
+    rows, cols = np.nonzero(allowed.reshape(B * T, S))
+    indptr = np.zeros(B * T + 1, np.int64)
+    np.cumsum(np.bincount(rows, minlength=B * T), out=indptr[1:])
+    out = np.full((B, T, nh * d), np.nan, np.float32)
+    scale = np.float32(d**-0.5)
+    decode.attend_rows(qk, nh, g, k, v, indptr, cols.astype(np.int64), scale, out)
+    q = qk[:, :, :nh].astype(np.float64).reshape(B, T, nkv, g, d)
+    scores = np.einsum("btjhi,bsji->btjhs", q, k.astype(np.float64)) * float(scale)
+    scores = np.where(allowed[:, :, None, None], scores, -np.inf)
+    with np.errstate(invalid="ignore"):
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+    want = np.nan_to_num(np.einsum("btjhs,bsji->btjhi", p, v.astype(np.float64))).reshape(B, T, nh * d)
+    np.testing.assert_allclose(out, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    assert not out[1, 2].any()  # the row that sees nothing

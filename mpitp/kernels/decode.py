@@ -7,6 +7,8 @@ differs)::
 
     rms_norm   x [R, H], w [H]                                   -> x / sqrt(mean(x²) + eps) · w
     rotate     qkv [R, W]: RoPE on its first heads (prefill's q and k, every row)
+    attend_rows  prefill: each query row's softmax(q·kᵀ·scale)·v over the columns it may
+               see (a packed prompt's own, causal), one call a layer
     swiglu     gu [R, 2I] (gate | up)                            -> silu(gate) · up   [R, I]
     attend     qkv [B, (nh + 2·nkv)·d] of one new token per row  -> [B, nh·d]
                RoPE (rotate-half) on q and k, k and v written into the cache at column s,
@@ -65,6 +67,74 @@ def rotate(qkv, heads, cos, sin, out):
 # error ~2e-7, as libm's): a polynomial LLVM vectorizes, where np.exp is a call per value
 LOG2E, LN2HI, LN2LO = np.float32(EXP_LOG2E), np.float32(EXP_LN2[0]), np.float32(EXP_LN2[1])
 P0, P1, P2, P3, P4, P5 = (np.float32(c) for c in EXP_POLY)
+
+
+@njit(**OPTS)
+def _exp_shifted(sc, n, m, bits, two_k):
+    """sc[:n] = exp(sc[:n] - m) (scores at most m: a softmax's), as swiglu's exp: a
+    polynomial and 2^k from its bits, so the loops vectorize; returns their sum."""
+    for i in range(n):
+        x = max(sc[i] - m, np.float32(-87.0))
+        k = np.floor(x * LOG2E + np.float32(0.5))
+        t = x - k * LN2HI - k * LN2LO
+        p = ((((P0 * t + P1) * t + P2) * t + P3) * t + P4) * t + P5
+        sc[i] = p * t * t + t + np.float32(1.0)
+        bits[i] = (np.int32(k) + np.int32(127)) << 23
+    tot = np.float32(0.0)
+    for i in range(n):
+        sc[i] *= two_k[i]
+        tot += sc[i]
+    return tot
+
+
+@njit(**OPTS)
+def attend_rows(qk, nh, g, k, v, indptr, cols, scale, out):
+    """Prefill attention, every query row against the columns it may see: qk [B, T, nq, d]
+    (its first nh heads the queries, grouped g to a KV head), k and v [B, S, nkv, d]
+    float32, the columns of row (b, t) ``cols[indptr[bT + t] : indptr[bT + t + 1]]``
+    (each prompt's own, causal); out [B, T, nh·d]. One call a layer, where NumPy took a
+    call per part and head group; each key and value row is read once for its g heads."""
+    B, T = qk.shape[0], qk.shape[1]
+    d = qk.shape[3]
+    S = k.shape[1]
+    sc = np.empty((g, S), np.float32)
+    bits = np.empty(S, np.int32)
+    two_k = bits.view(np.float32)
+    acc = np.empty((g, d), np.float32)
+    for b in range(B):
+        for t in range(T):
+            lo, hi = indptr[b * T + t], indptr[b * T + t + 1]
+            n = hi - lo
+            for j in range(qk.shape[2] - nh):  # the KV heads (q's heads, then k's)
+                q = qk[b, t, j * g : (j + 1) * g]
+                for c in range(lo, hi):
+                    kv = k[b, cols[c], j]
+                    for h in range(g):
+                        s = np.float32(0.0)
+                        for i in range(d):
+                            s += q[h, i] * kv[i]
+                        sc[h, c - lo] = s * scale
+                acc[:] = 0
+                for h in range(g):
+                    if n == 0:
+                        continue
+                    row = sc[h]
+                    m = row[0]
+                    for c in range(1, n):
+                        m = max(m, row[c])
+                    inv = np.float32(1.0) / _exp_shifted(row, n, m, bits, two_k)
+                    for c in range(n):
+                        row[c] *= inv
+                for c in range(lo, hi):
+                    vv = v[b, cols[c], j]
+                    for h in range(g):
+                        w = sc[h, c - lo]
+                        for i in range(d):
+                            acc[h, i] += w * vv[i]
+                for h in range(g):
+                    o = out[b, t, (j * g + h) * d : (j * g + h + 1) * d]
+                    for i in range(d):
+                        o[i] = acc[h, i]
 
 
 @njit(**OPTS)

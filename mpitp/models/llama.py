@@ -129,6 +129,17 @@ class Step:
             self.sin1 = np.ascontiguousarray(self.sin[:, 0, 0])
 
     @cached_property
+    def columns(self) -> tuple[np.ndarray, np.ndarray]:
+        """(indptr, cols): the columns each query row (b, t) may see, row b·T + t's at
+        cols[indptr[r] : indptr[r + 1]] (the compiled prefill attention's; NumPy only)."""
+        allowed = np.asarray(self._cut[0])  # [B, T, S]
+        B, T, S = allowed.shape
+        rows, cols = np.nonzero(allowed.reshape(B * T, S))
+        indptr = np.zeros(B * T + 1, np.int64)
+        np.cumsum(np.bincount(rows, minlength=B * T), out=indptr[1:])
+        return indptr, cols.astype(np.int64)
+
+    @cached_property
     def parts(self) -> list:
         """Masked attention's parts (:func:`_parts`), cut at the first layer that asks."""
         return _parts(*self._cut)
@@ -233,6 +244,14 @@ class Attention:
         cache.k[layer][:, s : s + T] = k
         cache.v[layer][:, s : s + T] = v.reshape(B, T, self.nkv, d)
         S = s + T
+        if _fast(qk):  # every row against its own columns in one compiled call
+            kk, vv = (np.ascontiguousarray(c[layer][:, :S], np.float32) for c in (cache.k, cache.v))
+            indptr, cols = step.columns
+            out = np.empty((B, T, self.nh * d), np.float32)
+            _decode_kernels().attend_rows(
+                qk, self.nh, self.nh // self.nkv, kk, vv, indptr, cols, np.float32(self.scale), out
+            )
+            return self.o_proj(out)
         keys = cache.k[layer][:, :S].transpose(0, 2, 1, 3)  # [B, kv, S, d]
         vals = cache.v[layer][:, :S].transpose(0, 2, 1, 3)  # [B, kv, S, d]
         if keys.dtype != qkv.dtype:  # a float16 cache: widened once, exactly
