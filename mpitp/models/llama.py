@@ -65,6 +65,7 @@ _DECODE = None
 # to its last row (the causal square's upper part is never formed): on the 1B shape at 476
 # tokens, 61 -> 47 ms a layer (docs/measurements.md, "Prefill on AMX tiles")
 QUERY_BLOCK = 64
+SHORT_ROWS = 64  # mean columns a query row sees, up to which prefill attention is one compiled call
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16")
@@ -129,12 +130,18 @@ class Step:
             self.sin1 = np.ascontiguousarray(self.sin[:, 0, 0])
 
     @cached_property
-    def columns(self) -> tuple[np.ndarray, np.ndarray]:
+    def columns(self) -> tuple[np.ndarray, np.ndarray] | None:
         """(indptr, cols): the columns each query row (b, t) may see, row b·T + t's at
-        cols[indptr[r] : indptr[r + 1]] (the compiled prefill attention's; NumPy only)."""
+        cols[indptr[r] : indptr[r + 1]], for the compiled prefill attention (NumPy only) —
+        None where rows see more than SHORT_ROWS columns on average: there BLAS's products
+        of whole query blocks win (a 476-token prompt: 585-610 ms to its first token with
+        them, 685-690 compiled), where for short packed prompts the per-part calls cost more
+        than the arithmetic."""
         allowed = np.asarray(self._cut[0])  # [B, T, S]
         B, T, S = allowed.shape
         rows, cols = np.nonzero(allowed.reshape(B * T, S))
+        if len(cols) > SHORT_ROWS * B * T:
+            return None
         indptr = np.zeros(B * T + 1, np.int64)
         np.cumsum(np.bincount(rows, minlength=B * T), out=indptr[1:])
         return indptr, cols.astype(np.int64)
@@ -244,7 +251,7 @@ class Attention:
         cache.k[layer][:, s : s + T] = k
         cache.v[layer][:, s : s + T] = v.reshape(B, T, self.nkv, d)
         S = s + T
-        if _fast(qk):  # every row against its own columns in one compiled call
+        if _fast(qk) and step.columns is not None:  # short rows: every row's own columns in one call
             kk, vv = (np.ascontiguousarray(c[layer][:, :S], np.float32) for c in (cache.k, cache.v))
             indptr, cols = step.columns
             out = np.empty((B, T, self.nh * d), np.float32)
