@@ -369,6 +369,9 @@ def warm(head_dim: int = 0, group: int = 1, kv_dtype=np.float32) -> None:
     x = np.zeros((1, 4), np.float32)
     rms_norm(x, np.ones(4, np.float32), 1e-5, np.empty_like(x))
     swiglu(x, np.empty((1, 2), np.float32))
+    rotate(x, 1, x, x, np.empty_like(x))  # prefill's RoPE and short-row attention
+    qk, kv, indptr = np.zeros((1, 1, 2, 2), np.float32), np.zeros((1, 1, 1, 2), np.float32), np.arange(2)
+    attend_rows(qk, 1, 1, kv, kv, indptr, indptr[:1], np.float32(1), np.empty((1, 1, 2), np.float32))
     kc, vc = np.zeros((1, 2, 1, 2), np.float32), np.zeros((1, 2, 1, 2), np.float32)
     cos, sin, out = np.ones((1, 2), np.float32), np.zeros((1, 2), np.float32), np.empty((1, 2), np.float32)
     args = (np.zeros((1, 6), np.float32), cos, sin, kc, vc, np.ones((1, 2), bool), 0, 1, 1, np.float32(1), True, out)
