@@ -70,16 +70,22 @@ P0, P1, P2, P3, P4, P5 = (np.float32(c) for c in EXP_POLY)
 
 
 @njit(**OPTS)
+def _exp_split(x):
+    """exp(x) for x in [-87, 88] as (p, the bits of 2^k): exp(x) = p · 2^k. Kept apart so
+    that a loop of these stores both and vectorizes; the caller multiplies by 2^k (an
+    int32 array's float32 view) in a second loop."""
+    k = np.floor(x * LOG2E + np.float32(0.5))
+    t = x - k * LN2HI - k * LN2LO
+    p = ((((P0 * t + P1) * t + P2) * t + P3) * t + P4) * t + P5
+    return p * t * t + t + np.float32(1.0), (np.int32(k) + np.int32(127)) << 23
+
+
+@njit(**OPTS)
 def _exp_shifted(sc, n, m, bits, two_k):
-    """sc[:n] = exp(sc[:n] - m) (scores at most m: a softmax's), as swiglu's exp: a
-    polynomial and 2^k from its bits, so the loops vectorize; returns their sum."""
+    """sc[:n] = exp(sc[:n] - m) (scores at most m: a softmax's), with swiglu's exp
+    (:func:`_exp_split`); returns their sum."""
     for i in range(n):
-        x = max(sc[i] - m, np.float32(-87.0))
-        k = np.floor(x * LOG2E + np.float32(0.5))
-        t = x - k * LN2HI - k * LN2LO
-        p = ((((P0 * t + P1) * t + P2) * t + P3) * t + P4) * t + P5
-        sc[i] = p * t * t + t + np.float32(1.0)
-        bits[i] = (np.int32(k) + np.int32(127)) << 23
+        sc[i], bits[i] = _exp_split(max(sc[i] - m, np.float32(-87.0)))
     tot = np.float32(0.0)
     for i in range(n):
         sc[i] *= two_k[i]
@@ -114,10 +120,8 @@ def attend_rows(qk, nh, g, k, v, indptr, cols, scale, out):
                         for i in range(d):
                             s += q[h, i] * kv[i]
                         sc[h, c - lo] = s * scale
-                acc[:] = 0
-                for h in range(g):
-                    if n == 0:
-                        continue
+                acc[:] = 0  # (a row that sees no column: zeros)
+                for h in range(g if n else 0):
                     row = sc[h]
                     m = row[0]
                     for c in range(1, n):
@@ -144,13 +148,8 @@ def swiglu(gu, out):
     bits = np.empty(n, np.int32)
     two_k = bits.view(np.float32)
     for r in range(R):
-        for i in range(n):  # p(r) into out, 2^k's bits into two_k, of x = -gate
-            x = min(max(-gu[r, i], np.float32(-87.0)), np.float32(88.0))
-            k = np.floor(x * LOG2E + np.float32(0.5))
-            t = x - k * LN2HI - k * LN2LO
-            p = ((((P0 * t + P1) * t + P2) * t + P3) * t + P4) * t + P5
-            out[r, i] = p * t * t + t + np.float32(1.0)
-            bits[i] = (np.int32(k) + np.int32(127)) << 23
+        for i in range(n):  # p into out, 2^k's bits into two_k, of exp(-gate)
+            out[r, i], bits[i] = _exp_split(min(max(-gu[r, i], np.float32(-87.0)), np.float32(88.0)))
         for i in range(n):  # silu(gate) · up = gate / (1 + exp(-gate)) · up
             out[r, i] = gu[r, i] / (np.float32(1.0) + out[r, i] * two_k[i]) * gu[r, n + i]
 
