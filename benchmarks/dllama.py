@@ -10,7 +10,7 @@ Hugging Face directory. Here the mpitp model directory's GGUF is dequantized (th
 safetensors beside its tokenizer, then ``converter/convert-hf.py ... q40`` quantizes the
 matmul weights to its Q4_0 (its own quantizer: the values differ from the GGUF's, the
 bytes per weight are the same) and ``convert-tokenizer-hf.py`` writes its tokenizer
-(needs torch and transformers, as its converter does). Converted once into --work.
+(needs torch, transformers and sentencepiece, as its converters do). Converted once into --work.
 
 Rows: decode tokens/s over ``--steps`` tokens after "Once upon a time" (distributed-llama
 ``inference --nthreads T --buffer-float-type q80``, its "Prediction" rate; mpitp
