@@ -34,6 +34,7 @@ class Settings:
     ring_depth: int = 4  # MPITP_RING_DEPTH
     shm: bool = True  # MPITP_SHM
     shm_max: int = 2 << 20  # MPITP_SHM_MAX
+    oneshot_max: int = 64 << 10  # MPITP_ONESHOT_MAX (0: off)
     cma: bool = True  # MPITP_CMA
     cma_segment: int = 2 << 20  # MPITP_CMA_SEGMENT
     cuda_aware: bool | None = None  # MPITP_CUDA_AWARE (None: ask MPI)
@@ -123,6 +124,7 @@ _PARSE = {
     "ring_depth": _int(1),
     "shm": _flag,
     "shm_max": _positive_size(0),
+    "oneshot_max": _positive_size(0),
     "cma": _flag,
     "cma_segment": _positive_size(64),
     "cuda_aware": _flag,

@@ -25,6 +25,16 @@ def test_allreduce_crossovers(flavor):
     assert select.choose("allreduce", "auto", two, 2, ReduceOp.parse("sum"), None) == "ring"
 
 
+def test_small_allreduces_take_the_oneshot_where_it_is_open(flavor):
+    s = ReduceOp.parse("sum")
+    assert select.choose("allreduce", "auto", 64 * KiB, 2, s, None, None, 64 * KiB) == "oneshot"
+    assert select.choose("allreduce", "auto", 64 * KiB + 1, 2, s, None, None, 64 * KiB) == "mpi"
+    assert select.choose("allreduce", "auto", 0, 2, s, None, None, 0) == "mpi"  # not open: MPI's
+    assert select.choose("allreduce", "auto", 64, 1, s, None, None, 64 * KiB) == "mpi"  # alone
+    assert select.choose("allreduce", "oneshot", 64, 4, s, None) == "oneshot"
+    assert select.choose("reduce_scatter", "auto", 64, 2, s, None, None, 64 * KiB) == "mpi"
+
+
 def test_reduce_scatter_crossovers(flavor):
     want = {"mpich": (256 * KiB, 64 * MiB), "openmpi": (256 * KiB, MiB), "other": (select.NEVER,) * 2}[flavor]
     assert (select.crossover("reduce_scatter", 2, None), select.crossover("reduce_scatter", 4, None)) == want

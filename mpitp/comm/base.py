@@ -60,6 +60,11 @@ class CommunicatorBase:
         self.cma = cma.enabled()
         self.cma_segment_bytes = cma.segment_bytes()
         self._links = transport.Links(self.watchdog, self._meta)  # channels opened so far
+        # small all-reduces on one node: the compiled one-shot (mpitp.comm.algorithms.oneshot),
+        # opened on the first call that may use it (False where it cannot open);
+        # MPITP_ONESHOT_MAX=0 (or MPITP_SHM=0) leaves them to MPI
+        self.oneshot_max = env.oneshot_max if self.shm else 0
+        self._oneshot: Any = None  # a OneShot, or False
         self._timeline = timeline.start(self._meta, env.timeline)  # MPITP_TIMELINE; None when off
         self.tuning = self.mpi.bcast(tuning.load() if self.rank == 0 else None, root=0)
 
@@ -83,6 +88,8 @@ class CommunicatorBase:
         if self._node_comms is not None:
             self._node_comms.free()
         self._links.free()
+        if self._oneshot:
+            self._oneshot.free()
         for c in (self._meta, self._algo, self.mpi):
             if c != MPI.COMM_NULL:
                 c.Free()

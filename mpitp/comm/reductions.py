@@ -3,14 +3,15 @@ two-level algorithm, chosen per call (:mod:`mpitp.comm.algorithms.select`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import backend, split
-from .algorithms import hierarchical, mpi_collectives, ring, select
+from ..errors import UnsupportedOperation
+from .algorithms import hierarchical, mpi_collectives, oneshot, ring, select
 from .algorithms.select import NEVER
 from .base import CommunicatorBase, _value
 from .handle import Steps
@@ -29,6 +30,10 @@ class FastAllreduce:
     calls: list  # the traffic cells it bumps: [calls]
     sent: list  # [bytes, messages]
     epoch: int
+    oneshot: Any = None  # OneShot.allreduce, for messages of at most oneshot_max bytes
+    oneshot_max: int = -1
+    op_name: str = "sum"
+    intra: list = field(default_factory=lambda: [0, 0])  # the one-shot's traffic cell
 
 
 class Reductions(CommunicatorBase):
@@ -58,7 +63,14 @@ class Reductions(CommunicatorBase):
                 # Fast path: a small host message that goes to MPI's own call, for a
                 # (dtype, op, algorithm) the checked path has seen once; its MPI handles and
                 # traffic counters are cached (inline: a method call would cost 10% here).
+                # The smallest go to the one-shot all-reduce where it is open.
                 dst = np.empty_like(x) if out is None else out
+                if x.nbytes <= fast.oneshot_max:
+                    fast.oneshot(x, dst, fast.op_name)
+                    fast.calls[0] += 1
+                    fast.intra[0] += x.nbytes * (self.size - 1)
+                    fast.intra[1] += self.size - 1
+                    return dst
                 if dst is x:
                     self.mpi.Allreduce(MPI.IN_PLACE, x if fast.plain else [x, fast.datatype], fast.mpi_op)
                 elif fast.plain:
@@ -83,7 +95,15 @@ class Reductions(CommunicatorBase):
             o = ReduceOp.parse(op)
             a = self._array(x)
             check_reducible(o, a.dtype)
-            alg = select.choose("allreduce", algorithm, a.nbytes, self.size, o, self.topology, self.tuning)
+            shot = self._oneshot_bytes(a, o, nonblocking, algorithm)
+            alg = select.choose("allreduce", algorithm, a.nbytes, self.size, o, self.topology, self.tuning, shot)
+            if alg == "oneshot" and self.size > 1 and (shot == 0 or a.nbytes > shot):
+                raise UnsupportedOperation(
+                    f"algorithm 'oneshot' takes a blocking call on host arrays of {oneshot.DTYPE_NAMES} with "
+                    f"{', '.join(oneshot.OPS)} (avg: floats), every rank on one node, at most "
+                    f"MPITP_ONESHOT_MAX = {self.oneshot_max} bytes; got {a.nbytes} bytes of {a.dtype} with {o.value}"
+                    + (" (it could not open: ranks on several nodes)" if self._oneshot is False else "")
+                )
             return o, a, alg
 
         o, a, alg = self._prepare(label, sig, ("collective", "dtype", "shape", "op", "algorithm"), prep)
@@ -107,6 +127,12 @@ class Reductions(CommunicatorBase):
         if self.size == 1:
             if dst is not a:
                 dst[...] = a
+            return dst
+        if alg == "oneshot":
+            self._oneshot.label = f"allreduce #{seq} (oneshot, {a.nbytes} bytes)"
+            self._oneshot.allreduce(a, dst, op.value)
+            for _ in range(self.size - 1):
+                self.traffic.record(a.nbytes, "allreduce", "intra")
             return dst
         dt = mpi_datatype(a.dtype)
         if alg == "mpi":
@@ -143,11 +169,32 @@ class Reductions(CommunicatorBase):
                 )
         return dst
 
+    def _oneshot_bytes(self, a, o: ReduceOp, nonblocking: bool, algorithm: str) -> int:
+        """Bytes this call may send through the one-shot all-reduce; 0 where it cannot. Opens
+        it on the first call that may use it: collective (every rank makes the same call)."""
+        if (
+            self.size == 1
+            or nonblocking
+            or type(a) is not np.ndarray
+            or self.oneshot_max == 0
+            or algorithm not in ("auto", "oneshot")
+            or not oneshot.supports(a.dtype, o.base.value)
+        ):
+            return 0
+        if self._oneshot is None:
+            # opening is a blocking collective: first make sure every rank is in this call
+            self.watchdog.wait([self._meta.Ibarrier()], f"call #{self._seq} (opening the one-shot all-reduce)")
+            self._oneshot = oneshot.open_oneshot(self._algo, self.oneshot_max, self.watchdog) or False
+        if not self._oneshot or (algorithm == "auto" and self._oneshot.oversubscribed):
+            return 0  # more ranks than cores: spinning ranks would take turns; MPI's call waits better
+        return self.oneshot_max
+
     def _remember_fast(self, x, op, algorithm, o: ReduceOp, a, alg: str) -> None:
-        """Cache MPI handles for (dtype, op, algorithm) when small host calls go to MPI."""
+        """Cache MPI handles for (dtype, op, algorithm) when small host calls go to MPI (or
+        to the one-shot all-reduce)."""
         if (
             self._timeline is not None
-            or alg != "mpi"
+            or alg not in ("mpi", "oneshot")
             or self.validate
             or self.watchdog.timeout is not None
             or o is ReduceOp.AVG
@@ -156,16 +203,25 @@ class Reductions(CommunicatorBase):
         ):
             return
         t = self.traffic
+        shot = self._oneshot_bytes(a, o, False, algorithm) if self.size > 1 else 0
+        if algorithm == "mpi":
+            top = NEVER
+        elif algorithm == "oneshot":
+            top = shot + 1  # larger: the checked path, which says why not
+        else:
+            top = select.crossover("allreduce", self.size, self.tuning, self.topology.num_nodes)
         self._fast[(a.dtype, op, algorithm)] = FastAllreduce(
             datatype=mpi_datatype(a.dtype),
             mpi_op=mpi_op(o, a.dtype),
-            max_bytes=NEVER
-            if algorithm == "mpi"
-            else select.crossover("allreduce", self.size, self.tuning, self.topology.num_nodes),
+            max_bytes=top,
             plain=inferred(a.dtype),
             calls=t.calls_cell("allreduce"),
             sent=t.cell("allreduce", "mpi") if self.size > 1 else [0, 0],  # alone, nothing goes to others
             epoch=t.epoch,
+            oneshot=self._oneshot.allreduce if shot else None,
+            oneshot_max=shot if shot else -1,
+            op_name=o.value,
+            intra=t.cell("allreduce", "intra"),
         )
 
     # ------------------------------------------------------------------ rooted reduce / bcast

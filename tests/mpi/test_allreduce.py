@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 import mpitp
+from mpitp.comm.algorithms import oneshot
 
 N = MPI.COMM_WORLD.size
 SETTINGS = settings(
@@ -77,11 +78,14 @@ def check_allreduce(comm, n, dtype, op, algorithm, seed):
     n=SIZES,
     dtype=st.sampled_from(DTYPES),
     op=st.sampled_from(OPS),
-    algorithm=st.sampled_from(["ring", "mpi", "auto"]),
+    algorithm=st.sampled_from(["ring", "mpi", "auto", "oneshot"]),
     seed=st.integers(0, 2**16),
 )
 def test_allreduce_property(comm, n, dtype, op, algorithm, seed):
-    if valid(dtype, op):
+    if algorithm == "oneshot" and N > 1 and not oneshot.supports(dtype, op):
+        with pytest.raises(mpitp.UnsupportedOperation, match="algorithm 'oneshot' takes"):
+            comm.allreduce(np.zeros(n, dtype), op=op, algorithm=algorithm)
+    elif valid(dtype, op):
         check_allreduce(comm, n, dtype, op, algorithm, seed)
     else:
         with pytest.raises(mpitp.UnsupportedOperation):
@@ -112,7 +116,7 @@ def test_ring_is_reproducible(comm):
     agree(np.array_equal(a, b), "two identical ring calls differ")
 
 
-@pytest.mark.parametrize("algorithm", ["mpi", "ring"])
+@pytest.mark.parametrize("algorithm", ["mpi", "ring", "oneshot"])
 def test_shapes_outputs_and_inplace(comm, algorithm):
     inputs = rank_inputs((6, 5, 4), "float64", "sum", N, 5)
     ref = numpy_reference(inputs, "sum")
@@ -141,6 +145,17 @@ def test_shapes_outputs_and_inplace(comm, algorithm):
     agree(z.shape == () and z == N * (N + 1) / 2, "0-d input")
     e = comm.allreduce(np.zeros((0, 3), np.float32), algorithm=algorithm)
     agree(e.shape == (0, 3), "zero-size input")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_oneshot_errors_on_every_rank(comm):
+    """Element counts that differ between ranks, or a buffer past MPITP_ONESHOT_MAX: a clear
+    error on every rank (not a sum of stale slots, not a hang), and the next call still works."""
+    with pytest.raises(oneshot.CountMismatch, match="different element counts"):
+        comm.allreduce(np.ones(5 + comm.rank, np.float32), algorithm="oneshot")
+    with pytest.raises(mpitp.UnsupportedOperation, match="at most MPITP_ONESHOT_MAX"):
+        comm.allreduce(np.ones(comm.oneshot_max // 4 + 1, np.float32), algorithm="oneshot")
+    check_allreduce(comm, 1000, "float32", "sum", "oneshot", seed=9)
 
 
 def test_unknown_op_and_algorithm(comm):

