@@ -28,6 +28,7 @@ from numba import njit, prange
 
 from . import cpu, jit
 from .attend_ir import EXP_LN2, EXP_LOG2E, EXP_POLY
+from .calls import address, attention_at
 from .matmul import OPTS
 
 MASKED = np.float32(np.finfo(np.float32).min)
@@ -246,7 +247,7 @@ def _rope_group(qkv, cos, sin, nh, nkv, d, scale, b, j, q, kn):
 
 @njit(**OPTS)
 def _core_group(core, qkv, cos, sin, cache, valid, s, nh, nkv, d, scale, masked, out, b, j, q, kn, sc):
-    """Row b, KV head j through the IR core. ``cache``: (k, v addresses, bytes a row b and
+    """Row b, KV head j through the IR core (at address ``core``). ``cache``: (k, v addresses, bytes a row b and
     a head j advance them, values a column advances), as numba cannot hold a float16 array;
     ``q``, ``kn``, ``sc``: scratch of [G, d], d and G·S16 floats."""
     _rope_group(qkv, cos, sin, nh, nkv, d, scale, b, j, q, kn)
@@ -254,8 +255,8 @@ def _core_group(core, qkv, cos, sin, cache, valid, s, nh, nkv, d, scale, masked,
     at = b * sb + j * sj  # bytes to [b, 0, j, 0] (k and v alike)
     o = (b * out.shape[1] + j * (nh // nkv) * d) * 4
     vnew = qkv.ctypes.data + (b * qkv.shape[1] + (nh + nkv + j) * d) * 4
-    core(q.ctypes.data, k + at, v + at, valid.ctypes.data + b * valid.shape[1], out.ctypes.data + o, sc.ctypes.data,
-         kn.ctypes.data, vnew, s + 1, st, 1 if masked else 0)  # fmt: skip
+    attention_at(core, q.ctypes.data, k + at, v + at, valid.ctypes.data + b * valid.shape[1], out.ctypes.data + o,
+                 sc.ctypes.data, kn.ctypes.data, vnew, s + 1, st, 1 if masked else 0)  # fmt: skip
 
 
 @njit(**OPTS)
@@ -326,6 +327,7 @@ def bound_attend(d: int, g: int, threads: bool, dtype=np.float32):
     if f is None:
         return attend_loops_threads if threads else attend_loops
     run = _attend_core_threads if threads else _attend_core
+    f = address(f)  # an integer: numba types a ctypes function anew on every call (~1 µs)
 
     def attend(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out):
         run(f, qkv, cos, sin, _cache(kc, vc), valid, s, nh, nkv, d, scale, masked, out)
@@ -354,7 +356,7 @@ def attend(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out, *, thre
         )
     else:
         run = _attend_core_threads if threads else _attend_core
-        run(f, qkv, cos, sin, _cache(kc, vc), valid, s, nh, nkv, kc.shape[3], scale, masked, out)
+        run(address(f), qkv, cos, sin, _cache(kc, vc), valid, s, nh, nkv, kc.shape[3], scale, masked, out)
 
 
 def attend_threads(*args) -> None:
@@ -386,6 +388,6 @@ def warm(head_dim: int = 0, group: int = 1, kv_dtype=np.float32) -> None:
         cos, sin, out = np.ones((1, d), np.float32), np.zeros((1, d), np.float32), np.empty((1, group * d), np.float32)
         qkv, valid = np.zeros((1, (group + 2) * d), np.float32), np.ones((1, 2), bool)
         core_args = (qkv, cos, sin, _cache(kc, vc), valid, 0, group, 1, d, np.float32(1), True, out)
-        _attend_core(f, *core_args)
+        _attend_core(address(f), *core_args)
         if threads() > 1:
-            _attend_core_threads(f, *core_args)
+            _attend_core_threads(address(f), *core_args)

@@ -22,6 +22,7 @@ from functools import lru_cache
 import numba
 
 from ..errors import MpitpError
+from .calls import kernel_at
 
 
 class ThreadsError(MpitpError, ValueError):
@@ -81,7 +82,7 @@ def _drivers():
             t1 = T * (j + 1) // parts
             if t1 > t0:
                 mj = m + t0 * sm if sm else m
-                fn(qs + t0 * sq, d + t0 * sd, mj, xq, xd, xs, y + t0 * 32, t1 - t0, nb, M, ldy)
+                kernel_at(fn, qs + t0 * sq, d + t0 * sd, mj, xq, xd, xs, y + t0 * 32, t1 - t0, nb, M, ldy)
 
     @njit(parallel=True, nogil=True, cache=True)
     def spans(fn, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr, xsr):
@@ -98,8 +99,8 @@ def _span(fn, t0, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm
     mj = m + t0 * sm if sm else m
     for r0 in range(0, M, rows):
         yo = y + (r0 * ldy + t0 * 8) * 4
-        fn(qs + t0 * sq, d + t0 * sd, mj, xq + r0 * xqr, xd + r0 * xdr, xs + r0 * xsr, yo, cnt, nb,
-           min(rows, M - r0), ldy)  # fmt: skip
+        kernel_at(fn, qs + t0 * sq, d + t0 * sd, mj, xq + r0 * xqr, xd + r0 * xdr, xs + r0 * xsr, yo, cnt, nb,
+                  min(rows, M - r0), ldy)  # fmt: skip
 
 
 @numba.njit(nogil=True, cache=True)
@@ -115,13 +116,14 @@ def use(n: int) -> None:
     numba.set_num_threads(n)
 
 
-def run_tiles(fn, n: int, wp, tile_bytes, xp, y: int, T: int, nb: int, M: int, ldy: int) -> None:
-    """``fn`` over tiles 0..T-1 in ``n`` contiguous ranges, one per thread."""
+def run_tiles(fn: int, n: int, wp, tile_bytes, xp, y: int, T: int, nb: int, M: int, ldy: int) -> None:
+    """The kernel at address ``fn`` (:mod:`.calls`) over tiles 0..T-1 in ``n`` contiguous
+    ranges, one per thread."""
     numba.set_num_threads(n)
     _drivers()[0](fn, n, *wp, *xp, y, T, nb, M, ldy, *tile_bytes)
 
 
-def run_spans(fn, n: int, span: int, rows: int, wp, tile_bytes, xp, x_row_bytes, y, T, nb, M, ldy) -> None:
+def run_spans(fn: int, n: int, span: int, rows: int, wp, tile_bytes, xp, x_row_bytes, y, T, nb, M, ldy) -> None:
     """Prefill: spans of ``span`` tiles over the threads, each span taking every ``rows``
     rows of x in turn (``x_row_bytes``: bytes of xq, xd and xs a row of x advances); one
     thread runs them in order, without the parallel pool."""
@@ -132,9 +134,9 @@ def run_spans(fn, n: int, span: int, rows: int, wp, tile_bytes, xp, x_row_bytes,
     _drivers()[1](fn, span, rows, *wp, *xp, y, T, nb, M, ldy, *tile_bytes, *x_row_bytes)
 
 
-def warm(fn, threads: int) -> None:
-    """Compile the drivers for kernels of ``fn``'s type now (at load), not inside the first
-    forward: they run on zero tiles."""
+def warm(fn: int, threads: int) -> None:
+    """Compile the drivers now (at load), not inside the first forward: they run the
+    kernel at address ``fn`` on zero tiles."""
     _serial_spans(fn, 1, 16, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 8, 0, 0, 0, 0, 0, 0)
     if threads == 1:
         return
