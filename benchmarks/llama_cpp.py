@@ -23,8 +23,8 @@ tokens/s = completion tokens over wall time); prefill of a ~500-token prompt aga
 int8, ggml's one digit; int8x2, two digits; float32, the exact path); weights in memory
 per rank; and the decode rate's share of two ceilings measured in the same run: the
 bytes a rank streams per token over one core's read bandwidth alone, and (as ``mpitp
-generate`` prints it) over the memcpy bandwidth of ``mpitp bench`` with every rank copying at once. Every rank has one
-thread.
+generate`` prints it) over each rank's read bandwidth with every rank reading at once, as
+a decode step streams its weights. Every rank has one thread.
 """
 
 import argparse

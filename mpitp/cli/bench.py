@@ -30,7 +30,7 @@ examples:
 
 decode: one decode step (every rank's forward of one token per row) at batch 1, 2, 4, 8
 and 16, the slowest rank's median; its ratio to batch 1, tokens/s, and the share of the
-memcpy ceiling (measured in the same run) that the bytes each step streams reach.
+read ceiling (every rank reading at once, measured in the same run) that the bytes each step streams reach.
 --model and --weights as mpitp generate takes them.
 """
 
