@@ -11,21 +11,23 @@ so they are bound once (each linear layer's kernel to its weight,
       ─ rms_norm ─ gate_up (+b) ─ swiglu ─ down ─ all-reduce (+b) ─ h +=
 
 The same kernels on the same arrays in the same order as the generic path, so the
-result is the same: bit for bit with block weights.
+result is the same: bit for bit with block weights. Where a layer's four matmuls are int8
+kernels that :mod:`mpitp.kernels.fused` can drive (one thread, IR quantizers, attention's IR
+core), each half of it between two all-reduces is one compiled call instead.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ..kernels import calls, fused, parallel
 from ..kernels import decode as kernels
-from ..kernels import parallel
 
 
 class DecodeLayers:
     """Built from a loaded model (:meth:`of`); ``loop(h, step, cache)`` runs every layer."""
 
-    def __init__(self, model, layers: list[tuple], rows: int):
+    def __init__(self, model, layers: list[tuple], rows: int, plans: list | None = None):
         c = model.config
         attn = model.layers[0].self_attn
         self.hidden, self.eps = c.hidden_size, float(c.rms_norm_eps)  # the type warm() compiles for
@@ -38,17 +40,27 @@ class DecodeLayers:
         self.threads = parallel.threads()
         self.group, self.kv_dtype = attn.nh // attn.nkv, model.kv_dtype  # the cache attend is bound to
         self.attend = kernels.bound_attend(attn.head_dim, self.group, self.threads > 1, self.kv_dtype)
+        self.head_dim = attn.head_dim
+        core = kernels.core(attn.head_dim, self.group, self.kv_dtype)
+        # per layer: (qkv, o, gate_up, down) plans for mpitp.kernels.fused, or None
+        self.plans = [None] * len(layers)
+        if self.threads == 1 and core is not None and plans is not None:
+            self.core = calls.address(core)
+            self.plans = plans
+        self.none = np.zeros(1, np.float32)  # a bias that is not there
 
     @classmethod
     def of(cls, model) -> DecodeLayers | None:
         """None where the loop does not apply: CuPy, or activations other than float32."""
         if model.xp is not np or model.dtype != np.float32:
             return None
-        layers, rows = [], []
+        layers, rows, plans = [], [], []
         for layer in model.layers:
             a, mlp = layer.self_attn, layer.mlp
             bound = [m.kernel() for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             rows += [r for _, r in bound]
+            p = [fused.plan(f) for f, _ in bound]
+            plans.append(None if any(x is None for x in p) else p)
             (qkv, _), (o, _), (gate_up, _), (down, _) = bound
             layers.append(
                 (
@@ -60,7 +72,7 @@ class DecodeLayers:
                     (down, mlp.down_proj.bias),
                 )
             )
-        return cls(model, layers, min(rows))
+        return cls(model, layers, min(rows), plans)
 
     def fits(self, batch: int, step, cache) -> bool:
         k = cache.k[0]
@@ -80,7 +92,15 @@ class DecodeLayers:
         s, eps, ar = cache.length, self.eps, self.allreduce
         if self.threads > 1:
             parallel.use(self.threads)
+        r, pending = np.empty_like(h), None  # r: the last half's all-reduced output, its bias not yet added
         for i, (w1, (qkv, nqkv, bqkv), (o, bo), w2, (gate_up, ngu, bgu), (down, bd)) in enumerate(self.layers):
+            plan = self.plans[i]
+            if plan is not None:
+                pending = self._fused(i, plan, h, r, pending, xn, step, cache)
+                continue
+            if pending is not None:
+                self._add(h, r, *pending)
+                pending = None
             kernels.rms_norm(h, w1, eps, xn)
             y = np.empty((B, nqkv), np.float32)
             qkv(xn, y)
@@ -105,7 +125,43 @@ class DecodeLayers:
             down(act, r)
             self._finish_row_parallel(r, bd, ar)
             h += r
+        if pending is not None:
+            self._add(h, r, *pending)
         return h[:, None]
+
+    def _fused(self, i: int, plan: list, h, r, pending, xn, step, cache):
+        """Layer i as two compiled halves (:mod:`mpitp.kernels.fused`); ``pending``: the
+        residual the previous layer left in ``r`` (its bias or None), added first. Returns
+        this layer's pending residual."""
+        w1, (_, nqkv, bqkv), (_, bo), w2, (_, ngu, bgu), (_, bd) = self.layers[i]
+        pq, po, pgu, pd = plan
+        B, none, ar = h.shape[0], self.none, self.allreduce
+        add, rb = (0, none) if pending is None else ((1, none) if pending[0] is None else (2, pending[0]))
+        y = np.empty((B, nqkv), np.float32)
+        att = np.empty((B, self.q_width), np.float32)
+        fused.attention_half(
+            h, r, rb, add, w1, self.eps, xn, pq, y, none if bqkv is None else bqkv, bqkv is not None, self.core,
+            step.cos1, step.sin1, kernels._cache(cache.k[i], cache.v[i]), cache.valid, cache.length, self.nh,
+            self.nkv, self.head_dim, self.scale, step.masked, att, po, r,
+        )  # fmt: skip
+        if ar is not None:
+            ar(r, out=r)
+        g = np.empty((B, ngu), np.float32)
+        act = np.empty((B, ngu // 2), np.float32)
+        fused.mlp_half(
+            h, r, none if bo is None else bo, 1 if bo is None else 2, w2, self.eps, xn, pgu, g,
+            none if bgu is None else bgu, bgu is not None, act, pd, r,
+        )  # fmt: skip
+        if ar is not None:
+            ar(r, out=r)
+        return (bd,)
+
+    @staticmethod
+    def _add(h, r, bias) -> None:
+        """A row-parallel layer's all-reduced ``r`` into the residual, its bias added once."""
+        if bias is not None:
+            r += bias
+        h += r
 
     @staticmethod
     def _finish_row_parallel(r, bias, allreduce) -> None:

@@ -1,0 +1,87 @@
+"""A decode step's half layers, each one compiled call between two all-reduces.
+
+Bound one op at a time (:mod:`mpitp.models.decode_step`), a layer makes ~16 calls from
+Python (norms, two quantize-and-multiply calls, attention, swiglu, biases, residual adds,
+buffers), ~1-4 µs of dispatch each. Here everything between two all-reduces is one call::
+
+    attention_half:  h += r (+b) ─ rms_norm ─ qkv (+b) ─ RoPE, K/V into the cache, attention ─ o  -> out
+    mlp_half:        h += r (+b) ─ rms_norm ─ gate_up (+b) ─ swiglu ─ down                        -> out
+
+where ``r`` is the previous half's all-reduced output (``add``: 0 none, 1 r, 2 r + its bias,
+rounded as ``r += b; h += r``). The same kernels on the same arrays in the same order as
+the loop of single calls, so the same bits. A matmul travels as its :func:`plan`: an int64
+row of the kernel's address for each row count, then the quantizer's and every pointer
+and size the int8 kernels take (:class:`mpitp.kernels.int8.Bound`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .calls import kernel_at, quantizer_at
+from .decode import _attend_core, rms_norm, swiglu
+from .int8 import SMALL, Bound
+
+PLAN = SMALL + 1 + 10  # kernels for 0..16 rows; quantizer, halves, xq, xd, xs, qs, d, m, T, nb
+_Q = SMALL + 1
+
+
+def plan(bound) -> np.ndarray | None:
+    """The plan of a bound matmul, or None where it cannot run here: another kind of
+    weight (pieces, planar blocks, float32), threads inside the rank, output rows padded
+    to whole tiles, or x quantized by numba's one-digit quantizer."""
+    if type(bound) is not Bound or bound.fused is None or bound.threads > 1 or bound.pad is not None:
+        return None
+    return np.array([*bound.at_rows, *bound.fused, bound.T, bound.nb], np.int64)
+
+
+@njit(nogil=True, cache=True)
+def _matmul(p, x, y):
+    M, K = x.shape
+    q = _Q
+    quantizer_at(p[q], x.ctypes.data, p[q + 2], p[q + 3], p[q + 4], M, K, p[q + 1])
+    kernel_at(p[M], p[q + 5], p[q + 6], p[q + 7], p[q + 2], p[q + 3], p[q + 4], y.ctypes.data, p[q + 8], p[q + 9], M,
+              y.shape[1])  # fmt: skip
+
+
+@njit(nogil=True, cache=True)
+def _residual(h, r, rb, add):
+    if add == 0:
+        return
+    B, H = h.shape
+    for i in range(B):
+        for j in range(H):
+            h[i, j] += (r[i, j] + rb[j]) if add == 2 else r[i, j]
+
+
+@njit(nogil=True, cache=True)
+def _bias(y, b, on):
+    if on:
+        for i in range(y.shape[0]):
+            for j in range(y.shape[1]):
+                y[i, j] += b[j]
+
+
+@njit(nogil=True, cache=True)
+def attention_half(h, r, rb, add, w, eps, xn, pq, y, yb, qb, core, cos, sin, cache, valid, s, nh, nkv, d, scale,
+                   masked, att, po, out):  # fmt: skip
+    """``h += r``; then the attention block of one layer into ``out`` (this rank's partial
+    sums of o, before the all-reduce). ``core``: attention's IR core (an address)."""
+    _residual(h, r, rb, add)
+    rms_norm(h, w, eps, xn)
+    _matmul(pq, xn, y)
+    _bias(y, yb, qb)
+    _attend_core(core, y, cos, sin, cache, valid, s, nh, nkv, d, scale, masked, att)
+    _matmul(po, att, out)
+
+
+@njit(nogil=True, cache=True)
+def mlp_half(h, r, rb, add, w, eps, xn, pgu, g, gb, gbias, act, pd, out):
+    """``h += r``; then the MLP block of one layer into ``out`` (partial sums of down)."""
+    _residual(h, r, rb, add)
+    rms_norm(h, w, eps, xn)
+    _matmul(pgu, xn, g)
+    _bias(g, gb, gbias)
+    swiglu(g, act)
+    _matmul(pd, act, out)
