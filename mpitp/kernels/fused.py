@@ -9,9 +9,11 @@ buffers), ~1-4 µs of dispatch each. Here everything between two all-reduces is 
 
 where ``r`` is the previous half's all-reduced output (``add``: 0 none, 1 r, 2 r + its bias,
 rounded as ``r += b; h += r``). The same kernels on the same arrays in the same order as
-the loop of single calls, so the same bits. A matmul travels as its :func:`plan`: an int64
-row of the kernel's address for each row count, then the quantizer's and every pointer
-and size the int8 kernels take (:class:`mpitp.kernels.int8.Bound`).
+the loop of single calls, so the same bits. A matmul travels as its :func:`plan`: per
+piece of the weight (one, or one per format: :class:`mpitp.kernels.matmul.Pieces`) an
+int64 row of the kernel's address for each row count, then the quantizer's, every pointer
+and size the int8 kernels take (:class:`mpitp.kernels.int8.Bound`) and the piece's first
+column of y, which its kernel writes in place (row stride: y's).
 """
 
 from __future__ import annotations
@@ -22,27 +24,33 @@ from numba import njit
 from .calls import kernel_at, quantizer_at
 from .decode import _attend_core, rms_norm, swiglu
 from .int8 import SMALL, Bound
+from .matmul import Pieces
 
-PLAN = SMALL + 1 + 10  # kernels for 0..16 rows; quantizer, halves, xq, xd, xs, qs, d, m, T, nb
+PLAN = SMALL + 1 + 11  # kernels for 0..16 rows; quantizer, halves, xq, xd, xs, qs, d, m, T, nb, column
 _Q = SMALL + 1
 
 
 def plan(bound) -> np.ndarray | None:
-    """The plan of a bound matmul, or None where it cannot run here: another kind of
-    weight (pieces, planar blocks, float32), threads inside the rank, output rows padded
-    to whole tiles, or x quantized by numba's one-digit quantizer."""
-    if type(bound) is not Bound or bound.fused is None or bound.threads > 1 or bound.pad is not None:
-        return None
-    return np.array([*bound.at_rows, *bound.fused, bound.T, bound.nb], np.int64)
+    """The plan [pieces, PLAN] of a bound matmul, or None where it cannot run here: planar
+    blocks or float32 weights, threads inside the rank, output rows padded to whole tiles,
+    or x quantized by numba's one-digit quantizer."""
+    parts, spans = (bound.parts, bound.spans) if type(bound) is Pieces else ([bound], [(0, 0)])
+    rows = []
+    for f, (a, _) in zip(parts, spans):
+        if type(f) is not Bound or f.fused is None or f.threads > 1 or f.pad is not None:
+            return None
+        rows.append([*f.at_rows, *f.fused, f.T, f.nb, a])
+    return np.array(rows, np.int64)
 
 
 @njit(nogil=True, cache=True)
-def _matmul(p, x, y):
+def _matmul(plan, x, y):
     M, K = x.shape
     q = _Q
-    quantizer_at(p[q], x.ctypes.data, p[q + 2], p[q + 3], p[q + 4], M, K, p[q + 1])
-    kernel_at(p[M], p[q + 5], p[q + 6], p[q + 7], p[q + 2], p[q + 3], p[q + 4], y.ctypes.data, p[q + 8], p[q + 9], M,
-              y.shape[1])  # fmt: skip
+    for p in plan:  # each piece: x quantized for its kernel, which writes its columns of y
+        quantizer_at(p[q], x.ctypes.data, p[q + 2], p[q + 3], p[q + 4], M, K, p[q + 1])
+        kernel_at(p[M], p[q + 5], p[q + 6], p[q + 7], p[q + 2], p[q + 3], p[q + 4], y.ctypes.data + p[q + 10] * 4,
+                  p[q + 8], p[q + 9], M, y.shape[1])  # fmt: skip
 
 
 @njit(nogil=True, cache=True)

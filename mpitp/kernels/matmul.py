@@ -309,6 +309,21 @@ def take(w, ids: np.ndarray) -> np.ndarray:
     return out
 
 
+class Pieces:
+    """``f(x, y)`` of a weight held in pieces of different formats: each piece's bound
+    kernel (``parts``) into its columns (``spans``) of y, through a buffer."""
+
+    def __init__(self, parts: list, spans: list[tuple[int, int]], rows: int):
+        self.parts, self.spans = parts, spans
+        self.bufs = [np.empty((rows, b - a), np.float32) for a, b in spans]
+
+    def __call__(self, x, y) -> None:
+        M = x.shape[0]
+        for f, (a, b), buf in zip(self.parts, self.spans, self.bufs):
+            f(x, buf[:M])
+            y[:, a:b] = buf[:M]
+
+
 def bind(w):
     """``(f, rows)``: ``f(x, y)`` writes ``x @ w.T`` into ``y`` [M, N] for a C-contiguous
     float32 ``x`` [M, K] of at most ``rows`` rows, the kernel chosen once (a decode step
@@ -317,15 +332,7 @@ def bind(w):
         bound = [bind(p) for p in w.parts]
         spans = [(a, a + p.shape[0]) for a, p in zip(w.starts, w.parts)]
         rows = min(r for _, r in bound)
-        bufs = [np.empty((rows, b - a), np.float32) for a, b in spans]
-
-        def pieces(x, y):
-            M = x.shape[0]
-            for (f, _), (a, b), buf in zip(bound, spans, bufs):
-                f(x, buf[:M])
-                y[:, a:b] = buf[:M]
-
-        return pieces, rows
+        return Pieces([f for f, _ in bound], spans, rows), rows
     if getattr(w, "layout", "") == "tiles":
         from . import int8
 
