@@ -24,7 +24,8 @@ int8, ggml's one digit; int8x2, two digits; float32, the exact path); weights in
 per rank; and the decode rate's share of two ceilings measured in the same run: the
 bytes a rank streams per token over one core's read bandwidth alone, and (as ``mpitp
 generate`` prints it) over each rank's read bandwidth with every rank reading at once, as
-a decode step streams its weights. Every rank has one thread.
+a decode step streams its weights (measured first in the step-timing processes, before the
+model loads). Every rank has one thread.
 """
 
 import argparse
@@ -199,9 +200,12 @@ def worker_steps(model: str | None, act: str) -> None:
     from mpitp.models.resolve import resolve
 
     comm = Communicator()
+    # the ceiling of a step's stream: each rank's read bandwidth with every rank reading at
+    # once, measured first, in a fresh process (huge pages, as the weights get them)
+    read_all = read_bandwidth(comm=comm)
     path = resolve(model, comm) if model else default.ensure(comm)
     m = LlamaForCausalLM.from_pretrained(path, comm=comm, activations=act)
-    out: dict = {"streamed": comm.allreduce_object(m.streamed_bytes(), op="max")}
+    out: dict = {"streamed": comm.allreduce_object(m.streamed_bytes(), op="max"), "read_all": read_all}
     out.update(step_times(m, comm))
     if comm.rank == 0:
         print(json.dumps(out))
@@ -266,9 +270,11 @@ def main() -> int:
         rate, name, cores = median(ours[tp, a, th]), f"TP={tp}" + (f"x{th}" if th > 1 else ""), tp * th
         steps = mpitp_steps(tp, args.model, a, th)
         share = steps["streamed"] * rate / (bw * 1e9)
-        held, _, ceiling = held_by[tp, a, th].partition("; decode at ")
+        share_all = steps["streamed"] * rate / (steps["read_all"] * 1e9)
+        held = held_by[tp, a, th].partition("; decode at ")[0]
         rows.append((f"mpitp {name} {a}: decode tok/s", f"{rate:.1f} {rounds(ours[tp, a, th])} ({share:.0%} of one "
-                     f"core's read bandwidth alone; {ceiling.split(';')[0]})"))  # fmt: skip
+                     f"core's read bandwidth alone; {share_all:.0%} of the read ceiling with every rank reading, "
+                     f"{steps['read_all']:.1f} GB/s per rank)"))  # fmt: skip
         if bench and cores in lcpp:
             per = [x / y for x, y in zip(ours[tp, a, th], lcpp[cores])]
             rows.append((f"mpitp {name} {a} / llama.cpp {cores} thread(s)", f"{median(per):.2f}x {rounds(per, 'x')}"))
