@@ -555,6 +555,9 @@ class LlamaForCausalLM:
         if self.xp is np and self.dtype == np.float32:
             a = self.layers[0].self_attn
             _decode_kernels().warm(a.head_dim, a.nh // a.nkv, self.kv_dtype)
+            loop = self._decode_layers()
+            if loop is not None:
+                loop.warm()
 
     def int8_tiles(self) -> bool:
         """Whether some matmul of this rank runs on int8 tiles (int8 activations)."""
