@@ -243,3 +243,39 @@ def test_a_float16_kv_cache_decodes_as_the_generic_layers_and_near_float32(model
             assert m.kv_dtype == np.float32
     assert np.abs(out["auto"] - out["float32"]).max() <= 3e-2  # measured 1.4e-2 (logits ~30)
     assert np.array_equal(out["auto"].argmax(-1), out["float32"].argmax(-1))
+
+
+def test_fused_decode_halves_with_threads_equal_the_generic_layers(model_dir):
+    """Two threads in the rank: each fused half (mpitp.kernels.fused) splits its matmuls'
+    tiles over numba's pool and attention's heads too; one decode step after a ragged
+    prefill gives the generic layers' logits (whose bound kernels split the same tiles)
+    bit for bit, and so does one thread."""
+    import copy
+
+    from mpitp.kernels import parallel
+    from mpitp.models.llama import LlamaForCausalLM
+
+    prompts = [[5, 17, 42, 7, 3], [9, 2], [11, 12, 13, 400]]
+    B, T = len(prompts), max(len(p) for p in prompts)
+    for threads in (2, 1):
+        parallel.set_threads(threads)
+        try:
+            m = LlamaForCausalLM.from_pretrained(model_dir, activations="int8o")
+            plans = m._decode_layers().plans
+            assert all(p is not None for p in plans)
+            assert threads == 1 or any(int(row[-1]) > 1 for p in plans for row in np.concatenate(p))
+            ids = np.zeros((B, T), np.int64)
+            cache = m.new_cache(B, T + 1)
+            for b, p in enumerate(prompts):
+                ids[b, T - len(p) :] = p
+                cache.valid[b, T - len(p) : T + 1] = True
+            positions = np.maximum(np.cumsum(cache.valid[:, :T], axis=1) - 1, 0)
+            nxt = m.forward(ids, positions, cache, last_only=True)[:, -1].argmax(-1)[:, None]
+            pos = positions[:, -1:] + 1
+            generic_cache = copy.deepcopy(cache)
+            fused = m.forward(nxt, pos, cache, last_only=True)
+            m._decode, m._decode_built = None, True  # the generic layers, for this one call
+            generic = m.forward(nxt, pos, generic_cache, last_only=True)
+            assert np.array_equal(fused, generic), (threads, np.abs(fused - generic).max())
+        finally:
+            parallel.set_threads(None)

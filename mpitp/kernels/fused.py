@@ -19,27 +19,29 @@ column of y, which its kernel writes in place (row stride: y's).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from .calls import kernel_at, quantizer_at
-from .decode import _attend_core, rms_norm, swiglu
+from .decode import _attend_core, _attend_core_threads, rms_norm, swiglu
 from .int8 import SMALL, Bound
 from .matmul import Pieces
 
-PLAN = SMALL + 1 + 11  # kernels for 0..16 rows; quantizer, halves, xq, xd, xs, qs, d, m, T, nb, column
+# per piece: kernels for 0..16 rows; quantizer, halves, xq, xd, xs, qs, d, m, T, nb, its first
+# column of y, bytes a tile advances qs, d and m, and threads (its tiles in that many ranges)
+PLAN = SMALL + 1 + 15
 _Q = SMALL + 1
 
 
 def plan(bound) -> np.ndarray | None:
     """The plan [pieces, PLAN] of a bound matmul, or None where it cannot run here: planar
-    blocks or float32 weights, threads inside the rank, output rows padded to whole tiles,
-    or x quantized by numba's one-digit quantizer."""
+    blocks or float32 weights, output rows padded to whole tiles, or x quantized by numba's
+    one-digit quantizer."""
     parts, spans = (bound.parts, bound.spans) if type(bound) is Pieces else ([bound], [(0, 0)])
     rows = []
     for f, (a, _) in zip(parts, spans):
-        if type(f) is not Bound or f.fused is None or f.threads > 1 or f.pad is not None:
+        if type(f) is not Bound or f.fused is None or f.pad is not None:
             return None
-        rows.append([*f.at_rows, *f.fused, f.T, f.nb, a])
+        rows.append([*f.at_rows, *f.fused, f.T, f.nb, a, *f.tile_bytes, f.threads])
     return np.array(rows, np.int64)
 
 
@@ -49,8 +51,27 @@ def _matmul(plan, x, y):
     q = _Q
     for p in plan:  # each piece: x quantized for its kernel, which writes its columns of y
         quantizer_at(p[q], x.ctypes.data, p[q + 2], p[q + 3], p[q + 4], M, K, p[q + 1])
-        kernel_at(p[M], p[q + 5], p[q + 6], p[q + 7], p[q + 2], p[q + 3], p[q + 4], y.ctypes.data + p[q + 10] * 4,
-                  p[q + 8], p[q + 9], M, y.shape[1])  # fmt: skip
+        at = y.ctypes.data + p[q + 10] * 4
+        if p[q + 14] > 1:
+            _split(p, M, at, y.shape[1])
+        else:
+            kernel_at(p[M], p[q + 5], p[q + 6], p[q + 7], p[q + 2], p[q + 3], p[q + 4], at, p[q + 8], p[q + 9], M,
+                      y.shape[1])  # fmt: skip
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _split(p, M, y, ldy):
+    """One piece's tiles in ``p[threads]`` contiguous ranges over numba's pool (as
+    :func:`mpitp.kernels.parallel.run_tiles`: each output row the one-thread kernel's)."""
+    q = _Q
+    n, T = p[q + 14], p[q + 8]
+    for j in prange(n):
+        t0 = T * j // n
+        t1 = T * (j + 1) // n
+        if t1 > t0:
+            mj = p[q + 7] + t0 * p[q + 13] if p[q + 13] else p[q + 7]
+            kernel_at(p[M], p[q + 5] + t0 * p[q + 11], p[q + 6] + t0 * p[q + 12], mj, p[q + 2], p[q + 3], p[q + 4],
+                      y + t0 * 32, t1 - t0, p[q + 9], M, ldy)  # fmt: skip
 
 
 @njit(nogil=True, cache=True)
@@ -73,14 +94,18 @@ def _bias(y, b, on):
 
 @njit(nogil=True, cache=True)
 def attention_half(h, r, rb, add, w, eps, xn, pq, y, yb, qb, core, cos, sin, cache, valid, s, nh, nkv, d, scale,
-                   masked, att, po, out):  # fmt: skip
+                   masked, att, po, out, threads):  # fmt: skip
     """``h += r``; then the attention block of one layer into ``out`` (this rank's partial
-    sums of o, before the all-reduce). ``core``: attention's IR core (an address)."""
+    sums of o, before the all-reduce). ``core``: attention's IR core (an address);
+    ``threads``: its (row, KV head) pairs over numba's pool."""
     _residual(h, r, rb, add)
     rms_norm(h, w, eps, xn)
     _matmul(pq, xn, y)
     _bias(y, yb, qb)
-    _attend_core(core, y, cos, sin, cache, valid, s, nh, nkv, d, scale, masked, att)
+    if threads:
+        _attend_core_threads(core, y, cos, sin, cache, valid, s, nh, nkv, d, scale, masked, att)
+    else:
+        _attend_core(core, y, cos, sin, cache, valid, s, nh, nkv, d, scale, masked, att)
     _matmul(po, att, out)
 
 

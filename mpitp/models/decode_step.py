@@ -12,8 +12,9 @@ so they are bound once (each linear layer's kernel to its weight,
 
 The same kernels on the same arrays in the same order as the generic path, so the
 result is the same: bit for bit with block weights. Where a layer's four matmuls are int8
-kernels that :mod:`mpitp.kernels.fused` can drive (one thread, IR quantizers, attention's IR
-core), each half of it between two all-reduces is one compiled call instead.
+kernels that :mod:`mpitp.kernels.fused` can drive (IR quantizers, attention's IR core; with
+threads, their tiles and attention's heads over numba's pool), each half of it between two
+all-reduces is one compiled call instead.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class DecodeLayers:
         core = kernels.core(attn.head_dim, self.group, self.kv_dtype)
         # per layer: (qkv, o, gate_up, down) plans for mpitp.kernels.fused, or None
         self.plans: list = [None] * len(layers)
-        if self.threads == 1 and core is not None and plans is not None:
+        if core is not None and plans is not None:
             self.core = calls.address(core)
             self.plans = plans
         self.none = np.zeros(1, np.float32)  # a bias that is not there
@@ -143,7 +144,7 @@ class DecodeLayers:
         fused.attention_half(
             h, r, rb, add, w1, self.eps, xn, pq, y, none if bqkv is None else bqkv, bqkv is not None, self.core,
             step.cos1, step.sin1, kernels._cache(cache.k[i], cache.v[i]), cache.valid, cache.length, self.nh,
-            self.nkv, self.head_dim, self.scale, step.masked, att, po, r,
+            self.nkv, self.head_dim, self.scale, step.masked, att, po, r, self.threads > 1,
         )  # fmt: skip
         if ar is not None:
             ar(r, out=r)
@@ -170,7 +171,7 @@ class DecodeLayers:
         rb = self.none if bo is None else bo
         attn = (x, x, rb, 0, w1, self.eps, x, pq, x, self.none if bqkv is None else bqkv, False, self.core, d, d,
                 (0, 0, 0, 0, 0), np.zeros((1, 1), bool), 0, self.nh, self.nkv, self.head_dim, self.scale, False, x, po,
-                x)  # fmt: skip
+                x, False)  # fmt: skip
         mlp = (x, x, rb, 0, w2, self.eps, x, pgu, x, self.none if bgu is None else bgu, False, x, pd, x)
         for f, args in ((fused.attention_half, attn), (fused.mlp_half, mlp)):
             f.compile(tuple(numba.typeof(a) for a in args))
