@@ -208,6 +208,13 @@ def _generate(args, comm, LlamaForCausalLM) -> int:
     nthreads = apply_threads(args)
     check_parallel(args, comm.size)
     tok = tokenizer(Path(args.model))
+    from ..bench.decode import read_bandwidth
+
+    # the ceiling: every rank reading at once, as every rank streams its weights at once (as
+    # mpitp bench decode measures it; a copy's bandwidth, read and write, is no ceiling for it).
+    # Before the load, as the weights' memory is: on 2 MiB pages then (after it, fresh memory
+    # may come in 4 KiB pages, read ~35% slower). 64 MiB x 3 reads as 256 MiB x 5 (measured).
+    ceiling = read_bandwidth(64 << 20, 3, comm)
     model = LlamaForCausalLM.from_pretrained(
         args.model,
         comm=comm,
@@ -258,11 +265,6 @@ def _generate(args, comm, LlamaForCausalLM) -> int:
             texts.append(w.text)
     s = model.last_stats
     per_rank = comm.gather_object(model.weight_bytes()) or []  # the list on rank 0
-    from ..bench.decode import read_bandwidth
-
-    # the ceiling: every rank reading at once, as every rank streams its weights at once (as
-    # mpitp bench decode measures it; a copy's bandwidth, read and write, is no ceiling for it)
-    ceiling = read_bandwidth(64 << 20, 3, comm)  # as large as 256 MiB gives (measured), ~0.05 s
     streamed = comm.allreduce_object(model.streamed_bytes(), op="max")
     if r0:
         if single:
