@@ -102,7 +102,7 @@ class Reductions(CommunicatorBase):
                     f"algorithm 'oneshot' takes a blocking call on host arrays of {oneshot.DTYPE_NAMES} with "
                     f"{', '.join(oneshot.OPS)} (avg: floats), every rank on one node, at most "
                     f"MPITP_ONESHOT_MAX = {self.oneshot_max} bytes; got {a.nbytes} bytes of {a.dtype} with {o.value}"
-                    + (" (it could not open: ranks on several nodes)" if self._oneshot is False else "")
+                    + (" (ranks on several nodes)" if self._oneshot is False or self.topology.num_nodes > 1 else "")
                 )
             return o, a, alg
 
@@ -177,6 +177,7 @@ class Reductions(CommunicatorBase):
             or nonblocking
             or type(a) is not np.ndarray
             or self.oneshot_max == 0
+            or self.topology.num_nodes > 1  # real or simulated (MPITP_RANKS_PER_NODE): counted as such
             or algorithm not in ("auto", "oneshot")
             or not oneshot.supports(a.dtype, o.base.value)
         ):
@@ -221,7 +222,7 @@ class Reductions(CommunicatorBase):
             oneshot=self._oneshot.allreduce if shot else None,
             oneshot_max=shot if shot else -1,
             op_name=o.value,
-            intra=t.cell("allreduce", "intra"),
+            intra=t.cell("allreduce", "intra") if shot else [0, 0],
         )
 
     # ------------------------------------------------------------------ rooted reduce / bcast
