@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import time
 
+import numba
 import numpy as np
 from mpi4py import MPI
 from numba import njit, types
@@ -166,6 +167,10 @@ class OneShot:
         self.seq = 0
         self.oversubscribed, self.watchdog = oversubscribed, watchdog
         self.label = "one-shot all-reduce"  # the call in progress, for the watchdog (set by the caller)
+        # compiled (or loaded from numba's cache) now for float32, a decode step's type, not
+        # in its first small all-reduce (~0.5 s on a fresh install); other types on first use
+        v = self._flat[np.dtype(np.float32)]
+        _step.compile(tuple(numba.typeof(a) for a in (v, v, v, *self._where, 0, 0, 0, 0)))
 
     def allreduce(self, x: np.ndarray, out: np.ndarray, op: str = "sum") -> np.ndarray:
         """``out`` = the reduction of every rank's ``x`` (C-contiguous, the same dtype, at
