@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -250,13 +251,12 @@ def test_fused_decode_halves_with_threads_equal_the_generic_layers(model_dir):
     tiles over numba's pool and attention's heads too; one decode step after a ragged
     prefill gives the generic layers' logits (whose bound kernels split the same tiles)
     bit for bit, and so does one thread."""
-    import copy
+    sys.path.insert(0, str(Path(__file__).parent / "mpi"))
+    from helpers import decode_both_ways  # the MPI suites' (pure NumPy: usable at one rank)
 
     from mpitp.kernels import parallel
     from mpitp.models.llama import LlamaForCausalLM
 
-    prompts = [[5, 17, 42, 7, 3], [9, 2], [11, 12, 13, 400]]
-    B, T = len(prompts), max(len(p) for p in prompts)
     for threads in (2, 1):
         parallel.set_threads(threads)
         try:
@@ -264,18 +264,7 @@ def test_fused_decode_halves_with_threads_equal_the_generic_layers(model_dir):
             plans = m._decode_layers().plans
             assert all(p is not None for p in plans)
             assert threads == 1 or any(int(row[-1]) > 1 for p in plans for row in np.concatenate(p))
-            ids = np.zeros((B, T), np.int64)
-            cache = m.new_cache(B, T + 1)
-            for b, p in enumerate(prompts):
-                ids[b, T - len(p) :] = p
-                cache.valid[b, T - len(p) : T + 1] = True
-            positions = np.maximum(np.cumsum(cache.valid[:, :T], axis=1) - 1, 0)
-            nxt = m.forward(ids, positions, cache, last_only=True)[:, -1].argmax(-1)[:, None]
-            pos = positions[:, -1:] + 1
-            generic_cache = copy.deepcopy(cache)
-            fused = m.forward(nxt, pos, cache, last_only=True)
-            m._decode, m._decode_built = None, True  # the generic layers, for this one call
-            generic = m.forward(nxt, pos, generic_cache, last_only=True)
+            fused, generic, _ = decode_both_ways(m, [[5, 17, 42, 7, 3], [9, 2], [11, 12, 13, 400]])
             assert np.array_equal(fused, generic), (threads, np.abs(fused - generic).max())
         finally:
             parallel.set_threads(None)
