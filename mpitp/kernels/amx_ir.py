@@ -63,7 +63,7 @@ ROWS_A = 16  # rows of x an A tile holds
 # kernels are bound by their multiply-adds, the tiles' kernels are not (default model, TP=2,
 # batch 8, rank 0's matmuls 7.8 -> 6.6 ms a step: o 1.09 -> 0.87, gate_up 2.99 -> 2.65;
 # 1B Q4_K_M and prefill unchanged within noise)
-PREFETCH = True
+PREFETCH, FAR = True, True
 
 
 def config(rows: int, a_tiles: int, halves: int) -> list[int]:
@@ -122,7 +122,7 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
         e.do(f"{ts} = add i64 %tS{sfx}, %bs")
         e.do(f"{tb} = add i64 %tnb{sfx}, %b")
     if PREFETCH:
-        int8_ir._prefetch(e, core)
+        int8_ir._prefetch(e, core, far=FAR)
     mins: list[tuple[str, int]] = []
     if core in ("q4k", "q6k"):
         dvs, mins = _k_scales(e, core, "avx512", half)

@@ -178,30 +178,34 @@ def _at(e: _Body, shift: int, plus: int = 0, which: int = 0, name: str = "o"):
     return offset
 
 
-# Software prefetch of the weights' stream, PREFETCH bytes ahead of each tile's block, in
-# the kernels for up to PREFETCH_ROWS rows of x: there a step is bound by reading the
-# weights, and on an Intel Xeon the hardware prefetchers alone left each core at ~8.5 GB/s
-# (TP=2 decode at batch 1: 1B Q4_K_M 41.5-42.5 ms a step, 30.2-30.6 with it; the default
-# model 7.9-8.0 ms, 5.7-6.2). With 8 rows and more the kernels are bound by the
-# multiply-adds and the extra instructions cost (batch 8: +8%, measured). On a Zen 4 a
-# prefetch changed nothing measurable (docs/measurements.md).
-PREFETCH, PREFETCH_ROWS = 2048, 4
+# Software prefetch of the weights' stream in the kernels for up to PREFETCH_ROWS rows of
+# x, where a step is bound by reading the weights: each cache line of each tile's block
+# PREFETCH bytes ahead into L1 (prefetcht0), and FAR bytes ahead into L2 (prefetcht1).
+# On an Intel Xeon the hardware prefetchers alone left each core
+# at ~8.5 GB/s (TP=2 decode at batch 1: 1B Q4_K_M 41.5-42.5 ms a step, 30.2-30.6 with the L1
+# prefetch; the default model 7.9-8.0 ms, 5.7-6.2); the L2 prefetch 6 KiB ahead took the 1B
+# from 26.4-27.1 to 24.4-25.2 ms (one line a block, or the scales' stream too, was slower;
+# docs/measurements.md). With 8 rows and more the kernels are bound by the multiply-adds and
+# the extra instructions cost (batch 8: +8%, measured). On a Zen 4 a prefetch changed
+# nothing measurable.
+PREFETCH, FAR, PREFETCH_ROWS = 2048, 6144, 4
 # int8o's kernels for up to this many rows of x loop over the blocks in segments (frame()),
 # with more a branch per block: the same sums in the same order either way
 SEGMENT_ROWS = 1
 BLOCK_BYTES = {"q4": 128, "q4k": 128, "q8": 256, "q6k": 192}  # qs bytes of one (tile, block)
 
 
-def _prefetch(e: _Body, fmt: str) -> None:
-    """``llvm.prefetch`` (read, keep in every cache level) of each cache line of this
-    block's quants PREFETCH bytes further on in each tile of the step."""
+def _prefetch(e: _Body, fmt: str, far: bool = True) -> None:
+    """``llvm.prefetch`` of each cache line of this block's quants in each tile of the
+    step: PREFETCH bytes on into every level, then FAR bytes on into L2 (``far``)."""
     size = BLOCK_BYTES[fmt]
     for tb, _ in e.tiles:
         at = e(f"mul i64 {tb}, {size}", "pf")
-        for line in range(0, size, 64):
-            o = e(f"add i64 {at}, {PREFETCH + line}", "pf")
-            ahead = e(f"getelementptr i8, ptr %qs, i64 {o}", "pf")  # past the end too: a hint never faults
-            e.do(f"call void @llvm.prefetch.p0(ptr {ahead}, i32 0, i32 3, i32 1)")
+        for ahead, level in ((PREFETCH, 3), (FAR, 2))[: 2 if far else 1]:
+            for line in range(0, size, 64):
+                o = e(f"add i64 {at}, {ahead + line}", "pf")
+                p = e(f"getelementptr i8, ptr %qs, i64 {o}", "pf")  # past the end too: a hint never faults
+                e.do(f"call void @llvm.prefetch.p0(ptr {p}, i32 0, i32 {level}, i32 1)")
 
 
 def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = False) -> tuple[str, str]:
