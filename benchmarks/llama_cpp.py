@@ -23,9 +23,9 @@ tokens/s = completion tokens over wall time); prefill of a ~500-token prompt aga
 int8, ggml's one digit; int8x2, two digits; float32, the exact path); weights in memory
 per rank; and the decode rate's share of two ceilings measured in the same run: the
 bytes a rank streams per token over one core's read bandwidth alone, and (as ``mpitp
-generate`` prints it) over each rank's read bandwidth with every rank reading at once, as
-a decode step streams its weights (measured first in the step-timing processes, before the
-model loads). Every rank has one thread.
+generate`` prints it) over each rank's bandwidth reading its own weights with every rank
+reading at once, as a decode step streams them (measured in the step-timing processes,
+after the load: ``mpitp.bench.decode.weights_bandwidth``). Every rank has one thread.
 """
 
 import argparse
@@ -43,7 +43,7 @@ from pathlib import Path
 from statistics import median
 
 from mpitp import launch
-from mpitp.bench.decode import read_bandwidth
+from mpitp.bench.decode import read_bandwidth, weights_bandwidth
 
 sys.path.insert(0, str(Path(__file__).parent))
 from serve import PROMPTS, concurrently  # noqa: E402  (the same 8 prompts as benchmarks/serve.py)
@@ -200,11 +200,10 @@ def worker_steps(model: str | None, act: str) -> None:
     from mpitp.models.resolve import resolve
 
     comm = Communicator()
-    # the ceiling of a step's stream: each rank's read bandwidth with every rank reading at
-    # once, measured first, in a fresh process (huge pages, as the weights get them)
-    read_all = read_bandwidth(comm=comm)
     path = resolve(model, comm) if model else default.ensure(comm)
     m = LlamaForCausalLM.from_pretrained(path, comm=comm, activations=act)
+    # the ceiling of a step's stream: each rank reading its own weights, every rank at once
+    read_all = weights_bandwidth(m, comm, reps=5)
     out: dict = {"streamed": comm.allreduce_object(m.streamed_bytes(), op="max"), "read_all": read_all}
     out.update(step_times(m, comm))
     if comm.rank == 0:
@@ -273,8 +272,8 @@ def main() -> int:
         share_all = steps["streamed"] * rate / (steps["read_all"] * 1e9)
         held = held_by[tp, a, th].partition("; decode at ")[0]
         rows.append((f"mpitp {name} {a}: decode tok/s", f"{rate:.1f} {rounds(ours[tp, a, th])} ({share:.0%} of one "
-                     f"core's read bandwidth alone; {share_all:.0%} of the read ceiling with every rank reading, "
-                     f"{steps['read_all']:.1f} GB/s per rank)"))  # fmt: skip
+                     f"core's read bandwidth alone; {share_all:.0%} of the read ceiling, each rank reading its weights "
+                     f"with every rank at once, {steps['read_all']:.1f} GB/s per rank)"))  # fmt: skip
         if bench and cores in lcpp:
             per = [x / y for x, y in zip(ours[tp, a, th], lcpp[cores])]
             rows.append((f"mpitp {name} {a} / llama.cpp {cores} thread(s)", f"{median(per):.2f}x {rounds(per, 'x')}"))

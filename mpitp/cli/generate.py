@@ -208,13 +208,6 @@ def _generate(args, comm, LlamaForCausalLM) -> int:
     nthreads = apply_threads(args)
     check_parallel(args, comm.size)
     tok = tokenizer(Path(args.model))
-    from ..bench.decode import read_bandwidth
-
-    # the ceiling: every rank reading at once, as every rank streams its weights at once (as
-    # mpitp bench decode measures it; a copy's bandwidth, read and write, is no ceiling for it).
-    # Before the load, as the weights' memory is: on 2 MiB pages then (after it, fresh memory
-    # may come in 4 KiB pages, read ~35% slower). 64 MiB x 3 reads as 256 MiB x 5 (measured).
-    ceiling = read_bandwidth(64 << 20, 3, comm)
     model = LlamaForCausalLM.from_pretrained(
         args.model,
         comm=comm,
@@ -226,6 +219,12 @@ def _generate(args, comm, LlamaForCausalLM) -> int:
         stage_inside_node=args.tp is not None,
         kv_cache_dtype=args.kv_cache_dtype,
     )
+    from ..bench.decode import weights_bandwidth
+
+    # the ceiling: each rank reading its own weights (the pages, size and order a decode step
+    # reads), every rank at once, as every rank streams its weights at once (as mpitp bench
+    # decode measures it; a copy's bandwidth, read and write, is no ceiling for it)
+    ceiling = weights_bandwidth(model, comm)
     if tok.get_vocab_size(with_added_tokens=True) > model.config.vocab_size:
         from ..log import get_logger
 
@@ -279,7 +278,7 @@ def _generate(args, comm, LlamaForCausalLM) -> int:
             f"weights per rank {', '.join(f'{b / 2**20:.1f} MiB' for b in per_rank)} "
             f"({' + '.join(f'{k} {v / 2**20:.1f}' for k, v in model.weight_formats().items())} on rank 0); "
             f"decode at {streamed * s['decode_tokens_per_s'] / (ceiling * 1e9):.0%} of the read ceiling "
-            f"({ceiling:.1f} GB/s per rank, all ranks reading); {model.arithmetic()}, KV cache {model.kv_dtype}",
+            f"({ceiling:.1f} GB/s per rank reading its weights, all ranks at once); {model.arithmetic()}, KV cache {model.kv_dtype}",
             file=sys.stderr,
         )
     return 0
