@@ -278,7 +278,8 @@ def _generate(args, comm, LlamaForCausalLM) -> int:
             f"weights per rank {', '.join(f'{b / 2**20:.1f} MiB' for b in per_rank)} "
             f"({' + '.join(f'{k} {v / 2**20:.1f}' for k, v in model.weight_formats().items())} on rank 0); "
             f"decode at {streamed * s['decode_tokens_per_s'] / (ceiling * 1e9):.0%} of the read ceiling "
-            f"({ceiling:.1f} GB/s per rank reading its weights, all ranks at once); {model.arithmetic()}, KV cache {model.kv_dtype}",
+            f"({ceiling:.1f} GB/s per rank reading its weights, all ranks at once); {model.arithmetic()}, "
+            f"KV cache {model.kv_dtype}",
             file=sys.stderr,
         )
     return 0
