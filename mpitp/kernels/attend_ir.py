@@ -42,8 +42,8 @@ declare void @llvm.prefetch.p0(ptr, i32, i32, i32)
 """
 AHEAD = 8  # columns of keys prefetched ahead of the scores' step
 # columns of keys prefetched into L2 ahead of it (0: none): default model, TP=2, batch 8 at
-# ~420 cached tokens, rank 0's attention halves 9.1-9.3 -> 8.6-8.8 ms a step (one column
-# of 8 or 16 ahead, none far: the same); at ~40 tokens no change
+# ~420 cached tokens, rank 0's attention halves 9.1-9.3 -> 8.6-8.8 ms a step (AHEAD 16
+# without it: as 8); at ~40 tokens no change
 FAR = 48
 
 
