@@ -19,12 +19,13 @@ column of y, which its kernel writes in place (row stride: y's).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from .calls import kernel_at, quantizer_at
 from .decode import _attend_core, _attend_core_threads, rms_norm, swiglu
 from .int8 import SMALL, Bound
 from .matmul import Pieces
+from .parallel import tile_ranges
 
 # per piece: kernels for 0..16 rows; quantizer, halves, xq, xd, xs, qs, d, m, T, nb, its first
 # column of y, bytes a tile advances qs, d and m, and threads (its tiles in that many ranges)
@@ -52,26 +53,12 @@ def _matmul(plan, x, y):
     for p in plan:  # each piece: x quantized for its kernel, which writes its columns of y
         quantizer_at(p[q], x.ctypes.data, p[q + 2], p[q + 3], p[q + 4], M, K, p[q + 1])
         at = y.ctypes.data + p[q + 10] * 4
-        if p[q + 14] > 1:
-            _split(p, M, at, y.shape[1])
+        if p[q + 14] > 1:  # its tiles in that many ranges over numba's pool
+            tile_ranges(p[M], p[q + 14], p[q + 5], p[q + 6], p[q + 7], p[q + 2], p[q + 3], p[q + 4], at, p[q + 8],
+                        p[q + 9], M, y.shape[1], p[q + 11], p[q + 12], p[q + 13])  # fmt: skip
         else:
             kernel_at(p[M], p[q + 5], p[q + 6], p[q + 7], p[q + 2], p[q + 3], p[q + 4], at, p[q + 8], p[q + 9], M,
                       y.shape[1])  # fmt: skip
-
-
-@njit(parallel=True, nogil=True, cache=True)
-def _split(p, M, y, ldy):
-    """One piece's tiles in ``p[threads]`` contiguous ranges over numba's pool (as
-    :func:`mpitp.kernels.parallel.run_tiles`: each output row the one-thread kernel's)."""
-    q = _Q
-    n, T = p[q + 14], p[q + 8]
-    for j in prange(n):
-        t0 = T * j // n
-        t1 = T * (j + 1) // n
-        if t1 > t0:
-            mj = p[q + 7] + t0 * p[q + 13] if p[q + 13] else p[q + 7]
-            kernel_at(p[M], p[q + 5] + t0 * p[q + 11], p[q + 6] + t0 * p[q + 12], mj, p[q + 2], p[q + 3], p[q + 4],
-                      y + t0 * 32, t1 - t0, p[q + 9], M, ldy)  # fmt: skip
 
 
 @njit(nogil=True, cache=True)

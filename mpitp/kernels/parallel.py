@@ -70,26 +70,30 @@ def check(n: int) -> int:
     return n
 
 
+@numba.njit(parallel=True, nogil=True, cache=True)
+def tile_ranges(fn, parts, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm):
+    """The kernel at ``fn`` over tiles 0..T-1 in ``parts`` contiguous ranges over numba's
+    pool (``sq``, ``sd``, ``sm``: bytes a tile advances qs, d and m); each output row is
+    the one-thread kernel's. Compiled on first use (only when threads > 1)."""
+    for j in numba.prange(parts):
+        t0 = T * j // parts
+        t1 = T * (j + 1) // parts
+        if t1 > t0:
+            mj = m + t0 * sm if sm else m
+            kernel_at(fn, qs + t0 * sq, d + t0 * sd, mj, xq, xd, xs, y + t0 * 32, t1 - t0, nb, M, ldy)
+
+
 @lru_cache(maxsize=1)
 def _drivers():
     """The parallel loops, compiled on first use (only when threads > 1)."""
     from numba import njit, prange
 
     @njit(parallel=True, nogil=True, cache=True)
-    def tiles(fn, parts, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm):
-        for j in prange(parts):
-            t0 = T * j // parts
-            t1 = T * (j + 1) // parts
-            if t1 > t0:
-                mj = m + t0 * sm if sm else m
-                kernel_at(fn, qs + t0 * sq, d + t0 * sd, mj, xq, xd, xs, y + t0 * 32, t1 - t0, nb, M, ldy)
-
-    @njit(parallel=True, nogil=True, cache=True)
     def spans(fn, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr, xsr):
         for s in prange((T + span - 1) // span):
             _span(fn, s * span, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr, xsr)
 
-    return tiles, spans
+    return tile_ranges, spans
 
 
 @numba.njit(nogil=True, cache=True)

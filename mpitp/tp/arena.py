@@ -23,8 +23,8 @@ HUGE = 2 << 20  # bytes of a transparent huge page (x86-64, and arm64 with 4 KiB
 
 def host_buffer(nbytes: int) -> np.ndarray:
     """A zeroed uint8 buffer of ``nbytes``, cache-line aligned, on transparent huge pages
-    where the kernel gives them: its own anonymous mapping, 2 MiB aligned, advised (MADV_HUGEPAGE) before the
-    first write. NumPy advises its allocations of 4 MiB and more too, but malloc may place
+    where the kernel gives them: its own anonymous mapping, 2 MiB aligned, advised
+    (MADV_HUGEPAGE) before the first write. NumPy advises its allocations of 4 MiB and more too, but malloc may place
     them in the heap, where the advice does not take: the default model's 45-51 MB arenas at
     TP=2 came back on 4 KiB pages (read at 13.5-14.7 GB/s a rank where the same bytes on
     2 MiB pages read at 16.5). Freed with the array."""
