@@ -258,7 +258,7 @@ def test_amx_kernels_compile_to_tile_instructions():
     if not jit.target_machine("portable").triple.startswith("x86_64"):
         pytest.skip("x86 kernels")
     specs = [("q40h", "amx", 16, 1), ("q4k", "amx", 8, 2), ("q6kh", "amx", 16, 1), ("q8", "amx", 8, 2, 16)]
-    specs.append(("q4", "amx", 16, 2, 32, True))  # int8o: the outliers' digit on a branch
+    specs.append(("q4", "amx", 16, 2, 32, True))  # int8o: the outliers' digit in the same tile product
     asm = jit.assembly(specs, "sapphirerapids", "")
     assert asm.count("ldtilecfg") == asm.count("tilerelease") == 5
     assert asm.count("tdpbsud") >= 3 and asm.count("tdpbssd") >= 1 and "vpdpbusd" not in asm

@@ -92,9 +92,14 @@ def _a_tiles(x_rows: int) -> int:
 def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = False) -> tuple[str, str]:
     """(name, IR) of the AMX kernel for R rows of x (each D digits: R·D a multiple of 8, at
     most 32) over pairs of weight tiles. ``sparse``: int8o's second digit (x's outliers),
-    multiplied only in blocks where some row has an outlier (a branch, as the vector
-    kernels do) and added after the weights' minimum term, in the order of
-    :mod:`.int8_ir`'s ``_o`` kernels, so the bits are theirs."""
+    added after the weights' minimum term, in the order of :mod:`.int8_ir`'s ``_o``
+    kernels, so the bits are theirs (where a block has no outlier, its digit is zeros
+    and its scale 0: the term adds +0). Both digits go through one tile product, as
+    int8x2's do: the rows of xq alternate digits, so 8 rows of x and their outliers are
+    one A tile of 16 rows. The vector kernels skip the outliers' digit where no row has
+    one; here a second product on a branch cost more than it saved: at 8 rows most
+    blocks hold some row's outlier (58% at K = 576, 98% at K = 1536 on the default
+    model), and each took a second tile product and C store (4.7 ns a store, measured)."""
     name = f"{fmt}_amx_r{R}_d{D}_g{G}" + ("_o" if sparse else "")
     core, implied, half = _parse(fmt)
     x_rows = R * D
@@ -107,12 +112,12 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
         or G not in (16, 32)
         or (G == 16 and core != "q8")
         or (core in ("q4k", "q6k") and G != 32)
-        or (sparse and (D != 2 or R > ROWS_A))
+        or (sparse and D != 2)
     ):
         raise ValueError(f"no AMX kernel for {name}")
     e = _Body(16)
     F = e.F
-    latch = "join" if sparse else "main"
+    latch = "main"
     for r in range(R):
         e.do(f"%acc{r} = phi {F} [zeroinitializer, %tile], [%acc{r}_n, %{latch}]")
     e.do("%b20 = shl i64 %b, 1")  # x's sums per 16 of this block: 2b, 2b + 1
@@ -161,15 +166,9 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
     for h in range(halves):
         e.do(f"%bh{h} = getelementptr i8, ptr %bufnow, i64 {256 * h}")
         e.do(f"call void @llvm.x86.tileloadd64(i8 {B_TILE + h}, ptr %bh{h}, i64 64)")
-    # A tiles: 16 rows of xq each (stride K); int8o's (``sparse``): one per digit, the
-    # digit's row of each of the R rows of x (stride 2K), the second multiplied only in
-    # the blocks where some row has an outlier, as the vector kernels do
-    n_a, a_rows = (2, R) if sparse else (_a_tiles(x_rows), min(ROWS_A, x_rows))
-    stride = "%xstride" if sparse else "%K"
+    # A tiles: 16 rows of xq each (stride K): row i of x's digit j is row D·i + j of xq
+    n_a, a_rows = _a_tiles(x_rows), min(ROWS_A, x_rows)
     xk = e("shl i64 %b, 5", "xb")  # the block's first byte in a row of xq
-
-    def where(r: int, j: int) -> tuple[int, int]:  # (A tile, its row) of digit j of row r
-        return (j, r) if sparse else divmod(D * r + j, ROWS_A)
 
     def multiply(a: int) -> None:  # C tiles of A tile a (one per half), stored
         e.do(f"%xa{a} = add i64 %xarow{a}, {xk}")
@@ -178,7 +177,7 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
             e.do(f"call void @llvm.x86.tilezero(i8 {c})")
             at = e(f"add i64 %xa{a}, {16 * h}", "xa") if h else f"%xa{a}"
             p = e(f"getelementptr i8, ptr %xq, i64 {at}", "p")
-            e.do(f"call void @llvm.x86.tileloadd64(i8 {A_TILE}, ptr {p}, i64 {stride})")
+            e.do(f"call void @llvm.x86.tileloadd64(i8 {A_TILE}, ptr {p}, i64 %K)")
             e.do(f"call void @llvm.x86.{dot}(i8 {c}, i8 {A_TILE}, i8 {B_TILE + h})")
         for h in range(halves):
             c = a * halves + h
@@ -186,7 +185,7 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
             e.do(f"call void @llvm.x86.tilestored64(i8 {3 + c}, ptr %cp{c}, i64 64)")
 
     def digit_terms(r: int, j: int) -> list[tuple[str, str]]:
-        a, i = where(r, j)
+        a, i = divmod(D * r + j, ROWS_A)  # (A tile, its row) of digit j of row r
         xd = _bcast(e, _load(e, "float", "%xd", e(f"add i64 %xdrow{r}_{j}, %b", "xb"), "float"))
         out = []
         for h, dv in enumerate(dvs):
@@ -202,26 +201,14 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
         return out
 
     dot = "tdpbssd" if core == "q8" else "tdpbsud"
-    for a in range(1 if sparse else n_a):
+    for a in range(n_a):
         multiply(a)
     for r in range(R):
-        terms = digit_terms(r, 0) + least(r) if sparse else [t for j in range(D) for t in digit_terms(r, j)] + least(r)
-        _chain(e, f"%acc{r}", terms, f"%acc{r}_a" if sparse else f"%acc{r}_n")
-    if sparse:  # as int8_ir's: the rows' outlier scales OR-ed as integers, one branch
-        bits = [_load(e, "i32", "%xd", e(f"add i64 %xdrow{r}_1, %b", "xb"), "float") for r in range(R)]
-        some = bits[0]
-        for c in bits[1:]:
-            some = e(f"or i32 {some}, {c}", "c")
-        e.do(f"%some = icmp ne i32 {some}, 0")
-        e.do("br i1 %some, label %sparse, label %join, !prof !0")
-        e.lines.append("sparse:")
-        multiply(1)
-        for r in range(R):
-            _chain(e, f"%acc{r}_a", digit_terms(r, 1), f"%acc{r}_s")
-        e.do("br label %join")
-        e.lines.append("join:")
-        for r in range(R):
-            e.do(f"%acc{r}_n = phi {F} [%acc{r}_a, %main], [%acc{r}_s, %sparse]")
+        if sparse:  # the vector kernels' order: the first digit, the minimum, the outliers
+            terms = digit_terms(r, 0) + least(r) + digit_terms(r, 1)
+        else:
+            terms = [t for j in range(D) for t in digit_terms(r, j)] + least(r)
+        _chain(e, f"%acc{r}", terms, f"%acc{r}_n")
     ctiles = n_a * halves
     cfg = ", ".join(f"i8 {v}" for v in config(a_rows, n_a, halves))
     entry = (
@@ -229,8 +216,7 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
         "  call void @llvm.x86.ldtilecfg(ptr %cfg)\n"
         "  %buf0 = alloca [512 x i8], align 64\n  %buf1 = alloca [512 x i8], align 64\n"
         f"  %cbuf = alloca [{1024 * ctiles} x i8], align 64\n"
-        + "".join(f"  %xarow{a} = mul i64 %nb, {32 * (1 if sparse else ROWS_A) * a}\n" for a in range(n_a))
-        + "  %xstride = shl i64 %nb, 6\n"  # 2K: int8o's rows of one digit
+        + "".join(f"  %xarow{a} = mul i64 %nb, {32 * ROWS_A * a}\n" for a in range(n_a))
     )
     return name, frame(name, e, R, D, latch, entry, "  call void @llvm.x86.tilerelease()\n")
 
