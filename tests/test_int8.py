@@ -258,14 +258,45 @@ def test_amx_kernels_compile_to_tile_instructions():
     if not jit.target_machine("portable").triple.startswith("x86_64"):
         pytest.skip("x86 kernels")
     specs = [("q40h", "amx", 16, 1), ("q4k", "amx", 8, 2), ("q6kh", "amx", 16, 1), ("q8", "amx", 8, 2, 16)]
-    specs.append(("q4", "amx", 16, 2, 32, True))  # int8o: the outliers' digit in the same tile product
+    specs.append(("q4", "amx", 16, 2, 32, True))  # int8o: the outliers' digit on a branch
+    specs.append(("q4", "amx", 8, 2, 32, True))  # ... or, at 8 rows, per call, dense: two bodies
     asm = jit.assembly(specs, "sapphirerapids", "")
-    assert asm.count("ldtilecfg") == asm.count("tilerelease") == 5
+    assert asm.count("ldtilecfg") == 7 and asm.count("tilerelease") in (6, 7)  # the two bodies may share one
     assert asm.count("tdpbsud") >= 3 and asm.count("tdpbssd") >= 1 and "vpdpbusd" not in asm
     with pytest.raises(ValueError, match="apart"):
         jit.assembly([("q4", "amx", 16, 1), ("q4", "avx512", 16, 1)], "sapphirerapids", "")
     with pytest.raises(ValueError, match="no AMX kernel"):
         jit.assembly([("q4", "amx", 4, 1)], "sapphirerapids", "")  # 4 rows of x fill no tile
+
+
+@pytest.mark.skipif("amx" not in RUNNABLE, reason="no AMX on this CPU")
+@pytest.mark.parametrize("t,R,m", [("Q4_1", 8, 8), ("Q4_K", 8, 5), ("Q6_K", 8, 8)])
+def test_amx_int8o_bodies_give_the_vector_kernels_bits(monkeypatch, t, R, m):
+    """int8o's AMX kernel picks per call, by the share of blocks with some row's outlier,
+    between the outliers' digit on a branch and both digits in one tile product: each
+    body, forced, gives avx512's numbers bit for bit, with outliers in a few blocks (the
+    branch both ways) and rows past M (left from an earlier x) not stored."""
+    from mpitp.kernels import amx_ir
+
+    rng = np.random.default_rng(7)
+    n, k = 40, 512 if t != "Q4_1" else 288
+    bw = _weight(rng, t, n, k) if t == "Q4_1" else formats.from_ggml(_k_blocks(rng, t, n, k), t)
+    tw = tiles.repack(bw, 2, True)
+    x = rng.standard_normal((R, k)).astype(np.float32)
+    x[rng.integers(0, R, 4), rng.integers(0, k, 4)] *= 40  # outliers in a few blocks only
+    want = np.empty((m, n), np.float32)
+    int8.Bound(tw, "avx512")(x[:m], want)
+    bound = int8.Bound(tw, "amx")
+    bound.quantize(x)  # R rows: those past m stay in the buffers
+    bound.quantize(x[:m])
+    for dense_from in ((0, 1), (1, 0)):  # every call dense; none
+        monkeypatch.setattr(amx_ir, "DENSE_FROM", {1: dense_from, 2: dense_from})
+        names, ir = amx_ir.module([(tw.fmt, "amx", R, 2, tw.group, True)])
+        with jit._LOCK:
+            (at,) = jit._addresses(ir, "amx", names)
+        y = np.full((m, tw.qs.shape[0] * 8), np.nan, np.float32)
+        jit.PROTO(at)(*bound.wp, *bound.xp, y.ctypes.data, tw.qs.shape[0], k // 32, m, y.shape[1])
+        assert np.array_equal(y[:, :n], want), dense_from
 
 
 def test_the_choice_of_instruction_set(monkeypatch):

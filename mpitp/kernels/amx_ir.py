@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from . import int8_ir
 from .int8_ir import (
+    SIGNATURE,
     _at,
     _bcast,
     _Body,
@@ -89,35 +90,117 @@ def _a_tiles(x_rows: int) -> int:
     return -(-x_rows // ROWS_A)
 
 
+# int8o at 8 rows: the share of blocks with some row's outlier from which both digits go
+# through one tile product (below it, the outliers' digit on a branch); weights with two
+# halves a block (Q6_K, q8 by 16) store two C tiles a product, so later. Measured (one
+# layer's kernel, 16 layers rotating, outliers placed in a share f of the blocks): the
+# branch costs ~linearly in f, dense not at all; they cross near f = 0.5 for q4 and
+# Q4_K (default model gate_up 120 against 108 + 40f us), 0.7 for Q6_K. At 16 rows dense
+# is two tile products a block, the branch's worst case: the branch alone.
+DENSE_FROM = {1: (1, 2), 2: (2, 3)}  # halves -> (numerator, denominator)
+
+
 def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = False) -> tuple[str, str]:
     """(name, IR) of the AMX kernel for R rows of x (each D digits: R·D a multiple of 8, at
     most 32) over pairs of weight tiles. ``sparse``: int8o's second digit (x's outliers),
     added after the weights' minimum term, in the order of :mod:`.int8_ir`'s ``_o``
-    kernels, so the bits are theirs (where a block has no outlier, its digit is zeros
-    and its scale 0: the term adds +0). Both digits go through one tile product, as
-    int8x2's do: the rows of xq alternate digits, so 8 rows of x and their outliers are
-    one A tile of 16 rows. The vector kernels skip the outliers' digit where no row has
-    one; here a second product on a branch cost more than it saved: at 8 rows most
-    blocks hold some row's outlier (58% at K = 576, 98% at K = 1536 on the default
-    model), and each took a second tile product and C store (4.7 ns a store, measured)."""
+    kernels, so the bits are theirs. Up to 8 rows of x, two bodies, one chosen per call by
+    a scan of the rows' outlier scales (:func:`_choose`); at 16, ``_s``'s alone:
+
+    - ``_s``: the outliers' digit multiplied only in blocks where some row has one (a
+      branch, as the vector kernels do): its own A tile (stride 2K), product and C store;
+    - ``_d``: both digits in one tile product, as int8x2's: the rows of xq alternate
+      digits, so 8 rows of x and their outliers are one A tile of 16 rows. Where a block
+      has no outlier its digit is zeros and its scale 0, and the term adds +0.
+
+    Real activations put some row's outlier in most blocks at 8 rows (the default model:
+    60% at K = 576, 97% at K = 1536), where ``_s`` took two products and two C stores a
+    block and mispredicted its branch; the 1B benchmark's random weights in 6% at
+    K = 2048, where ``_d``'s wider tiles and second digit's float work are the waste."""
     name = f"{fmt}_amx_r{R}_d{D}_g{G}" + ("_o" if sparse else "")
-    core, implied, half = _parse(fmt)
-    x_rows = R * D
+    core, _, _ = _parse(fmt)
     if (
         isa != "amx"
         or core not in ("q4", "q8", "q4k", "q6k")
         or D not in (1, 2)
-        or x_rows % 8
-        or x_rows > 2 * ROWS_A
+        or (R * D) % 8
+        or R * D > 2 * ROWS_A
         or G not in (16, 32)
         or (G == 16 and core != "q8")
         or (core in ("q4k", "q6k") and G != 32)
-        or (sparse and D != 2)
+        or (sparse and (D != 2 or R > ROWS_A))
     ):
         raise ValueError(f"no AMX kernel for {name}")
+    if not sparse:
+        return name, _body(name, fmt, R, D, G, "plain")
+    if R * D > ROWS_A:
+        return name, _body(name, fmt, R, D, G, "sparse")
+    halves = 2 if core == "q6k" or G == 16 else 1
+    bodies = [
+        _body(f"{name}_{m[0]}", fmt, R, D, G, m).replace("define void", "define internal void", 1)
+        for m in ("dense", "sparse")
+    ]
+    return name, "".join(bodies) + _choose(name, R, D, DENSE_FROM[halves])
+
+
+def _choose(name: str, R: int, D: int, dense_from: tuple[int, int]) -> str:
+    """The int8o kernel itself: counts the blocks where some live row of x has an
+    outlier (its outlier scale, row D·r + 1 of xd, nonzero) and calls ``_d`` from
+    ``dense_from`` of them on, else ``_s``."""
+    num, den = dense_from
+    rows = "\n".join(f"  %or{r} = mul i64 %nb, {D * r + 1}\n  %live{r} = icmp slt i64 {r}, %M" for r in range(R))
+    scan = "\n".join(
+        f"  %a{r} = add i64 %or{r}, %b\n  %p{r} = getelementptr i32, ptr %xd, i64 %a{r}\n"
+        f"  %v{r} = load i32, ptr %p{r}, align 4\n  %w{r} = select i1 %live{r}, i32 %v{r}, i32 0"
+        for r in range(R)
+    )
+    ors = "%w0"
+    for r in range(1, R):
+        scan += f"\n  %o{r} = or i32 {ors}, %w{r}"
+        ors = f"%o{r}"
+    args = SIGNATURE
+    return f"""
+define void @{name}({args}) {{
+entry:
+{rows}
+  br label %scan
+scan:
+  %b = phi i64 [0, %entry], [%b1, %scan]
+  %n = phi i64 [0, %entry], [%n1, %scan]
+{scan}
+  %hit = icmp ne i32 {ors}, 0
+  %inc = zext i1 %hit to i64
+  %n1 = add i64 %n, %inc
+  %b1 = add i64 %b, 1
+  %more = icmp ult i64 %b1, %nb
+  br i1 %more, label %scan, label %done
+done:
+  %lhs = mul i64 %n1, {den}
+  %rhs = mul i64 %nb, {num}
+  %dense = icmp uge i64 %lhs, %rhs
+  br i1 %dense, label %dense_body, label %sparse_body
+dense_body:
+  call void @{name}_d({_ARGS})
+  ret void
+sparse_body:
+  call void @{name}_s({_ARGS})
+  ret void
+}}
+"""
+
+
+_ARGS = ", ".join(a.strip() for a in SIGNATURE.split(","))
+
+
+def _body(name: str, fmt: str, R: int, D: int, G: int, mode: str) -> str:
+    """One kernel's function: ``plain`` (every digit every block), ``dense`` or ``sparse``
+    (int8o, :func:`kernel`)."""
+    core, implied, half = _parse(fmt)
+    x_rows = R * D
+    branch = mode == "sparse"
     e = _Body(16)
     F = e.F
-    latch = "main"
+    latch = "join" if branch else "main"
     for r in range(R):
         e.do(f"%acc{r} = phi {F} [zeroinitializer, %tile], [%acc{r}_n, %{latch}]")
     e.do("%b20 = shl i64 %b, 1")  # x's sums per 16 of this block: 2b, 2b + 1
@@ -166,9 +249,15 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
     for h in range(halves):
         e.do(f"%bh{h} = getelementptr i8, ptr %bufnow, i64 {256 * h}")
         e.do(f"call void @llvm.x86.tileloadd64(i8 {B_TILE + h}, ptr %bh{h}, i64 64)")
-    # A tiles: 16 rows of xq each (stride K): row i of x's digit j is row D·i + j of xq
-    n_a, a_rows = _a_tiles(x_rows), min(ROWS_A, x_rows)
+    # A tiles: 16 rows of xq each (stride K): row i of x's digit j is row D·i + j of xq;
+    # ``sparse``: one per digit, the digit's row of each of the R rows of x (stride 2K),
+    # the second multiplied only in the blocks where some row has an outlier
+    n_a, a_rows = (2, R) if branch else (_a_tiles(x_rows), min(ROWS_A, x_rows))
+    stride = "%xstride" if branch else "%K"
     xk = e("shl i64 %b, 5", "xb")  # the block's first byte in a row of xq
+
+    def where(r: int, j: int) -> tuple[int, int]:  # (A tile, its row) of digit j of row r
+        return (j, r) if branch else divmod(D * r + j, ROWS_A)
 
     def multiply(a: int) -> None:  # C tiles of A tile a (one per half), stored
         e.do(f"%xa{a} = add i64 %xarow{a}, {xk}")
@@ -177,7 +266,7 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
             e.do(f"call void @llvm.x86.tilezero(i8 {c})")
             at = e(f"add i64 %xa{a}, {16 * h}", "xa") if h else f"%xa{a}"
             p = e(f"getelementptr i8, ptr %xq, i64 {at}", "p")
-            e.do(f"call void @llvm.x86.tileloadd64(i8 {A_TILE}, ptr {p}, i64 %K)")
+            e.do(f"call void @llvm.x86.tileloadd64(i8 {A_TILE}, ptr {p}, i64 {stride})")
             e.do(f"call void @llvm.x86.{dot}(i8 {c}, i8 {A_TILE}, i8 {B_TILE + h})")
         for h in range(halves):
             c = a * halves + h
@@ -185,7 +274,7 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
             e.do(f"call void @llvm.x86.tilestored64(i8 {3 + c}, ptr %cp{c}, i64 64)")
 
     def digit_terms(r: int, j: int) -> list[tuple[str, str]]:
-        a, i = divmod(D * r + j, ROWS_A)  # (A tile, its row) of digit j of row r
+        a, i = where(r, j)
         xd = _bcast(e, _load(e, "float", "%xd", e(f"add i64 %xdrow{r}_{j}, %b", "xb"), "float"))
         out = []
         for h, dv in enumerate(dvs):
@@ -201,14 +290,30 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
         return out
 
     dot = "tdpbssd" if core == "q8" else "tdpbsud"
-    for a in range(n_a):
+    for a in range(1 if branch else n_a):
         multiply(a)
     for r in range(R):
-        if sparse:  # the vector kernels' order: the first digit, the minimum, the outliers
-            terms = digit_terms(r, 0) + least(r) + digit_terms(r, 1)
+        if mode == "plain":
+            _chain(e, f"%acc{r}", [t for j in range(D) for t in digit_terms(r, j)] + least(r), f"%acc{r}_n")
+        elif mode == "dense":  # the vector kernels' order: the first digit, the minimum, the outliers
+            _chain(e, f"%acc{r}", digit_terms(r, 0) + least(r) + digit_terms(r, 1), f"%acc{r}_n")
         else:
-            terms = [t for j in range(D) for t in digit_terms(r, j)] + least(r)
-        _chain(e, f"%acc{r}", terms, f"%acc{r}_n")
+            _chain(e, f"%acc{r}", digit_terms(r, 0) + least(r), f"%acc{r}_a")
+    if branch:  # as int8_ir's: the rows' outlier scales OR-ed as integers, one branch
+        bits = [_load(e, "i32", "%xd", e(f"add i64 %xdrow{r}_1, %b", "xb"), "float") for r in range(R)]
+        some = bits[0]
+        for c in bits[1:]:
+            some = e(f"or i32 {some}, {c}", "c")
+        e.do(f"%some = icmp ne i32 {some}, 0")
+        e.do("br i1 %some, label %sparse, label %join, !prof !0")
+        e.lines.append("sparse:")
+        multiply(1)
+        for r in range(R):
+            _chain(e, f"%acc{r}_a", digit_terms(r, 1), f"%acc{r}_s")
+        e.do("br label %join")
+        e.lines.append("join:")
+        for r in range(R):
+            e.do(f"%acc{r}_n = phi {F} [%acc{r}_a, %main], [%acc{r}_s, %sparse]")
     ctiles = n_a * halves
     cfg = ", ".join(f"i8 {v}" for v in config(a_rows, n_a, halves))
     entry = (
@@ -216,9 +321,10 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
         "  call void @llvm.x86.ldtilecfg(ptr %cfg)\n"
         "  %buf0 = alloca [512 x i8], align 64\n  %buf1 = alloca [512 x i8], align 64\n"
         f"  %cbuf = alloca [{1024 * ctiles} x i8], align 64\n"
-        + "".join(f"  %xarow{a} = mul i64 %nb, {32 * ROWS_A * a}\n" for a in range(n_a))
+        + "".join(f"  %xarow{a} = mul i64 %nb, {32 * (1 if branch else ROWS_A) * a}\n" for a in range(n_a))
+        + "  %xstride = shl i64 %nb, 6\n"  # 2K: int8o's rows of one digit
     )
-    return name, frame(name, e, R, D, latch, entry, "  call void @llvm.x86.tilerelease()\n")
+    return frame(name, e, R, D, latch, entry, "  call void @llvm.x86.tilerelease()\n")
 
 
 def _store_weights(e: _Body, core: str, buf: str) -> None:
