@@ -206,6 +206,7 @@ def _body(name: str, fmt: str, R: int, D: int, G: int, mode: str) -> str:
     e.do("%b20 = shl i64 %b, 1")  # x's sums per 16 of this block: 2b, 2b + 1
     e.do("%b21 = add i64 %b20, 1")
     e.do("%bs = lshr i64 %b, 3")  # its super-block (K-quants)
+    e.do(f"%bxd = mul i64 %b, {x_rows}")  # the block's row of xdt (and of xst, below)
     for j, (tb, ts) in enumerate(e.tiles):
         sfx = f"_{j}" if j else ""
         e.do(f"{ts} = add i64 %tS{sfx}, %bs")
@@ -275,7 +276,7 @@ def _body(name: str, fmt: str, R: int, D: int, G: int, mode: str) -> str:
 
     def digit_terms(r: int, j: int) -> list[tuple[str, str]]:
         a, i = where(r, j)
-        xd = _bcast(e, _load(e, "float", "%xd", e(f"add i64 %xdrow{r}_{j}, %b", "xb"), "float"))
+        xd = _bcast(e, _load(e, "float", "%xdt", e(f"add i64 %bxd, {D * r + j}", "xb"), "float"))
         out = []
         for h, dv in enumerate(dvs):
             isum = _load(e, e.I, f"%cp{a * halves + h}", str(16 * i), "i32")  # row i of C
@@ -285,10 +286,12 @@ def _body(name: str, fmt: str, R: int, D: int, G: int, mode: str) -> str:
     def least(r: int) -> list[tuple[str, str]]:  # the weights' minimum times x's sums
         out = []
         for mv, h in mins:
-            at = f"%xdrow{r}_0, %b" if h < 0 else f"%xsrow{r}, %b2{h}"
-            out.append((mv, _bcast(e, _load(e, "float", "%xs", e(f"add i64 {at}", "xb"), "float"))))
+            at = e(f"add i64 %bxs, {S * r + max(h, 0)}", "xb")
+            out.append((mv, _bcast(e, _load(e, "float", "%xst", at, "float"))))
         return out
 
+    S = 2 if any(h >= 0 for _, h in mins) else 1  # x's sums a block: per 16 (Q6_K) or 32
+    e.do(f"%bxs = mul i64 %b, {R * S}")
     dot = "tdpbssd" if core == "q8" else "tdpbsud"
     for a in range(1 if branch else n_a):
         multiply(a)
@@ -300,7 +303,7 @@ def _body(name: str, fmt: str, R: int, D: int, G: int, mode: str) -> str:
         else:
             _chain(e, f"%acc{r}", digit_terms(r, 0) + least(r), f"%acc{r}_a")
     if branch:  # as int8_ir's: the rows' outlier scales OR-ed as integers, one branch
-        bits = [_load(e, "i32", "%xd", e(f"add i64 %xdrow{r}_1, %b", "xb"), "float") for r in range(R)]
+        bits = [_load(e, "i32", "%xdt", e(f"add i64 %bxd, {D * r + 1}", "xb"), "float") for r in range(R)]
         some = bits[0]
         for c in bits[1:]:
             some = e(f"or i32 {some}, {c}", "c")
@@ -323,8 +326,62 @@ def _body(name: str, fmt: str, R: int, D: int, G: int, mode: str) -> str:
         f"  %cbuf = alloca [{1024 * ctiles} x i8], align 64\n"
         + "".join(f"  %xarow{a} = mul i64 %nb, {32 * (1 if branch else ROWS_A) * a}\n" for a in range(n_a))
         + "  %xstride = shl i64 %nb, 6\n"  # 2K: int8o's rows of one digit
+        + f"  %nxd = mul i64 %nb, {x_rows}\n  %xdt = alloca float, i64 %nxd, align 64\n"
+        + f"  %nxs = mul i64 %nb, {R * S}\n  %xst = alloca float, i64 %nxs, align 64\n"
+        + f"  call void @{name}_tr(ptr %xd, ptr %xs, ptr %xdt, ptr %xst, i64 %nb)\n"
     )
-    return frame(name, e, R, D, latch, entry, "  call void @llvm.x86.tilerelease()\n")
+    body = frame(name, e, R, D, latch, entry, "  call void @llvm.x86.tilerelease()\n")
+    return _transposer(f"{name}_tr", R, D, S if mins else 0) + body
+
+
+def _transposer(name: str, R: int, D: int, S: int) -> str:
+    """x's scales block-major for a kernel's call: ``xdt[b, D·r + j] = xd[D·r + j, b]``
+    and (``S`` sums a block, 0: none) ``xst[b, S·r + h] = xs[D·r, S·b + h]`` (the first
+    digit's). Row-major, each row of x's scales was a pointer of its own in the block
+    loop: 24 at 8 rows of int8o, more than the registers, reloaded from the stack every
+    block; block-major they are one pointer and offsets. nb·(R·D + R·S) floats copied."""
+    rows = R * D
+    head = "\n".join(f"  %xr{i} = mul i64 %nb, {i}" for i in range(rows))
+    head += "\n" + "\n".join(f"  %sr{r} = mul i64 %nb, {D * r * S}" for r in range(R) if S)
+    lines = ["  %bo = mul i64 %b, " + str(rows)]
+    for i in range(rows):
+        lines += [
+            f"  %xa{i} = add i64 %xr{i}, %b",
+            f"  %xp{i} = getelementptr float, ptr %xd, i64 %xa{i}",
+            f"  %xv{i} = load float, ptr %xp{i}, align 4",
+            f"  %xo{i} = add i64 %bo, {i}",
+            f"  %xq{i} = getelementptr float, ptr %xdt, i64 %xo{i}",
+            f"  store float %xv{i}, ptr %xq{i}, align 4",
+        ]
+    if S:
+        lines += [f"  %so = mul i64 %b, {R * S}", f"  %sb = mul i64 %b, {S}"]
+    for r in range(R if S else 0):
+        for h in range(S):
+            lines += [
+                f"  %sa{r}_{h}0 = add i64 %sr{r}, %sb",
+                f"  %sa{r}_{h} = add i64 %sa{r}_{h}0, {h}",
+                f"  %sp{r}_{h} = getelementptr float, ptr %xs, i64 %sa{r}_{h}",
+                f"  %sv{r}_{h} = load float, ptr %sp{r}_{h}, align 4",
+                f"  %sd{r}_{h} = add i64 %so, {S * r + h}",
+                f"  %sq{r}_{h} = getelementptr float, ptr %xst, i64 %sd{r}_{h}",
+                f"  store float %sv{r}_{h}, ptr %sq{r}_{h}, align 4",
+            ]
+    body = "\n".join(lines)
+    return f"""
+define internal void @{name}(ptr noalias %xd, ptr noalias %xs, ptr noalias %xdt, ptr noalias %xst, i64 %nb) {{
+entry:
+{head}
+  br label %blk
+blk:
+  %b = phi i64 [0, %entry], [%b1, %blk]
+{body}
+  %b1 = add i64 %b, 1
+  %more = icmp ult i64 %b1, %nb
+  br i1 %more, label %blk, label %done
+done:
+  ret void
+}}
+"""
 
 
 def _store_weights(e: _Body, core: str, buf: str) -> None:
