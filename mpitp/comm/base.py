@@ -65,6 +65,7 @@ class CommunicatorBase:
         # MPITP_ONESHOT_MAX=0 (or MPITP_SHM=0) leaves them to MPI
         self.oneshot_max = env.oneshot_max if self.shm else 0
         self._oneshot: Any = None  # a OneShot, or False
+        self._gathershot: Any = None  # the one-shot all-gather's (allgather_columns), or False
         self._timeline = timeline.start(self._meta, env.timeline)  # MPITP_TIMELINE; None when off
         self.tuning = self.mpi.bcast(tuning.load() if self.rank == 0 else None, root=0)
 
@@ -90,6 +91,8 @@ class CommunicatorBase:
         self._links.free()
         if self._oneshot:
             self._oneshot.free()
+        if self._gathershot:
+            self._gathershot.free()
         for c in (self._meta, self._algo, self.mpi):
             if c != MPI.COMM_NULL:
                 c.Free()

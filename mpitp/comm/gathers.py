@@ -6,10 +6,12 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend, split
-from .algorithms import mpi_collectives, ring, select
+from .algorithms import mpi_collectives, oneshot, ring, select
 from .base import CommunicatorBase
 from .handle import Steps
 from .mpi_types import mpi_datatype
+
+GATHER_MAX = 2 << 20  # bytes a rank's part of allgather_columns may hold (its window: 4x that a rank)
 
 
 class Gathers(CommunicatorBase):
@@ -90,6 +92,58 @@ class Gathers(CommunicatorBase):
             steps = self._back_to_device(steps, x, out)
         res = self._run(steps, f"{label} ({alg})", nonblocking, alg, dst.nbytes)
         return res if nonblocking or staged else self._finish(res, out)
+
+    def allgather_columns(self, y, sizes=None):
+        """Every rank's ``y`` [..., n_rank] side by side along the last axis, ranks in order
+        (``sizes``: each rank's n, every rank's list the same; default equal): a model's
+        logits, cut by the vocabulary. On one node, host arrays of at most GATHER_MAX bytes
+        a rank go through a one-shot window (:mod:`.algorithms.oneshot`): each rank's part
+        copied in once and out once straight into its columns, where MPI's all-gather and
+        the concatenation after it cost 0.39-0.49 + 0.18-0.21 ms for a batch-8 step's
+        2 x 786 KB (the default model, TP=2, measured inside a step). Elsewhere MPI's."""
+        xp = backend.xp_of(y)
+        shot = self._gather_shot(y, sizes)
+        if shot:
+            seq, label = self._begin("allgather")
+            y2 = np.ascontiguousarray(y).reshape(-1, y.shape[-1])
+            widths = [y.shape[-1]] * self.size if sizes is None else list(sizes)
+            offs = np.zeros(self.size + 1, np.int64)
+            offs[1:] = np.cumsum(widths)
+            out = np.empty((y2.shape[0], int(offs[-1])), y.dtype)
+            shot.label = f"{label} (oneshot, {y2.nbytes} bytes)"
+            shot.allgather_columns(y2, out, offs)
+            if y2.nbytes:
+                self.traffic.record(y2.nbytes * (self.size - 1), "allgather", "intra")
+            return out.reshape(*y.shape[:-1], out.shape[1])
+        if sizes is None or len(set(sizes)) == 1:
+            y = xp.ascontiguousarray(y)
+            full = backend.empty((self.size * y.shape[0],) + tuple(y.shape[1:]), y.dtype, y)
+            self.allgather(y, out=full)  # equal shards: out's shape spares the count exchange
+            return xp.concatenate(list(full.reshape((self.size,) + tuple(y.shape))), axis=-1)
+        part = xp.moveaxis(y, -1, 0)
+        full = self.allgather(part)
+        return xp.moveaxis(full, 0, -1)
+
+    def _gather_shot(self, y, sizes):
+        """The one-shot window for :meth:`allgather_columns`, or None: the same answer on
+        every rank (what it looks at is the same on all). Opens it on the first call that
+        may use it: collective."""
+        widest = y.shape[-1] if sizes is None else max(sizes)
+        if (
+            self.size == 1
+            or type(y) is not np.ndarray
+            or y.dtype not in (np.float32, np.float64)
+            or self.oneshot_max == 0
+            or self.topology.num_nodes > 1
+            or (y.size // max(y.shape[-1], 1)) * widest * y.itemsize > GATHER_MAX
+        ):
+            return None
+        if self._gathershot is None:
+            self.watchdog.wait([self._meta.Ibarrier()], f"call #{self._seq} (opening the one-shot all-gather)")
+            self._gathershot = oneshot.open_oneshot(self._algo, GATHER_MAX, self.watchdog, gather=True) or False
+        if not self._gathershot or self._gathershot.oversubscribed:
+            return None  # more ranks than cores: MPI's call waits better than spinning ranks
+        return self._gathershot
 
     def _ring_allgather(self, src, dst, elems, seq, nonblocking: bool) -> Steps:
         flat = dst.reshape(-1)

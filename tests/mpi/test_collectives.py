@@ -40,6 +40,28 @@ def test_gather_allgather(comm, dtype, trailing, seed, root):
         agree(a.shape == ref.shape and a.dtype == ref.dtype and np.array_equal(a, ref), f"allgather {alg}")
 
 
+@pytest.mark.parametrize("rows, uneven", [(1, False), (8, True), (3, False)])
+def test_allgather_columns(comm, rows, uneven):
+    """allgather_columns (a model's logits, cut by the vocabulary): every rank's [..., n_r]
+    side by side along the last axis, ranks in order, against NumPy's concatenation bit for
+    bit: through the one-shot window on one node (its slots straight into their columns),
+    MPI's all-gather where the shared memory is off or the parts exceed the window."""
+    from mpitp.comm import gathers
+
+    sizes = [5 + 3 * r if uneven else 7 for r in range(N)]
+    pieces = [np.random.default_rng(r).standard_normal((rows, 1, sizes[r])).astype(np.float32) for r in range(N)]
+    ref = np.concatenate(pieces, axis=-1)
+    for _ in range(3):  # the window's slots alternate by call
+        got = comm.allgather_columns(pieces[comm.rank], None if not uneven else sizes)
+        agree(got.shape == ref.shape and got.dtype == ref.dtype and np.array_equal(got, ref), "allgather_columns")
+    shm = N > 1 and comm.oneshot_max > 0 and comm.topology.num_nodes == 1
+    agree((comm._gathershot is not None) == shm, f"the one-shot window opened: {comm._gathershot}")
+    wide = gathers.GATHER_MAX // 4 // rows + 1  # past the window: MPI's all-gather
+    big = [np.full((rows, wide), r, np.float32) for r in range(N)]
+    got = comm.allgather_columns(big[comm.rank], [wide] * N)
+    agree(np.array_equal(got, np.concatenate(big, axis=-1)), "allgather_columns past the window")
+
+
 def test_gather_scalars_and_mpi_reference(comm):
     g = comm.allgather(np.int32(comm.rank))
     agree(g.shape == (N,) and np.array_equal(g, np.arange(N)), "0-d arrays count as one row")

@@ -145,11 +145,47 @@ def _step(x, out, flat, base, row, cap, rank, size, seq, op, phase, polls):
     return 2
 
 
+@njit(nogil=True, cache=True)
+def _gather_step(x, out, flat, base, row, cap, rank, size, seq, phase, polls, offs):
+    """:func:`_step` of an all-gather along the last axis: ``x`` [B·n_rank] (this rank's
+    [B, n_rank] flat) published, then every rank's slot copied straight into its columns
+    [offs[q], offs[q + 1]) of ``out`` [B, offs[size]] (no concatenation after). -1: some
+    rank's count is not B times its width."""
+    n = x.size
+    p = seq & 1
+    e = flat.itemsize
+    at = (HEADER + p * cap) // e
+    if phase == 0:
+        if not _waited(base, row, size, _DONE, seq - 2, polls):
+            return 0
+        mine = flat[at + rank * row // e : at + rank * row // e + n]
+        for i in range(n):
+            mine[i] = x[i]
+        _store_release(base + rank * row + (_COUNT + p) * 8, n)
+        _store_release(base + rank * row + _FLAG * 8, seq)
+        phase = 1
+    if not _waited(base, row, size, _FLAG, seq, polls):
+        return 1
+    B = out.shape[0]
+    for q in range(size):
+        if _load_acquire(base + q * row + (_COUNT + p) * 8) != B * (offs[q + 1] - offs[q]):
+            return -1
+    for q in range(size):
+        w = offs[q + 1] - offs[q]
+        src = flat[at + q * row // e : at + q * row // e + B * w]
+        for b in range(B):
+            o = out[b, offs[q] : offs[q] + w]
+            for i in range(w):
+                o[i] = src[b * w + i]
+    _store_release(base + rank * row + _DONE * 8, seq)
+    return 2
+
+
 class OneShot:
     """The window and call counter of one-shot all-reduces over ``comm`` (one node).
     ``capacity``: the largest buffer in bytes. Collective to make (:func:`open_oneshot`)."""
 
-    def __init__(self, comm: MPI.Comm, capacity: int, oversubscribed: bool, watchdog):
+    def __init__(self, comm: MPI.Comm, capacity: int, oversubscribed: bool, watchdog, gather: bool = False):
         self.comm, self.rank, self.size = comm, comm.rank, comm.size
         self.capacity = -(-capacity // 64) * 64
         self.row = HEADER + 2 * self.capacity
@@ -170,7 +206,11 @@ class OneShot:
         # compiled (or loaded from numba's cache) now for float32, a decode step's type, not
         # in its first small all-reduce (~0.5 s on a fresh install); other types on first use
         v = self._flat[np.dtype(np.float32)]
-        _step.compile(tuple(numba.typeof(a) for a in (v, v, v, *self._where, 0, 0, 0, 0)))
+        if gather:  # all-gathers along the last axis (logits)
+            o, offs = np.zeros((1, 1), np.float32), np.zeros(2, np.int64)
+            _gather_step.compile(tuple(numba.typeof(a) for a in (v, o, v, *self._where, 0, 0, 0, offs)))
+        else:
+            _step.compile(tuple(numba.typeof(a) for a in (v, v, v, *self._where, 0, 0, 0, 0)))
 
     def allreduce(self, x: np.ndarray, out: np.ndarray, op: str = "sum") -> np.ndarray:
         """``out`` = the reduction of every rank's ``x`` (C-contiguous, the same dtype, at
@@ -192,8 +232,31 @@ class OneShot:
             )
         return out
 
-    def _wait(self, xf, of, flat, seq: int, code: int, phase: int) -> int:
-        """A wait longer than the compiled polls: MPI's progress, the core, the watchdog."""
+    def allgather_columns(self, x: np.ndarray, out: np.ndarray, offs: np.ndarray) -> np.ndarray:
+        """``out`` [B, offs[-1]] (C-contiguous, x's dtype) = every rank's ``x`` [B, n_rank]
+        (C-contiguous, at most ``capacity`` bytes) side by side, rank q's in columns
+        [offs[q], offs[q + 1])."""
+        self.seq += 1
+        seq = self.seq
+        xf = x.reshape(-1)
+        flat = self._flat[x.dtype]
+        step = lambda phase, polls: _gather_step(xf, out, flat, *self._where, seq, phase, polls, offs)  # noqa: E731
+        phase = step(0, POLLS)
+        if phase != 2:
+            phase = self._spin(step, phase)
+        if phase < 0:
+            at = 8 * (_COUNT + (seq & 1))
+            counts = [int(c) for c in self.mem[:, at : at + 8].view(np.int64)[:, 0]]
+            self.mem[self.rank, 8 * _DONE : 8 * _DONE + 8].view(np.int64)[0] = seq  # the peers may go on
+            raise CountMismatch(
+                f"all-gather #{seq}: ranks passed {counts} elements, not {out.shape[0]} rows of "
+                f"{np.diff(offs).tolist()} columns"
+            )
+        return out
+
+    def _spin(self, step, phase: int) -> int:
+        """A wait longer than the compiled polls: MPI's progress, the core, the watchdog;
+        ``step(phase, polls)`` goes on with the call."""
         timeout, since, rounds = self.watchdog.timeout, time.monotonic(), 0
         while phase >= 0 and phase != 2:
             rounds += 1
@@ -203,9 +266,12 @@ class OneShot:
                 self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)  # MPI's progress (module docstring)
             if timeout is not None and time.monotonic() - since > timeout:
                 self.watchdog.abort(self.label)
-            polls = 64 if self.oversubscribed else POLLS
-            phase = _step(xf, of, flat, *self._where, seq, code, phase, polls)
+            phase = step(phase, 64 if self.oversubscribed else POLLS)
         return phase
+
+    def _wait(self, xf, of, flat, seq: int, code: int, phase: int) -> int:
+        """An all-reduce's wait longer than the compiled polls (:meth:`_spin`)."""
+        return self._spin(lambda ph, polls: _step(xf, of, flat, *self._where, seq, code, ph, polls), phase)
 
     def free(self) -> None:
         self.win.Free()
@@ -216,7 +282,7 @@ def supports(dtype, op: str) -> bool:
     return np.dtype(dtype) in {np.dtype(t) for t in DTYPES} and op in OPS
 
 
-def open_oneshot(comm: MPI.Comm, capacity: int, watchdog) -> OneShot | None:
+def open_oneshot(comm: MPI.Comm, capacity: int, watchdog, gather: bool = False) -> OneShot | None:
     """A :class:`OneShot` when every rank of ``comm`` shares memory with the others, else
     None. Collective over ``comm``; every rank gets the same answer. Ranks that outnumber
     the cores they may run on (the union of their CPU sets) wait by yielding."""
@@ -226,4 +292,4 @@ def open_oneshot(comm: MPI.Comm, capacity: int, watchdog) -> OneShot | None:
         return None
     mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     cores = set().union(*shared.allgather(mine))
-    return OneShot(shared, capacity, shared.size > len(cores), watchdog)
+    return OneShot(shared, capacity, shared.size > len(cores), watchdog, gather)
