@@ -100,6 +100,25 @@ def _waited(base, row, size, word, target, polls):
 
 
 @njit(nogil=True, cache=True)
+def _published(x, flat, base, row, at, rank, size, seq, phase, polls):
+    """A call's first part, from ``phase`` on: once slot ``seq % 2`` is free again, ``x``
+    copied into this rank's, its count and flag stored; then every rank's flag awaited.
+    Returns 0 or 1 (the phase reached, polls spent) or 2 (every rank's slot is in)."""
+    n, e = x.size, flat.itemsize
+    if phase == 0:
+        if not _waited(base, row, size, _DONE, seq - 2, polls):
+            return 0
+        mine = flat[at + rank * row // e : at + rank * row // e + n]
+        for i in range(n):
+            mine[i] = x[i]
+        _store_release(base + rank * row + (_COUNT + (seq & 1)) * 8, n)
+        _store_release(base + rank * row + _FLAG * 8, seq)
+    if not _waited(base, row, size, _FLAG, seq, polls):
+        return 1
+    return 2
+
+
+@njit(nogil=True, cache=True)
 def _step(x, out, flat, base, row, cap, rank, size, seq, op, phase, polls):
     """Call ``seq`` from ``phase`` on (0: not published, 1: published, waiting for peers);
     returns the phase reached: 2 when ``out`` holds the result, -1 on a count mismatch
@@ -110,17 +129,9 @@ def _step(x, out, flat, base, row, cap, rank, size, seq, op, phase, polls):
     p = seq & 1
     e = flat.itemsize
     at = (HEADER + p * cap) // e  # slot p of row 0, in elements
-    if phase == 0:
-        if not _waited(base, row, size, _DONE, seq - 2, polls):
-            return 0
-        mine = flat[at + rank * row // e : at + rank * row // e + n]
-        for i in range(n):
-            mine[i] = x[i]
-        _store_release(base + rank * row + (_COUNT + p) * 8, n)
-        _store_release(base + rank * row + _FLAG * 8, seq)
-        phase = 1
-    if not _waited(base, row, size, _FLAG, seq, polls):
-        return 1
+    phase = _published(x, flat, base, row, at, rank, size, seq, phase, polls)
+    if phase < 2:
+        return phase
     for q in range(size):
         if _load_acquire(base + q * row + (_COUNT + p) * 8) != n:
             return -1  # done is stored by the caller, once it has read the counts
@@ -151,21 +162,12 @@ def _gather_step(x, out, flat, base, row, cap, rank, size, seq, phase, polls, of
     [B, n_rank] flat) published, then every rank's slot copied straight into its columns
     [offs[q], offs[q + 1]) of ``out`` [B, offs[size]] (no concatenation after). -1: some
     rank's count is not B times its width."""
-    n = x.size
     p = seq & 1
     e = flat.itemsize
     at = (HEADER + p * cap) // e
-    if phase == 0:
-        if not _waited(base, row, size, _DONE, seq - 2, polls):
-            return 0
-        mine = flat[at + rank * row // e : at + rank * row // e + n]
-        for i in range(n):
-            mine[i] = x[i]
-        _store_release(base + rank * row + (_COUNT + p) * 8, n)
-        _store_release(base + rank * row + _FLAG * 8, seq)
-        phase = 1
-    if not _waited(base, row, size, _FLAG, seq, polls):
-        return 1
+    phase = _published(x, flat, base, row, at, rank, size, seq, phase, polls)
+    if phase < 2:
+        return phase
     B = out.shape[0]
     for q in range(size):
         if _load_acquire(base + q * row + (_COUNT + p) * 8) != B * (offs[q + 1] - offs[q]):
