@@ -158,9 +158,8 @@ def _choose(name: str, R: int, D: int, dense_from: tuple[int, int]) -> str:
     for r in range(1, R):
         scan += f"\n  %o{r} = or i32 {ors}, %w{r}"
         ors = f"%o{r}"
-    args = SIGNATURE
     return f"""
-define void @{name}({args}) {{
+define void @{name}({SIGNATURE}) {{
 entry:
 {rows}
   br label %scan
@@ -342,36 +341,34 @@ def _transposer(name: str, R: int, D: int, S: int) -> str:
     loop: 24 at 8 rows of int8o, more than the registers, reloaded from the stack every
     block; block-major they are one pointer and offsets. nb·(R·D + R·S) floats copied."""
     rows = R * D
-    head = "\n".join(f"  %xr{i} = mul i64 %nb, {i}" for i in range(rows))
-    head += "\n" + "\n".join(f"  %sr{r} = mul i64 %nb, {D * r * S}" for r in range(R) if S)
-    lines = ["  %bo = mul i64 %b, " + str(rows)]
+    lines = [f"  %bo = mul i64 %b, {rows}", f"  %so = mul i64 %b, {R * S}", f"  %sb = mul i64 %b, {S}"]
+    head = []
+
+    def move(tag: str, src: str, row: int, at: str, dst: str, to: str) -> None:
+        """One float: ``src``'s row ``row`` (of nb, or S·nb, floats), element ``at`` on
+        from the block's start, to ``dst`` at ``to``."""
+        head.append(f"  %{tag}r = mul i64 %nb, {row}")
+        lines.extend([
+            f"  %{tag}a = add i64 %{tag}r, {at}",
+            f"  %{tag}p = getelementptr float, ptr {src}, i64 %{tag}a",
+            f"  %{tag}v = load float, ptr %{tag}p, align 4",
+            f"  %{tag}q = getelementptr float, ptr {dst}, i64 {to}",
+            f"  store float %{tag}v, ptr %{tag}q, align 4",
+        ])  # fmt: skip
+
     for i in range(rows):
-        lines += [
-            f"  %xa{i} = add i64 %xr{i}, %b",
-            f"  %xp{i} = getelementptr float, ptr %xd, i64 %xa{i}",
-            f"  %xv{i} = load float, ptr %xp{i}, align 4",
-            f"  %xo{i} = add i64 %bo, {i}",
-            f"  %xq{i} = getelementptr float, ptr %xdt, i64 %xo{i}",
-            f"  store float %xv{i}, ptr %xq{i}, align 4",
-        ]
-    if S:
-        lines += [f"  %so = mul i64 %b, {R * S}", f"  %sb = mul i64 %b, {S}"]
+        lines.append(f"  %xt{i} = add i64 %bo, {i}")
+        move(f"x{i}_", "%xd", i, "%b", "%xdt", f"%xt{i}")
     for r in range(R if S else 0):
         for h in range(S):
-            lines += [
-                f"  %sa{r}_{h}0 = add i64 %sr{r}, %sb",
-                f"  %sa{r}_{h} = add i64 %sa{r}_{h}0, {h}",
-                f"  %sp{r}_{h} = getelementptr float, ptr %xs, i64 %sa{r}_{h}",
-                f"  %sv{r}_{h} = load float, ptr %sp{r}_{h}, align 4",
-                f"  %sd{r}_{h} = add i64 %so, {S * r + h}",
-                f"  %sq{r}_{h} = getelementptr float, ptr %xst, i64 %sd{r}_{h}",
-                f"  store float %sv{r}_{h}, ptr %sq{r}_{h}, align 4",
-            ]
+            lines += [f"  %sf{r}_{h} = add i64 %sb, {h}", f"  %st{r}_{h} = add i64 %so, {S * r + h}"]
+            move(f"s{r}_{h}_", "%xs", D * r * S, f"%sf{r}_{h}", "%xst", f"%st{r}_{h}")
+    head_text = "\n".join(head)
     body = "\n".join(lines)
     return f"""
 define internal void @{name}(ptr noalias %xd, ptr noalias %xs, ptr noalias %xdt, ptr noalias %xst, i64 %nb) {{
 entry:
-{head}
+{head_text}
   br label %blk
 blk:
   %b = phi i64 [0, %entry], [%b1, %blk]

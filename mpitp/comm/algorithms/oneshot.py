@@ -226,9 +226,7 @@ class OneShot:
         if phase != 2:
             phase = self._wait(xf, of, flat, seq, code, phase)
         if phase < 0:
-            at = 8 * (_COUNT + (seq & 1))
-            counts = [int(c) for c in self.mem[:, at : at + 8].view(np.int64)[:, 0]]
-            self.mem[self.rank, 8 * _DONE : 8 * _DONE + 8].view(np.int64)[0] = seq  # the peers may go on
+            counts = self._counts_released(seq)
             raise CountMismatch(
                 f"all-reduce #{seq}: ranks passed different element counts {counts} (rank {self.rank}: {xf.size})"
             )
@@ -247,14 +245,20 @@ class OneShot:
         if phase != 2:
             phase = self._spin(step, phase)
         if phase < 0:
-            at = 8 * (_COUNT + (seq & 1))
-            counts = [int(c) for c in self.mem[:, at : at + 8].view(np.int64)[:, 0]]
-            self.mem[self.rank, 8 * _DONE : 8 * _DONE + 8].view(np.int64)[0] = seq  # the peers may go on
+            counts = self._counts_released(seq)
             raise CountMismatch(
                 f"all-gather #{seq}: ranks passed {counts} elements, not {out.shape[0]} rows of "
                 f"{np.diff(offs).tolist()} columns"
             )
         return out
+
+    def _counts_released(self, seq: int) -> list[int]:
+        """Every rank's element count of call ``seq`` (a mismatch found); this rank's done
+        stored, so that the peers may go on."""
+        at = 8 * (_COUNT + (seq & 1))
+        counts = [int(c) for c in self.mem[:, at : at + 8].view(np.int64)[:, 0]]
+        self.mem[self.rank, 8 * _DONE : 8 * _DONE + 8].view(np.int64)[0] = seq
+        return counts
 
     def _spin(self, step, phase: int) -> int:
         """A wait longer than the compiled polls: MPI's progress, the core, the watchdog;
