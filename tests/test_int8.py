@@ -93,6 +93,37 @@ def test_outliers_leave_the_other_values_their_own_scale():
         quantize_rows_outliers(x, xq[:4], xd[:4], xs[:4])
 
 
+@pytest.mark.parametrize("nb", [19, 24])  # two steps of 8 (GROUP) and 3 one at a time; three steps
+def test_outliers_eight_blocks_a_step_are_the_block_loops_bits(nb):
+    """int8o's quantizer takes 8 blocks a step (their Σv², cut, d and Σq 8 to a vector);
+    each block alone (a row of 32: the one-block loop) gives the same bits, for every
+    instruction set, with values a hair either side of their block's cut."""
+    rng = np.random.default_rng(nb)
+    M, K = 5, 32 * nb
+    x = (rng.standard_normal((M, K)) * np.exp(rng.standard_normal((1, K)) * 1.5)).astype(np.float32)
+    x[1, 40:72] = 0.0  # a block of zeros
+    for b in range(nb):  # row 2: value 0 of each block at LIMIT x the rest's rms, nudged by -1, 0, +1e-7
+        blk = x[2, 32 * b : 32 * b + 32].astype(np.float64)
+        x[2, 32 * b] = np.float32(LIMIT * np.sqrt(((blk**2).sum() - blk[0] ** 2) / 31)) * (1 + (b % 3 - 1) * 1e-7)
+    for isa in RUNNABLE:
+        for per in (1, 2):  # x's sums per 32, per 16
+            got = [
+                np.zeros((2 * M, K), np.int8),
+                np.zeros((2 * M, nb), np.float32),
+                np.zeros((2 * M, per * nb), np.float32),
+            ]
+            quantize_rows_outliers(x, *got, isa)
+            one = [
+                np.zeros((2 * M * nb, 32), np.int8),
+                np.zeros((2 * M * nb, 1), np.float32),
+                np.zeros((2 * M * nb, per), np.float32),
+            ]
+            quantize_rows_outliers(x.reshape(M * nb, 32), *one, isa)
+            back = [a.reshape(M, nb, 2, -1).transpose(0, 2, 1, 3).reshape(2 * M, -1) for a in one]
+            assert all(np.array_equal(g, o) for g, o in zip(got, back)), (isa, per)
+            assert np.count_nonzero(got[1][1::2]) > nb // 3, isa  # outliers found, in row 2 and elsewhere
+
+
 @pytest.mark.parametrize("nb", [3, 19])  # blocks a row: one at a time; two steps of 8 (GROUP) and 3
 def test_two_digits_hold_what_one_leaves(nb):
     rng = np.random.default_rng(3)

@@ -22,12 +22,14 @@ int8x2 (``TWO_DIGITS``)::
 q = round(v / d) as ggml rounds it (half away from zero), bit for bit the one-digit
 quantizer's: trunc(2t) - trunc(t) for t = v·(1/d) (:func:`_round`).
 
-int8x2 (prefill: a chunk's every row) takes GROUP = 8 blocks a step: their per-block
-scalars (amax, d, 1/d, Σq) come 8 to a vector from one reduction across the blocks
-(:func:`_across`), not a tree and two scalar divides per block, whose chains left the
-vector units idle (1.2 -> 0.4 ns a value on a Xeon; an 8-prompt prefill of the default
-model 186-195 -> 170-174 ms). A row's last K/32 mod 8 blocks, and int8o's rows (decode,
-one row a call), go one block a step. Where a row of x is [M, K] float32 C-contiguous; xq [2M, K] int8, xd [2M,
+Both take GROUP = 8 blocks a step: their per-block scalars (amax, Σv², the cut, d, 1/d,
+Σq) come 8 to a vector from one reduction across the blocks (:func:`_across`), not a tree
+and scalar divides per block, whose chains left the vector units idle (int8x2: 1.2 -> 0.4
+ns a value on a Xeon, an 8-prompt prefill of the default model 186-195 -> 170-174 ms;
+int8o at 8 rows of a decode step: a step of the default model's 120 quantizer calls 0.97 ->
+~0.3 ms). :func:`_across` pairs the lanes as :func:`_tree` does, so int8o's float64 Σv², and
+with it the cut, are the block loop's bits. A row's last K/32 mod 8 blocks go one block a
+step. Where a row of x is [M, K] float32 C-contiguous; xq [2M, K] int8, xd [2M,
 K/32] and xs [2M, K/32 or K/16] float32 as :mod:`.quantize` lays them out.
 """
 
@@ -44,6 +46,7 @@ DECLARE = """
 declare <32 x float> @llvm.fabs.v32f32(<32 x float>)
 declare <32 x float> @llvm.floor.v32f32(<32 x float>)
 declare double @llvm.sqrt.f64(double)
+declare <8 x double> @llvm.sqrt.v8f64(<8 x double>)
 declare i32 @llvm.vector.reduce.add.v32i32(<32 x i32>)
 declare i32 @llvm.vector.reduce.add.v16i32(<16 x i32>)
 """
@@ -111,13 +114,14 @@ def _split(e: _Body, v: str) -> tuple[str, str]:
     return main, e(f"select <32 x i1> {big}, {F32} {v}, {F32} zeroinitializer")
 
 
-GROUP = 8  # int8x2's blocks a step (a row's last K/32 mod 8 go one at a time)
+GROUP = 8  # blocks a step (a row's last K/32 mod 8 go one at a time)
 
 
 def _across(e: _Body, vs: list[str], ty: str, op: str) -> str:
     """<G x ty>: lane j = ``op`` over block j's 32 lanes, for G = len(vs) blocks (each
     <32 x ty>): the blocks reduced side by side, halving the lanes each holds (a transpose
-    as it goes), not one tree per block. For max (exact in any order) and integer adds."""
+    as it goes), not one tree per block. Each level pairs lane i of a block with lane i + h,
+    as :func:`_tree` does, so a float sum has the tree's bits."""
 
     def combine(a: str, b: str, n: int) -> str:
         if op == "max":
@@ -150,10 +154,39 @@ def _across(e: _Body, vs: list[str], ty: str, op: str) -> str:
     return level[0]
 
 
-def _grouped(G: int = GROUP) -> str:
-    """IR of one step of int8x2's quantizer over G consecutive blocks of row %i from block
-    %gb: the same values as G steps of the block loop, its per-block scalars (amax, d, 1/d,
-    Σq) computed G blocks to a vector instead of one at a time."""
+def _split_across(e: _Body, vs: list[str]) -> tuple[list[str], list[str]]:
+    """int8o's rule (:func:`_split`) for G blocks at once: (each without its outliers, the
+    outliers alone), the cut of every block from one vector of G."""
+    G = len(vs)
+    GD = f"<{G} x double>"
+    a = [e(f"call {F32} @llvm.fabs.v32f32({F32} {v})") for v in vs]
+    amax = e(f"fpext <{G} x float> {_across(e, a, 'float', 'max')} to {GD}")
+    squares = []
+    for v in vs:
+        v64 = e(f"fpext {F32} {v} to {F64}")
+        squares.append(e(f"fmul {F64} {v64}, {v64}"))
+    ss = _across(e, squares, "double", "fadd")
+    rest = e(f"fsub {GD} {ss}, {e(f'fmul {GD} {amax}, {amax}')}")
+    rest = e(f"select <{G} x i1> {e(f'fcmp ogt {GD} {rest}, zeroinitializer')}, {GD} {rest}, {GD} zeroinitializer")
+    mean = e(f"fdiv {GD} {rest}, {splat('double', G, '31.0')}")
+    rms = e(f"call {GD} @llvm.sqrt.v{G}f64({GD} {mean})")
+    cut = e(f"fmul {GD} {splat('double', G, repr(LIMIT))}, {rms}")
+    pos = e(f"fcmp ogt {GD} {cut}, zeroinitializer")
+    mains, outs = [], []
+    for j, v in enumerate(vs):
+        cj = e(f"shufflevector {GD} {cut}, {GD} poison, <32 x i32> {splat('i32', 32, j)}")
+        pj = e(f"shufflevector <{G} x i1> {pos}, <{G} x i1> poison, <32 x i32> {splat('i32', 32, j)}")
+        aj = e(f"fpext {F32} {a[j]} to {F64}")
+        big = e(f"and <32 x i1> {e(f'fcmp ogt {F64} {aj}, {cj}')}, {pj}")
+        mains.append(e(f"select <32 x i1> {big}, {F32} zeroinitializer, {F32} {v}"))
+        outs.append(e(f"select <32 x i1> {big}, {F32} {v}, {F32} zeroinitializer"))
+    return mains, outs
+
+
+def _grouped(name: str, G: int = GROUP) -> str:
+    """IR of one step of the quantizer ``name`` over G consecutive blocks of row %i from
+    block %gb: the same values as G steps of the block loop, its per-block scalars computed
+    G blocks to a vector instead of one at a time."""
     e = _Body()
     e.n = 10_000  # names apart from the block loop's
     e.do("%gxrow = mul i64 %i, %K")
@@ -166,6 +199,9 @@ def _grouped(G: int = GROUP) -> str:
     for j in range(G):
         px = e(f"getelementptr float, ptr %x, i64 {e(f'add i64 %gat, {32 * j}')}")
         vs.append(e(f"load {F32}, ptr {px}, align 4"))
+    outs: list[str] = []
+    if name == OUTLIERS:
+        vs, outs = _split_across(e, vs)
     digits = []
     for which in (0, 1):
         absv = [e(f"call {F32} @llvm.fabs.v32f32({F32} {v})") for v in vs]
@@ -186,12 +222,12 @@ def _grouped(G: int = GROUP) -> str:
             q8, pq = e(f"trunc {I32} {q} to <32 x i8>"), e(f"getelementptr i8, ptr %xq, i64 {o}")
             e.do(f"store <32 x i8> {q8}, ptr {pq}, align 1")
             qs.append(q)
-            if not which:  # what the digit leaves: x - d·q, a multiply then a subtract (no fma)
+            if not which and name == TWO_DIGITS:  # what the digit leaves: x - d·q, a multiply then a subtract (no fma)
                 dj = e(f"shufflevector {GF} {d}, {GF} poison, <32 x i32> {splat('i32', 32, j)}")
                 dq = e(f"fmul {F32} {dj}, {e(f'sitofp {I32} {q} to {F32}')}")
                 rest.append(e(f"fsub {F32} {v}, {dq}"))
         digits.append((d, qs))
-        vs = rest
+        vs = rest if name == TWO_DIGITS else outs
     e.do("%gd1o = mul i64 %gr1, %nb")
     e.do("%gd1o_b = add i64 %gd1o, %gb")
     e.do("%gd2o_b = add i64 %gd1o_b, %nb")
@@ -296,9 +332,7 @@ def module(name: str = OUTLIERS) -> tuple[str, str]:
         h.do(f"%pxh{k} = getelementptr float, ptr %xs, i64 %xsi{k}")
         h.do(f"store float {val}, ptr %pxh{k}, align 4")
     per16 = "\n".join(h.lines)
-    grouped = name == TWO_DIGITS  # int8o's decode rows stay one block a step
-    groups, ngroups = (_grouped(), "lshr i64 %nb, 3") if grouped else ("", "add i64 0, 0")
-    enter = "br i1 %grouped, label %grp, label %tail" if grouped else "br label %tail"
+    groups, ngroups, enter = _grouped(name), "lshr i64 %nb, 3", "br i1 %grouped, label %grp, label %tail"
     text = f"""
 define void @{name}({SIGNATURE}) {{
 entry:
