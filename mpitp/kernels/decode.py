@@ -142,7 +142,7 @@ def attend_rows(qk, nh, g, k, v, indptr, cols, scale, out):
                         o[i] = acc[h, i]
 
 
-@njit(**OPTS)
+@njit(**OPTS, error_model="numpy")  # a division that may not raise: the loop vectorizes (8x faster)
 def swiglu(gu, out):
     R, I2 = gu.shape
     n = I2 // 2
