@@ -79,3 +79,20 @@ def test_each_rank_picks_its_own_gpu_under_mpiexec():
 def test_mpitp_threads_gives_blas_the_kernels_count():
     env = {"MPITP_THREADS": "3", "MPI_LOCALNRANKS": "2", "SLURM_CPUS_PER_TASK": "8", "SLURM_STEP_ID": "0"}
     assert choose(env) == (3, "MPITP_THREADS")
+
+
+def test_the_kernels_launch_numbas_pool_before_any_cached_caller_loads(tmp_path):
+    """The fused decode halves and the matmul drivers link parallel functions (taken only
+    with threads). Compiled while such a callee came from numba's cache, a caller forgets to
+    launch the pool when it is loaded later, and the process aborted ("Symbol not found:
+    allocate_sched": the second `mpiexec -n 2 mpitp generate` after the int8 and kernel
+    tests had filled the cache, reproduced with NUMBA_CACHE_DIR). So importing the kernels
+    launches it, in a process that asks for one thread."""
+    code = (
+        "import numba.np.ufunc.parallel as p; assert not p._is_initialized; "
+        "import mpitp.kernels.fused; print(p._is_initialized)"
+    )
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), MPITP_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True"]

@@ -70,6 +70,19 @@ def check(n: int) -> int:
     return n
 
 
+# numba's threading layer, launched now in every process that imports the kernels. The
+# fused decode halves and the matmul drivers call parallel functions (this module's
+# tile_ranges, decode's per-head attention) on a branch taken only with threads, and so link
+# their code, which names the pool's scheduler (allocate_sched). numba launches the pool
+# when it compiles such a caller, or loads one from its cache that remembers to; a caller
+# compiled while its parallel callee came from the cache does not remember (numba copies
+# the callee's reload hooks only from a library it compiled in that process), and the next
+# process that loaded it aborted: "LLVM ERROR: Symbol not found: allocate_sched". Seen on a
+# second `mpiexec -n 2 mpitp generate` after the test suite had filled the cache. Launching
+# costs ~1 ms and idle pool threads.
+numba.get_num_threads()
+
+
 @numba.njit(parallel=True, nogil=True, cache=True)
 def tile_ranges(fn, parts, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm):
     """The kernel at ``fn`` over tiles 0..T-1 in ``parts`` contiguous ranges over numba's
