@@ -298,3 +298,28 @@ def test_prefill_attention_rows_against_float64():
     want = np.nan_to_num(np.einsum("btjhs,bsji->btjhi", p, v.astype(np.float64))).reshape(B, T, nh * d)
     np.testing.assert_allclose(out, want, rtol=0, atol=2e-6 * np.abs(want).max())
     assert not out[1, 2].any()  # the row that sees nothing
+
+
+def test_numbas_cache_is_named_by_every_kernel_source(tmp_path):
+    """A cached numba function is checked against its own file only, so the fused halves
+    would keep a callee's old code from another file: the cache folder is named by a digest
+    of every module in mpitp/kernels, and any edit of one names a new folder."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import mpitp.kernels as kernels
+
+    src = Path(kernels.__file__).parent
+    copy = tmp_path / "k"
+    shutil.copytree(src, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert kernels.numba_cache_dir(copy) == kernels.numba_cache_dir(src)
+    (copy / "decode.py").write_text((copy / "decode.py").read_text() + "\n# an edit\n")
+    assert kernels.numba_cache_dir(copy) != kernels.numba_cache_dir(src)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"} | {"XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    code = "import numba, mpitp.kernels as k; print(numba.config.CACHE_DIR); print(k.numba_cache_dir())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    used, named = out.stdout.split()
+    assert used == named and used.startswith(str(tmp_path / "xdg" / "mpitp" / "numba")), out.stderr[-2000:]
