@@ -58,6 +58,13 @@ def pieces(model, fast, B: int, context: int, steps: int, comm) -> dict[str, flo
     def mark(name: str) -> None:
         marks.append((name, clock()))
 
+    def matmul(plan, x, out, name: str) -> None:
+        """A matmul as the fused halves run it (x quantized, then the kernel), timed apart."""
+        _quantize_only(plan, x)
+        mark("quantize")
+        fused._matmul(plan, x, out)
+        mark(name)
+
     for n in range(steps):
         s = context + n
         cache.valid[:, s] = True
@@ -79,33 +86,21 @@ def pieces(model, fast, B: int, context: int, steps: int, comm) -> dict[str, flo
                 fused._residual(h, r, fast.none, 1)
             K.rms_norm(h, w1, fast.eps, xn)
             mark("norms")
-            _quantize_only(pq, xn)
-            mark("quantize")
-            fused._matmul(pq, xn, y)
-            mark("qkv")
+            matmul(pq, xn, y, "qkv")
             kv = K._cache(cache.k[i], cache.v[i])
             fused._attend_core(fast.core, y, step.cos1, step.sin1, kv, cache.valid, s, fast.nh, fast.nkv,
                                fast.head_dim, fast.scale, step.masked, att)  # fmt: skip
             mark("attention core")
-            _quantize_only(po, att)
-            mark("quantize")
-            fused._matmul(po, att, r)
-            mark("o")
+            matmul(po, att, r, "o")
             comm.allreduce(r, out=r)
             mark("all-reduce (attention)")
             fused._residual(h, r, fast.none, 1)
             K.rms_norm(h, w2, fast.eps, xn)
             mark("norms")
-            _quantize_only(pgu, xn)
-            mark("quantize")
-            fused._matmul(pgu, xn, g)
-            mark("gate_up")
+            matmul(pgu, xn, g, "gate_up")
             K.swiglu(g, act)
             mark("swiglu")
-            _quantize_only(pd, act)
-            mark("quantize")
-            fused._matmul(pd, act, r)
-            mark("down")
+            matmul(pd, act, r, "down")
             comm.allreduce(r, out=r)
             mark("all-reduce (mlp)")
             for (_, a), (name, b) in zip(marks, marks[1:]):
