@@ -11,7 +11,7 @@ from mpi4py import MPI
 from .. import backend, settings
 from ..errors import MpitpError
 from . import timeline, transport, validate
-from .algorithms import hierarchical, ring, tuning
+from .algorithms import hierarchical, oneshot, ring, tuning
 from .handle import Handle, Steps, Watchdog, drive
 from .mpi_types import check_dtype, mpi_datatype
 from .topology import Topology
@@ -83,6 +83,15 @@ class CommunicatorBase:
     def phase(self, label: str):
         """``with comm.phase("forward"): ...`` labels the bytes sent inside it."""
         return self.traffic.phase(label)
+
+    def _open_window(self, window, capacity: int, what: str, gather: bool = False):
+        """``window`` (a one-shot window, or False where none can be), opened on the first
+        call that may use it: a blocking collective, so every rank is first made sure to be
+        in this call. The all-reduce's and the logits' all-gather's each come through here."""
+        if window is None:
+            self.watchdog.wait([self._meta.Ibarrier()], f"call #{self._seq} (opening the one-shot {what})")
+            window = oneshot.open_oneshot(self._algo, capacity, self.watchdog, gather) or False
+        return window
 
     def free(self) -> None:
         self._fast.clear()

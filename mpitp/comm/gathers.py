@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend, split
-from .algorithms import mpi_collectives, oneshot, ring, select
+from .algorithms import mpi_collectives, ring, select
 from .base import CommunicatorBase
 from .handle import Steps
 from .mpi_types import mpi_datatype
@@ -138,9 +138,7 @@ class Gathers(CommunicatorBase):
             or (y.size // max(y.shape[-1], 1)) * widest * y.itemsize > GATHER_MAX
         ):
             return None
-        if self._gathershot is None:
-            self.watchdog.wait([self._meta.Ibarrier()], f"call #{self._seq} (opening the one-shot all-gather)")
-            self._gathershot = oneshot.open_oneshot(self._algo, GATHER_MAX, self.watchdog, gather=True) or False
+        self._gathershot = self._open_window(self._gathershot, GATHER_MAX, "all-gather", gather=True)
         if not self._gathershot or self._gathershot.oversubscribed:
             return None  # more ranks than cores: MPI's call waits better than spinning ranks
         return self._gathershot

@@ -182,10 +182,7 @@ class Reductions(CommunicatorBase):
             or not oneshot.supports(a.dtype, o.base.value)
         ):
             return 0
-        if self._oneshot is None:
-            # opening is a blocking collective: first make sure every rank is in this call
-            self.watchdog.wait([self._meta.Ibarrier()], f"call #{self._seq} (opening the one-shot all-reduce)")
-            self._oneshot = oneshot.open_oneshot(self._algo, self.oneshot_max, self.watchdog) or False
+        self._oneshot = self._open_window(self._oneshot, self.oneshot_max, "all-reduce")
         if not self._oneshot or (algorithm == "auto" and self._oneshot.oversubscribed):
             return 0  # more ranks than cores: spinning ranks would take turns; MPI's call waits better
         return self.oneshot_max

@@ -223,8 +223,8 @@ class OneShot:
         of = out if out.ndim == 1 else out.reshape(-1)
         flat = self._flat[x.dtype]
         phase = _step(xf, of, flat, *self._where, seq, code, 0, POLLS)
-        if phase != 2:
-            phase = self._wait(xf, of, flat, seq, code, phase)
+        if phase != 2:  # a longer wait: the closure is made only here, off the common path
+            phase = self._spin(lambda ph, polls: _step(xf, of, flat, *self._where, seq, code, ph, polls), phase)
         if phase < 0:
             counts = self._counts_released(seq)
             raise CountMismatch(
@@ -274,10 +274,6 @@ class OneShot:
                 self.watchdog.abort(self.label)
             phase = step(phase, 64 if self.oversubscribed else POLLS)
         return phase
-
-    def _wait(self, xf, of, flat, seq: int, code: int, phase: int) -> int:
-        """An all-reduce's wait longer than the compiled polls (:meth:`_spin`)."""
-        return self._spin(lambda ph, polls: _step(xf, of, flat, *self._where, seq, code, ph, polls), phase)
 
     def free(self) -> None:
         self.win.Free()
