@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("numba")
 
+from int8_reference import k_blocks  # noqa: E402
+
 from mpitp.kernels import (  # noqa: E402
     cpu,
     formats,  # noqa: E402
@@ -180,20 +182,22 @@ def _weight(rng, t, n, k):
     return formats.from_ggml(gguf.quants.quantize(w, gguf.GGMLQuantizationType[t]), t)
 
 
-@settings(max_examples=40, deadline=None)
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("scales", ["file", "formed"])
+@settings(max_examples=8, deadline=None)
 @given(
     t=st.sampled_from(NATIVE),
-    isa=st.sampled_from(RUNNABLE),
     digits=st.sampled_from([1, 2, "outliers"]),
     n=st.integers(1, 300),
     blocks=st.integers(1, 23),
     m=st.one_of(st.integers(1, 16), st.integers(17, 40)),
-    scales=st.sampled_from(["file", "formed"]),
     seed=st.integers(0, 2**31),
 )
-def test_kernels_equal_the_float64_product_of_what_they_multiply(t, isa, digits, n, blocks, m, scales, seed):
+def test_kernels_equal_the_float64_product_of_what_they_multiply(isa, scales, t, digits, n, blocks, m, seed):
     """The file's scales are held as float16 (Q4_0's minimum not at all); scales formed at
-    load (products that are no float16) as float32: both layouts' kernels."""
+    load (products that are no float16) as float32: both layouts' kernels, on every
+    instruction set this CPU runs (the whole grid of the file's layouts, every cell a
+    parameter: tests/test_kernel_grid.py)."""
     rng = np.random.default_rng(seed)
     k = 32 * blocks
     bw = _weight(rng, t, n, k)
@@ -311,7 +315,7 @@ def test_amx_int8o_bodies_give_the_vector_kernels_bits(monkeypatch, t, R, m):
 
     rng = np.random.default_rng(7)
     n, k = 40, 512 if t != "Q4_1" else 288
-    bw = _weight(rng, t, n, k) if t == "Q4_1" else formats.from_ggml(_k_blocks(rng, t, n, k), t)
+    bw = _weight(rng, t, n, k) if t == "Q4_1" else formats.from_ggml(k_blocks(rng, t, n, k), t)
     tw = tiles.repack(bw, 2, True)
     x = rng.standard_normal((R, k)).astype(np.float32)
     x[rng.integers(0, R, 4), rng.integers(0, k, 4)] *= 40  # outliers in a few blocks only
@@ -356,19 +360,6 @@ def test_the_choice_of_instruction_set(monkeypatch):
         cpu.activations("int4")
 
 
-def _k_blocks(rng, t, n, k):
-    """Random blocks of type t (sane scales, any quants) as the file holds them."""
-    from mpitp.bench.shapes import random_blocks
-
-    raw = random_blocks(rng, t, n, k)
-    if t in ("Q4_K", "Q6_K"):  # scales of either sign and size per super-block
-        per = raw.reshape(-1, 144 if t == "Q4_K" else 210)
-        at = slice(0, 2) if t == "Q4_K" else slice(208, 210)
-        d = per[:, at].copy().view(np.float16)[:, 0] * rng.uniform(-3, 3, per.shape[0]).astype(np.float16)
-        per[:, at] = d.astype(np.float16).reshape(-1, 1).view(np.uint8)
-    return raw
-
-
 @settings(max_examples=20, deadline=None)
 @given(
     t=st.sampled_from(["Q4_K", "Q6_K", "Q5_0"]),
@@ -387,7 +378,7 @@ def test_k_quants_are_repacked_exactly_and_multiplied(t, n, supers, m, isa, seed
     the planar scales."""
     rng = np.random.default_rng(seed)
     k = 256 * supers
-    raw = _k_blocks(rng, t, n, k)
+    raw = k_blocks(rng, t, n, k)
     ref_w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[t]).astype(np.float32).reshape(n, k)
     bw = formats.from_ggml(raw, t)
     assert bw.source == t and bw.shape == (n, k) and np.array_equal(bw.dequantize(), ref_w)
@@ -438,9 +429,9 @@ def test_mixed_pieces_of_a_merged_weight_are_kept_exactly():
 
     rng = np.random.default_rng(11)
     k = 512
-    q = formats.from_ggml(_k_blocks(rng, "Q4_K", 24, k), "Q4_K")
-    kk = formats.from_ggml(_k_blocks(rng, "Q4_K", 8, k), "Q4_K")
-    v6 = formats.from_ggml(_k_blocks(rng, "Q6_K", 8, k), "Q6_K")
+    q = formats.from_ggml(k_blocks(rng, "Q4_K", 24, k), "Q4_K")
+    kk = formats.from_ggml(k_blocks(rng, "Q4_K", 8, k), "Q4_K")
+    v6 = formats.from_ggml(k_blocks(rng, "Q6_K", 8, k), "Q6_K")
     v8 = formats.from_ggml(
         gguf.quants.quantize(rng.standard_normal((5, k)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0), "Q8_0"
     )

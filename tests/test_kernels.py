@@ -10,10 +10,11 @@ from hypothesis import strategies as st
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("numba")
 
-from mpitp.kernels import formats  # noqa: E402
+from mpitp.kernels import cpu, formats  # noqa: E402
 from mpitp.kernels import matmul as mm  # noqa: E402
 
 NATIVE = ["Q4_0", "Q4_1", "Q8_0"]
+RUNNABLE = list(cpu.supported())  # this CPU's instruction sets: decode attention's core on each
 
 
 def ggml(w, t):
@@ -181,11 +182,16 @@ def test_half_slices_and_take(t):
     assert not formats.empty(bw.kind, 2, 70, t).dequantize().any()
 
 
-@pytest.mark.parametrize(
-    "d, isa, kv",
-    [(8, None, np.float32), (32, None, np.float32), (32, "portable", np.float32), (32, None, np.float16)],
-    ids=["numba-loops", "ir-core", "ir-core-portable", "ir-core-float16-cache"],
-)
+ATTENTION = [(8, None, np.float32, "numba-loops")]  # a head dimension the IR core does not take
+ATTENTION += [  # the core on each instruction set; a float16 cache where the core reads one (not the baseline x86-64)
+    (32, isa, kv, f"ir-core-{isa}-{np.dtype(kv).name}")
+    for isa in RUNNABLE
+    for kv in (np.float32, np.float16)
+    if not (isa == "portable" and kv == np.float16)
+]
+
+
+@pytest.mark.parametrize("d, isa, kv", [a[:3] for a in ATTENTION], ids=[a[3] for a in ATTENTION])
 def test_decode_attention_against_numpy_and_over_threads(d, isa, kv, monkeypatch):
     """decode.attend (RoPE, the new K/V into the cache, masked softmax · V per query head of
     each KV head) equals a float64 NumPy reference: numba's loops (a head dimension not a
@@ -195,11 +201,9 @@ def test_decode_attention_against_numpy_and_over_threads(d, isa, kv, monkeypatch
     task) the same bits."""
     import numba
 
-    from mpitp.kernels import cpu, decode
+    from mpitp.kernels import decode
 
     if isa is not None:
-        if isa not in cpu.supported():
-            pytest.skip(f"{isa} not on this machine")
         monkeypatch.setenv("MPITP_ISA", isa)
         monkeypatch.setattr(decode, "_CORES", {})  # the cores compiled for this one
     rng = np.random.default_rng(5)
