@@ -30,11 +30,15 @@ def read(res, report: Path) -> dict:
     file, and each test's outcome merged over ranks (failed if it failed on any)."""
     collected: dict = {}
     tests: dict = {}
+    finished: dict[int, dict] = {}  # rank -> its last line
     for path in report.parent.glob(report.name + ".rank*"):
         for line in path.read_text().splitlines():
             rec = json.loads(line)
             if "collected" in rec:
                 collected = rec["collected"]
+                continue
+            if "finished" in rec:
+                finished[int(path.name.rsplit("rank", 1)[1])] = rec
                 continue
             t = tests.setdefault(rec["id"], {"outcome": "passed", "messages": [], "seconds": 0.0})
             t["seconds"] = max(t["seconds"], rec["seconds"])
@@ -42,7 +46,22 @@ def read(res, report: Path) -> dict:
                 t["outcome"] = rec["outcome"]
             if rec["message"] and rec["message"] not in t["messages"]:
                 t["messages"].append(rec["message"])
-    return {"res": res, "collected": collected, "tests": tests}
+    return {"res": res, "collected": collected, "tests": tests, "finished": finished}
+
+
+def ranks_disagree(finished: dict[int, dict], suite: str) -> str:
+    """What is wrong with the ranks' last lines for ``suite`` ('' if nothing): each rank
+    of the world must have written one, and all must have run as many of its tests."""
+    if not finished:
+        return "no rank wrote its last line (the launch ended before pytest finished on any rank)"
+    size = max(rec["size"] for rec in finished.values())
+    missing = sorted(set(range(size)) - set(finished))
+    if missing:
+        return f"ranks {missing} of {size} did not finish their session (left early, or died): their asserts never ran"
+    counts = {r: rec["finished"].get(suite, 0) for r, rec in sorted(finished.items())}
+    if len(set(counts.values())) > 1:
+        return f"the ranks ran different numbers of its tests: {counts}"
+    return ""
 
 
 def judge(where: str, suite: str, run: dict) -> None:
@@ -59,6 +78,9 @@ def judge(where: str, suite: str, run: dict) -> None:
             f"{res.stdout[-8000:]}\n--- stderr\n{res.stderr[-4000:]}",
             pytrace=False,
         )
+    wrong = ranks_disagree(run["finished"], suite)
+    if wrong:
+        pytest.fail(f"{where}: {wrong}\n--- stderr\n{res.stderr[-4000:]}", pytrace=False)
     assert any(v["outcome"] == "passed" for v in mine.values()), f"{where}: nothing passed"
     skipped = {k: "; ".join(v["messages"]) for k, v in mine.items() if v["outcome"] == "skipped"}
     missing = [k for k, why in skipped.items() if any(m in why for m in MISSING)]

@@ -5,7 +5,8 @@ communicator's settings use their own (``fresh_comm``) or restore them.
 
 With ``MPITP_SUITE_REPORT=PATH`` every rank appends one JSON line per test phase to
 ``PATH.rankR`` as it finishes (so a launch that dies part way still says what ran), after
-a first line with the number of tests collected per file."""
+a first line with the number of tests collected per file, and a last line with the number
+it ran per file: a launch passes only where every rank wrote that line and all agree."""
 
 import json
 import os
@@ -29,8 +30,11 @@ if REPORT:
     def pytest_collection_finish(session):
         _write({"collected": Counter(item.nodeid.split("::")[0].rsplit("/", 1)[-1] for item in session.items)})
 
+    RAN: dict[str, set] = {}  # file -> ids of the tests this rank reported
+
     def pytest_runtest_logreport(report):
         if report.when == "call" or report.outcome != "passed":  # setup/teardown only when they fail or skip
+            RAN.setdefault(report.nodeid.split("::")[0].rsplit("/", 1)[-1], set()).add(report.nodeid)
             reason = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else None
             _write(
                 {
@@ -41,6 +45,14 @@ if REPORT:
                     "seconds": round(report.duration, 3),
                 }
             )
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(session, exitstatus):
+        """The rank's last line: how many tests it ran, per file, and the world's size. A
+        rank that left early (an ``_exit`` after the last collective, skipping its own
+        asserts) writes none, and the launch fails (tests/suite_report.py)."""
+        world = MPI.COMM_WORLD
+        _write({"finished": {f: len(ids) for f, ids in sorted(RAN.items())}, "size": world.size})
 
 
 @pytest.fixture(scope="session")
