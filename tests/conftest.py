@@ -52,7 +52,26 @@ def missing_reference_skips(stats) -> list[str]:
     return found
 
 
+def instruction_sets() -> tuple[str, list[str], list[str]]:
+    """(this CPU's name, the int8 kernels' instruction sets it runs, those it lacks): the
+    first run numerically in the kernel grid (tests/test_kernel_grid.py), the others are
+    compiled for CPUs that have them and their machine code checked (tests/test_int8.py)."""
+    from mpitp.kernels import cpu
+
+    have = cpu.supported()
+    return cpu.host()[0], list(have), [i for i in cpu.ISAS if i not in have]
+
+
 def pytest_terminal_summary(terminalreporter):
+    ran = {r.nodeid.split("::")[0] for rs in terminalreporter.stats.values() for r in rs if hasattr(r, "nodeid")}
+    if any(f.endswith(("test_kernel_grid.py", "test_int8.py")) for f in ran):
+        name, have, lack = instruction_sets()
+        terminalreporter.section("int8 kernels: instruction sets", yellow=bool(lack))
+        terminalreporter.line(f"run numerically on this CPU ({name}): {', '.join(have)}")
+        if lack:
+            terminalreporter.line(
+                f"compiled and their machine code checked only (this CPU lacks them): {', '.join(lack)}"
+            )
     if os.environ.get("CI"):
         found = missing_reference_skips(terminalreporter.stats)
         if found:
