@@ -476,6 +476,7 @@ def test_three_pipeline_stages_with_every_kind_of_request_at_once(servers):
     want = {p: t for (p, _), t in greedy(model, [(p, False) for p in prompts], 12, CROSS_BATCH_ACTIVATIONS).items()}
     srv = servers(3, "--pp", "3", "--max-batch", "6", "--max-model-len", "512", *CROSS_BATCH_ACTIVATIONS, model=model)
     c = srv.client
+    before = wait_idle(srv.url)
     city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": city, "strict": True}}
     out: dict = {}
@@ -501,6 +502,11 @@ def test_three_pipeline_stages_with_every_kind_of_request_at_once(servers):
     lp = out[len(prompts) + 1].choices[0].logprobs
     assert len(lp.tokens) == 6 and "".join(lp.tokens) == want[prompts[0]][: len("".join(lp.tokens))]
     assert all(max(top.values()) == v for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    # micro-batches were in flight: forwards began while an earlier one's results were unsampled
+    # (with each forward sampled before the next, the texts above would be the same)
+    key = ("mpitp:pipeline_overlapped_steps_total", ())
+    overlapped = scrape(srv.url)[key] - before.get(key, 0)
+    assert overlapped >= 10, overlapped
 
 
 def scrape(url: str) -> dict:
@@ -550,6 +556,7 @@ def test_metrics_count_what_was_sent(servers):
     assert m[("mpitp:e2e_request_latency_seconds_count", ())] == 6
     assert m[("mpitp:inter_token_latency_seconds_count", ())] == made - 6
     assert after[("mpitp:num_requests_running", ())] == 0 and after[("mpitp:num_requests_waiting", ())] == 0
+    assert after[("mpitp:pipeline_overlapped_steps_total", ())] == 0  # one stage: nothing in flight
 
 
 SHARED = "the quick brown fox jumps over the lazy dog, again: "  # about a token a character

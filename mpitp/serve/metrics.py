@@ -12,6 +12,8 @@ every request.
     mpitp:e2e_request_latency_seconds             histogram, from arrival to the end
     mpitp:kv_cache_usage_perc                     gauge, the share of cache rows x columns in use
     mpitp:prefix_cache_queries_total, _hits_total prompt tokens looked up in the prefix cache, found
+    mpitp:pipeline_overlapped_steps_total         counter, forwards started while an earlier
+                                                  micro-batch was still unsampled (--pp: stages busy at once)
 """
 
 from __future__ import annotations
@@ -44,10 +46,16 @@ class Metrics:
         self.kv = Gauge("mpitp:kv_cache_usage_perc", "KV-cache rows x columns in use (0-1).", registry=r, **label)
         self.queries = Counter("mpitp:prefix_cache_queries", "Prompt tokens looked up.", registry=r, **label)
         self.hits = Counter("mpitp:prefix_cache_hits", "Prompt tokens found cached.", registry=r, **label)
+        self.overlapped = Counter(
+            "mpitp:pipeline_overlapped_steps",
+            "Forwards started while an earlier micro-batch was still unsampled (pipeline stages in flight).",
+            registry=r,
+            **label,
+        )
         self.seen = (0, 0)  # the engine's running totals at the last update
         self.name = model_name
         every = (self.running, self.waiting, self.prompt, self.generated, self.ttft, self.itl, self.e2e, self.kv)
-        for m in every + (self.queries, self.hits):
+        for m in every + (self.queries, self.hits, self.overlapped):
             m.labels(model_name)  # every series from the first scrape on, at 0
         for reason in ("stop", "length", "abort", "cancelled"):
             self.success.labels(model_name, reason)

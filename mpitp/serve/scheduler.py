@@ -98,6 +98,7 @@ def run(
         for job in jobs:
             e.add(job)
         ran, t = bool(e.waiting), time.perf_counter()
+        overlapping = bool(in_flight)  # an earlier micro-batch's forward is not sampled yet
         fresh = e.prefill(pace)
         if ran and pacing is not None:  # a served forward's cost (pacing.Pacing.prefilled)
             pacing.prefilled(e.last_tokens, time.perf_counter() - t)
@@ -112,6 +113,8 @@ def run(
             fresh = {}
         t = time.perf_counter()
         in_flight.append((e, fresh, e.step() if fed else None))
+        if overlapping and (ran or fed) and service is not None:
+            service.metrics.overlapped.labels(service.metrics.name).inc()
         if fed and pacing is not None:
             pacing.stepped(time.perf_counter() - t)
         while len(in_flight) > (0 if shutdown else lag):

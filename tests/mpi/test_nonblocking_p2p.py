@@ -50,11 +50,16 @@ def test_ring_of_sends(comm):
         agree(ok, "send/recv")
 
 
-def test_isend_lets_every_rank_send_before_anyone_receives(comm):
+def test_isend_lets_every_rank_send_before_anyone_receives(fresh_comm):
     """A ring where each rank first sends 4 MB (past any eager limit: blocking sends would
-    deadlock) and only then receives; the handle keeps the buffer until wait()."""
+    deadlock) and only then receives; the handle keeps the buffer until wait(). The bytes
+    sent are in the traffic counters (the pipeline's hand-over is an isend: its bytes are
+    checked against the plan through them)."""
+    comm = fresh_comm
     right, left = (comm.rank + 1) % N, (comm.rank - 1) % N
     h = comm.isend(np.full(1 << 20, comm.rank, np.float32), dest=right, tag=3)
     got = comm.recv(left, out=np.empty(1 << 20, np.float32), tag=3)
     h.wait()
     agree(h.done and np.all(got == left), "isend ring")
+    t = comm.traffic
+    agree(t.by_collective["send"] == 4 << 20 and t.total == 4 << 20, f"isend counted {dict(t.by_collective)}")

@@ -1,7 +1,9 @@
 """Pipeline stages (``pp``) with tensor parallelism inside each, at the launcher's world
 size, against the same model on one rank (TP = 1, itself checked against transformers in
 test_llama.py): every pp that divides the world (pp ≥ 2), on a 5-layer model (a layer
-count no pp > 1 divides) and on a Q4_K_M file with int8 activations. The last stage's
+count no pp > 1 divides; hidden size 65, so a batch of 3 rows' hidden states does not
+divide over a stage's T ranks: the last rank's 1/T is padded) and on a Q4_K_M file with
+int8 activations. The last stage's
 logits equal TP = 1's within 1e-5 of their scale (tensor parallelism changes only the
 summation order; 1e-3 with int8 activations, where it can move a rounding), greedy and
 seeded sampled tokens are the same, each stage holds only its layers, and a decode step
@@ -23,7 +25,7 @@ from mpitp.models.pipeline import PipelineError
 
 N = MPI.COMM_WORLD.size
 PPS = [p for p in range(2, N + 1) if N % p == 0]
-CFG = dict(hidden_size=64, intermediate_size=160, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+CFG = dict(hidden_size=65, intermediate_size=160, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
            num_hidden_layers=5, vocab_size=256, tie_word_embeddings=False)  # fmt: skip
 
 
@@ -76,8 +78,8 @@ def test_stages_equal_one_rank(world, models, name, activations):
         pytest.skip(f"no pp >= 2 divides {N} rank(s)")
     path = models / name
     one = LlamaForCausalLM.from_pretrained(path, activations=activations)
-    ids = np.random.default_rng(1).integers(0, 256, (2, 9))
-    prompts = [[5, 17, 42, 7, 9], [9, 2, 4]]
+    ids = np.random.default_rng(1).integers(0, 256, (3, 9))  # 3 x 9 x 65 values: no T > 1 divides them
+    prompts = [[5, 17, 42, 7, 9], [9, 2, 4], [11, 3]]
     want = one(ids)
     greedy = one.generate(prompts, max_new_tokens=6, stop_tokens=[])
     sampled = one.generate(prompts, max_new_tokens=6, stop_tokens=[], temperature=0.9, top_k=40, seed=4)
@@ -100,17 +102,17 @@ def test_stages_equal_one_rank(world, models, name, activations):
         s = m.generate(prompts, max_new_tokens=6, stop_tokens=[], temperature=0.9, top_k=40, seed=4)
         agree(s == sampled, f"{name} pp={pp}: sampled tokens (seed 4)")
         # one decode step: one hidden state per row over each boundary, 1/T from each tp rank
-        cache = m.new_cache(2, 12)
+        cache = m.new_cache(3, 12)
         cache.valid[:, :10] = True
-        m.forward(ids, np.arange(9)[None].repeat(2, 0), cache, last_only=True)
+        m.forward(ids, np.arange(9)[None].repeat(3, 0), cache, last_only=True)
         before = st.pp.traffic.by_collective["send"]
-        m.forward(ids[:, :1], np.full((2, 1), 9), cache, last_only=True)
+        m.forward(ids[:, :1], np.full((3, 1), 9), cache, last_only=True)
         sent = st.pp.traffic.by_collective["send"] - before
         from mpitp.plan.infer import pp_boundary_bytes_per_rank
 
         H, T = one.config.hidden_size, st.tp.size  # the plan's figure (mpitp plan infer), to the byte
-        want_sent = 0 if m.is_last else pp_boundary_bytes_per_rank(one.config, T, batch=2)
-        agree(want_sent in (0, -(-2 * H // T) * 4), f"plan: {want_sent} bytes")
+        want_sent = 0 if m.is_last else pp_boundary_bytes_per_rank(one.config, T, batch=3)
+        agree(want_sent in (0, -(-3 * H // T) * 4), f"plan: {want_sent} bytes")
         agree(sent == want_sent, f"pp={pp}: stage {st.index} sent {sent} bytes in a step, expected {want_sent}")
         st.free()
 
