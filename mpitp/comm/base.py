@@ -117,6 +117,7 @@ class CommunicatorBase:
         rank joins none and gets ``None``), ordered by ``key``, then by rank here. It keeps
         this communicator's node map (real or simulated nodes), so its traffic counters
         still tell intra- from inter-node bytes. Collective over this communicator."""
+        self.watchdog.wait([self.mpi.Ibarrier()], "split (a collective: every rank calls it)")  # MPI has no Isplit
         sub = self.mpi.Split(MPI.UNDEFINED if color is None else color, key)
         return self._adopt(sub)
 

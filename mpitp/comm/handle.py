@@ -38,12 +38,16 @@ class Watchdog:
         if self.timeout is None:
             MPI.Request.Waitall(reqs)
             return
-        deadline = time.monotonic() + self.timeout
+        self.until(lambda: MPI.Request.Testall(reqs), label)
+
+    def until(self, ready, label: str) -> None:
+        """Poll ``ready()`` until it is true, aborting the job past the timeout (with one set)."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
         spins = 0
-        while not MPI.Request.Testall(reqs):
+        while not ready():
             spins += 1
             if spins % 64 == 0:
-                if time.monotonic() > deadline:
+                if deadline is not None and time.monotonic() > deadline:
                     self.abort(label)
                 time.sleep(0)  # let an oversubscribed peer run
 

@@ -3,8 +3,11 @@ checked against. These tests run on every rank at once under mpiexec, so every a
 is collective: :func:`agree` fails on all ranks together, which keeps the ranks in step
 (and hypothesis shrinking in step) instead of leaving some blocked."""
 
+import os
 import shutil
 import tempfile
+import time
+import traceback
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,11 +18,29 @@ from mpi4py import MPI
 
 
 def agree(cond: bool, msg: str = "") -> None:
-    """Fail on every rank if ``cond`` is false on any rank, naming those ranks."""
-    flags = MPI.COMM_WORLD.allgather((bool(cond), msg if not cond else ""))
-    bad = [(r, m) for r, (ok, m) in enumerate(flags) if not ok]
-    if bad:
-        pytest.fail("; ".join(f"rank {r}: {m}" for r, m in bad), pytrace=False)
+    """Fail on every rank if ``cond`` is false on any rank, naming those ranks. The flags
+    travel by a nonblocking all-gather polled against MPITP_TIMEOUT: ranks out of step (one
+    raised before an earlier agree and went on to the next test) abort the launch with
+    where each waits, instead of blocking it until the launcher's own limit."""
+    world = MPI.COMM_WORLD
+    flags = np.empty(world.size, np.int8)
+    req = world.Iallgather(np.array([bool(cond)], np.int8), flags)
+    limit = float(os.environ.get("MPITP_TIMEOUT") or 0)
+    deadline = time.monotonic() + limit
+    while not req.Test():
+        if limit and time.monotonic() > deadline:
+            text = (
+                f"rank {world.rank}: waited more than {limit:g} s in agree({msg!r}) at\n"
+                + "".join(traceback.format_stack(limit=6)[:-1])
+                + "the ranks are out of step (one failed before an earlier agree?): aborting the launch\n"
+            )
+            os.write(2, text.encode())  # fd 2: the launcher's (pytest captures sys.stderr)
+            world.Abort(1)
+        time.sleep(0)
+    if flags.all():
+        return
+    msgs = world.allgather(msg if not cond else "")
+    pytest.fail("; ".join(f"rank {r}: {msgs[r]}" for r in np.flatnonzero(flags == 0)), pytrace=False)
 
 
 def rank_inputs(shape, dtype, op, size, seed):
