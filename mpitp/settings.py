@@ -45,7 +45,7 @@ class Settings:
     timeline: str | None = None  # MPITP_TIMELINE
     activations: str | None = None  # MPITP_ACTIVATIONS (mpitp.kernels.cpu checks the value)
     isa: str | None = None  # MPITP_ISA (the same)
-    kv_cache_dtype: str | None = None  # MPITP_KV_CACHE_DTYPE (mpitp.models.llama checks the value)
+    kv_cache_dtype: str | None = None  # MPITP_KV_CACHE_DTYPE (mpitp.models.kv_cache checks the value)
     threads: int = 1  # MPITP_THREADS (threads per rank in the int8 kernels: mpitp.kernels.parallel)
 
     @classmethod

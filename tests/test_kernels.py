@@ -12,6 +12,7 @@ pytest.importorskip("numba")
 
 from mpitp.kernels import cpu, formats  # noqa: E402
 from mpitp.kernels import matmul as mm  # noqa: E402
+from mpitp.kernels.dequant import take  # noqa: E402
 
 NATIVE = ["Q4_0", "Q4_1", "Q8_0"]
 RUNNABLE = list(cpu.supported())  # this CPU's instruction sets: decode attention's core on each
@@ -90,7 +91,7 @@ def test_take_is_the_embedding_lookup(t):
     raw, deq = ggml(rng.standard_normal((40, 64)).astype(np.float32), t)
     bw = formats.from_ggml(raw, t)
     ids = np.array([3, -1, 39, 0, 3], np.int64)
-    out = mm.take(bw, ids)
+    out = take(bw, ids)
     assert np.array_equal(out[[0, 2, 3, 4]], deq[[3, 39, 0, 3]]) and not out[1].any()
 
 
@@ -177,7 +178,7 @@ def test_half_slices_and_take(t):
     assert np.array_equal(bw.rows(7, 31).dequantize(), deq[7:31])
     assert np.array_equal(bw.cols(10, 61).dequantize(), deq[:, 10:61])  # no block boundary needed
     assert np.array_equal(formats.concat_rows([bw.rows(0, 9), bw.rows(9, 40)]).dequantize(), deq)
-    out = mm.take(bw, np.array([3, -1, 39], np.int64))
+    out = take(bw, np.array([3, -1, 39], np.int64))
     assert np.array_equal(out[[0, 2]], deq[[3, 39]]) and not out[1].any()
     assert not formats.empty(bw.kind, 2, 70, t).dequantize().any()
 

@@ -123,7 +123,7 @@ def _serve(args, comm) -> int:
     engine = engines[0]
     pacing = None
     if args.prefill_pacing == "auto" and stages == 1:  # timed before the HTTP side takes requests
-        from ..serve.pacing import calibrate
+        from ..serve.scheduler import calibrate
 
         pacing = calibrate(model, comm.rank == 0, comm, engine.max_len)
     service = None

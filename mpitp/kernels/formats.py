@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .dequant import dequantize_rows
+
 BLOCK = 32
 SUPER = 256  # weights per K-quant super-block
 HALF = {"F16": "f16", "BF16": "bf16"}  # ggml type -> kind of the 16-bit floats kept as bits
@@ -101,8 +103,6 @@ class BlockWeight:
         return BlockWeight(self.kind, np.ascontiguousarray(self.qs), d, m, self.source, ks)
 
     def dequantize(self) -> np.ndarray:
-        from .matmul import dequantize_rows
-
         return dequantize_rows(self.contiguous(), 0, self.shape[0])
 
 

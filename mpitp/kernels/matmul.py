@@ -25,11 +25,11 @@ from functools import partial
 import numpy as np
 from numba import njit
 
+from .dequant import OPTS, SIXTEEN, SIXTEENTH, dequantize_rows, q4_dequantize, q4_take, q8_dequantize, q8_take
+
 SMALL = 16  # rows of x up to which the decode kernels run; above, tiles + BLAS
 HALF_SMALL = 8  # the same for 16-bit floats (docs/measurements.md: at 16 rows BLAS wins)
 TILE = 2048  # weight rows dequantized per BLAS call in prefill
-SIXTEEN, SIXTEENTH = np.float32(16.0), np.float32(1 / 16)
-OPTS = dict(cache=True, fastmath=True, nogil=True, boundscheck=False)
 
 
 @njit(**OPTS)
@@ -161,50 +161,6 @@ def _q8_rows4(qs, d, sh, x, y, i):
 
 
 @njit(**OPTS)
-def q4_dequantize(qs, d, m, r0, r1, out):
-    """Rows [r0, r1) of a q4 weight -> out [r1-r0, K] float32."""
-    B = d.shape[1]
-    for n in range(r0, r1):
-        for b in range(B):
-            sc, mn = d[n, b], m[n, b]
-            for j in range(16):
-                qf = np.float32(qs[n, 16 * b + j])
-                hi = np.floor(qf * SIXTEENTH)
-                out[n - r0, 32 * b + j] = sc * (qf - SIXTEEN * hi) + mn
-                out[n - r0, 32 * b + 16 + j] = sc * hi + mn
-
-
-@njit(**OPTS)
-def q8_dequantize(qs, d, r0, r1, out):
-    B = d.shape[1]
-    G = qs.shape[1] // B  # weights per scale: 32, or 16 (Q6_K)
-    for n in range(r0, r1):
-        for b in range(B):
-            sc = d[n, b]
-            for j in range(G):
-                out[n - r0, G * b + j] = sc * np.float32(qs[n, G * b + j])
-
-
-@njit(**OPTS)
-def q4_take(qs, d, m, ids, out):
-    """Embedding lookup: out[t] = row ids[t] of a q4 weight (a negative id gives zeros)."""
-    for t in range(ids.shape[0]):
-        if ids[t] < 0:
-            out[t, :] = 0
-        else:
-            q4_dequantize(qs, d, m, ids[t], ids[t] + 1, out[t : t + 1])
-
-
-@njit(**OPTS)
-def q8_take(qs, d, ids, out):
-    for t in range(ids.shape[0]):
-        if ids[t] < 0:
-            out[t, :] = 0
-        else:
-            q8_dequantize(qs, d, ids[t], ids[t] + 1, out[t : t + 1])
-
-
-@njit(**OPTS)
 def q4_small(qs, d, m, x, y):
     """y [M, N] = x [M, K] @ Wᵀ for M <= SMALL: one row alone, else rows four and two at a
     time (an odd count gets a zero row). One call from Python: numba's dispatch costs
@@ -272,41 +228,6 @@ def warm(kind: str) -> None:
     else:
         q8_dequantize(qs, d, 0, 1, out)
         q8_take(qs, d, np.zeros(1, np.int64), out)
-
-
-def dequantize_rows(w, r0: int, r1: int) -> np.ndarray:
-    if getattr(w, "layout", "") == "pieces":
-        return w.dequantize()[r0:r1]
-    if getattr(w, "layout", "") == "tiles":  # int8 kernels' layout (:mod:`.tiles`)
-        return dequantize_rows(w.planar(r0, r1), 0, r1 - r0)
-    out = np.empty((r1 - r0, w.shape[1]), np.float32)
-    if w.kind in ("f16", "bf16"):
-        from .half import half_dequantize
-
-        half_dequantize(w.qs, w.kind == "bf16", r0, r1, out)
-    elif w.kind == "q4":
-        q4_dequantize(w.qs, w.d, w.m, r0, r1, out)
-    else:
-        q8_dequantize(w.qs, w.d, r0, r1, out)
-    return out
-
-
-def take(w, ids: np.ndarray) -> np.ndarray:
-    """Rows ``ids`` (1-D int64; -1 for a zero row) of ``w`` as float32 [len(ids), K]."""
-    out = np.empty((ids.shape[0], w.shape[1]), np.float32)
-    if getattr(w, "layout", "") == "tiles":
-        for t, i in enumerate(ids):
-            out[t] = 0 if i < 0 else dequantize_rows(w, int(i), int(i) + 1)[0]
-        return out
-    if w.kind in ("f16", "bf16"):
-        from .half import half_take
-
-        half_take(w.qs, w.kind == "bf16", ids, out)
-    elif w.kind == "q4":
-        q4_take(w.qs, w.d, w.m, ids, out)
-    else:
-        q8_take(w.qs, w.d, ids, out)
-    return out
 
 
 class Pieces:

@@ -21,6 +21,7 @@ from ..errors import MpitpError
 from ..progress import Progress
 from ..tp import SafetensorsSource
 from .config import ConfigError, LlamaConfig
+from .kv_cache import kv_cache_choice
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 IGNORED = ("rotary_emb.inv_freq",)
@@ -187,7 +188,7 @@ def load_pretrained(
     dequantize). ``activations`` (int8, float32, auto: :func:`mpitp.kernels.cpu.activations`)
     says how block weights multiply: int8 activations with the weights repacked in tiles
     (:mod:`mpitp.kernels.int8`), or float32 activations, the exact reference.
-    ``kv_cache_dtype``: :func:`mpitp.models.llama.kv_cache_dtype`."""
+    ``kv_cache_dtype``: :func:`mpitp.models.kv_cache.kv_cache_dtype`."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such directory")
@@ -230,8 +231,6 @@ def load_pretrained(
             model.activations = resolve(activations)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    from .llama import kv_cache_choice
-
     # checked before the weights load; the model's finish_load settles auto, knowing its weights
     model.kv_choice = kv_cache_choice(kv_cache_dtype)
     model.load_info = load_weights(model, path)

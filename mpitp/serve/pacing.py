@@ -30,11 +30,6 @@ of a bare fit was half the served one. While serving, a follows the served forwa
 
 from __future__ import annotations
 
-import math
-import time
-
-import numpy as np
-
 SHORT, LONG, PROMPTS = 16, 128, 4  # the timed prefills: one prompt of 16 tokens; 4 of 32
 REPS = 2
 PLANNED = 32  # waiting prompts the grouping looks at (its cost grows with their square)
@@ -99,35 +94,3 @@ def take(left: list[int], pace: float | None) -> int | None:
             if cost < best[i]:
                 best[i], first[i] = cost, j
     return None if first[0] == n else first[0]  # all in one: all that fit the budget
-
-
-def calibrate(model, rank0: bool, comm=None, max_len: int = 4096) -> Pacing:
-    """Every rank: timed prefills (in lockstep) through a small engine of its own (no
-    prefix cache), so its packing is in the figures: one prompt of SHORT tokens, and LONG
-    tokens in PROMPTS prompts; rank 0's :class:`Pacing` from them (the others get one too,
-    unused). Off where the fit makes no sense (b ≤ 0, a < 0) or the context is too short."""
-    from .engine import Engine, Job
-
-    per = LONG // PROMPTS
-    if max_len < per + 1:
-        return Pacing()
-    e = Engine(model, PROMPTS, max_len=per + 1, budget=LONG, prefix_bytes=0, comm=comm)
-    vocab = model.config.vocab_size
-    times = {SHORT: math.inf, LONG: math.inf}
-    job = 0
-    for _ in range(REPS):
-        for n, prompts in ((SHORT, 1), (LONG, PROMPTS)):
-            for k in range(prompts):
-                job += 1
-                e.add(Job(job, [int(v) for v in (np.arange(n // prompts) * 7919 + k) % vocab], 1))
-            if comm is not None:
-                comm.barrier()
-            t = time.perf_counter()
-            e.prefill()
-            times[n] = min(times[n], time.perf_counter() - t)
-            e.cancel(range(job + 1))
-    b = (times[LONG] - times[SHORT]) / (LONG - SHORT)
-    a = times[SHORT] - b * SHORT
-    if not rank0 or b <= 0 or a < 0:
-        return Pacing()
-    return Pacing(a, b)

@@ -13,6 +13,7 @@ SIGTERM (or SIGINT) ends the requests in flight with what they have (finish_reas
 
 from __future__ import annotations
 
+import math
 import queue
 import signal
 import threading
@@ -20,10 +21,12 @@ import time
 from collections import deque
 from typing import Any
 
+import numpy as np
+
 from ..log import get_logger
 from . import logprobs as lp
 from .engine import Engine, Job, Next, Out
-from .pacing import Pacing
+from .pacing import LONG, PROMPTS, REPS, SHORT, Pacing
 from .requests import Request, Service
 
 
@@ -206,3 +209,33 @@ def _finish(r: Request, reason: str) -> None:
     if r.metrics is not None:  # counted before the client hears of it: a scrape after sees it
         r.metrics.finished(r, reason)
     r.events.put((r.index, "done", reason, []))
+
+
+def calibrate(model, rank0: bool, comm=None, max_len: int = 4096) -> Pacing:
+    """Every rank: timed prefills (in lockstep) through a small engine of its own (no
+    prefix cache), so its packing is in the figures: one prompt of SHORT tokens, and LONG
+    tokens in PROMPTS prompts; rank 0's :class:`Pacing` from them (the others get one too,
+    unused). Off where the fit makes no sense (b ≤ 0, a < 0) or the context is too short."""
+    per = LONG // PROMPTS
+    if max_len < per + 1:
+        return Pacing()
+    e = Engine(model, PROMPTS, max_len=per + 1, budget=LONG, prefix_bytes=0, comm=comm)
+    vocab = model.config.vocab_size
+    times = {SHORT: math.inf, LONG: math.inf}
+    job = 0
+    for _ in range(REPS):
+        for n, prompts in ((SHORT, 1), (LONG, PROMPTS)):
+            for k in range(prompts):
+                job += 1
+                e.add(Job(job, [int(v) for v in (np.arange(n // prompts) * 7919 + k) % vocab], 1))
+            if comm is not None:
+                comm.barrier()
+            t = time.perf_counter()
+            e.prefill()
+            times[n] = min(times[n], time.perf_counter() - t)
+            e.cancel(range(job + 1))
+    b = (times[LONG] - times[SHORT]) / (LONG - SHORT)
+    a = times[SHORT] - b * SHORT
+    if not rank0 or b <= 0 or a < 0:
+        return Pacing()
+    return Pacing(a, b)

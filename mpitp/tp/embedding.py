@@ -80,7 +80,7 @@ class VocabParallelEmbedding:
         ids = xp.asarray(ids)
         mine = (ids >= self.start) & (ids < self.end)
         if self.qweight is not None:
-            from ..kernels.matmul import take
+            from ..kernels.dequant import take
 
             local = np.where(mine, ids - self.start, -1).astype(np.int64)
             out = take(self.qweight, local.reshape(-1)).reshape(*ids.shape, self.hidden)
