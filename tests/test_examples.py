@@ -1,5 +1,6 @@
-"""examples/ are the README's API snippets: each README block that names an example file
-holds exactly that file, and each file runs under a real mpiexec and prints its result."""
+"""examples/ are the documentation's API snippets: each block of the README or a docs/ page
+that names an example file holds exactly that file, and each file runs under a real
+mpiexec and prints its result."""
 
 import os
 import re
@@ -18,10 +19,11 @@ BLOCK = re.compile(r"```python\n# (examples/[\w.]+)\n(.*?)```", re.S)
 
 
 def test_readme_blocks_are_the_example_files():
-    blocks = dict(BLOCK.findall((ROOT / "README.md").read_text()))
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    blocks = dict(b for page in pages for b in BLOCK.findall(page.read_text()))
     assert sorted(blocks) == [f"examples/{name}" for name in EXAMPLES]
     for path, text in blocks.items():
-        assert text == (ROOT / path).read_text(), f"README's {path} differs from the file"
+        assert text == (ROOT / path).read_text(), f"the documentation's {path} differs from the file"
 
 
 def run(example: str, n: int, *args: str) -> str:

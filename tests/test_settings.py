@@ -1,5 +1,5 @@
 """Every MPITP_* variable in one place: one rule for booleans and sizes, invalid values
-named, the README's table in step with the code; the parsers fuzzed (hypothesis)."""
+named, docs/environment.md's table in step with the code; the parsers fuzzed (hypothesis)."""
 
 import re
 from pathlib import Path
@@ -13,7 +13,7 @@ from mpitp import settings
 from mpitp.settings import Settings, SettingsError
 from mpitp.units import parse_size
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parent.parent / "docs" / "environment.md"  # the variables' table
 
 
 @pytest.mark.parametrize(
@@ -69,7 +69,7 @@ def test_current_follows_the_environment(monkeypatch):
 def test_readme_table_matches_the_settings():
     text = README.read_text()
     table = text[text.index("| variable | effect |") :]
-    table = table[: table.index("\n\n")]
+    table = table.split("\n\n")[0]
     documented = set(re.findall(r"`(MPITP_[A-Z_]+)", table))
     assert documented == set(settings.VARIABLES), documented ^ set(settings.VARIABLES)
 
