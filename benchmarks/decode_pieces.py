@@ -31,7 +31,8 @@ from mpitp.comm import Communicator
 from mpitp.kernels import decode as K
 from mpitp.kernels import fused
 from mpitp.kernels.calls import quantizer_at
-from mpitp.models.llama import LlamaForCausalLM, Step
+from mpitp.models.layers import Step
+from mpitp.models.llama import LlamaForCausalLM
 from mpitp.models.resolve import model_dir
 
 

@@ -228,7 +228,8 @@ def test_a_float16_kv_cache_decodes_as_the_generic_layers_and_near_float32(model
     (~1e-2 a value) amplifies any difference, the cache's included, to ~0.4 a logit."""
     import copy
 
-    from mpitp.models.llama import LlamaForCausalLM, Step
+    from mpitp.models.layers import Step
+    from mpitp.models.llama import LlamaForCausalLM
 
     prompts = [[5, 17, 42, 7, 3, 99, 1000], [9, 2], [11, 12, 13, 400]]
     B, T = len(prompts), max(len(p) for p in prompts)

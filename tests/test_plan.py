@@ -184,7 +184,8 @@ def test_plan_tp_counts_block_weights_as_the_model_holds_them():
     pytest.importorskip("gguf")
     pytest.importorskip("numba")
     from mpitp.models import default
-    from mpitp.models.llama import LlamaForCausalLM, TPPlan
+    from mpitp.models.layers import TPPlan
+    from mpitp.models.llama import LlamaForCausalLM
 
     if default.gguf_file() is None:
         pytest.skip("the default model is not installed")

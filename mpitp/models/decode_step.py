@@ -1,7 +1,7 @@
 """The decoder layers of one decode step (one new token per row), NumPy float32, in a
 tight loop.
 
-The generic forward (:class:`~mpitp.models.llama.DecoderLayer`) dispatches every op
+The generic forward (:class:`~mpitp.models.layers.DecoderLayer`) dispatches every op
 through its module: ~40 Python calls, checks and reshapes per layer, 2-3 ms of a 15-20 ms
 step of the default model. A decode step makes the same ten calls per layer every time,
 so they are bound once (each linear layer's kernel to its weight,

@@ -218,7 +218,7 @@ def decode_both_ways(model, prompts: list[list[int]]):
 
 
 def _decode_step_of(model, positions, cache):
-    from mpitp.models.llama import Step
+    from mpitp.models.layers import Step
 
     return Step(model.rotary, positions, cache, 1, model.xp)
 
