@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from mpitp.models.llama import LlamaForCausalLM
-from mpitp.serve.engine import Engine, Job
+from mpitp.serve.engine import Engine
+from mpitp.serve.jobs import Job
 from mpitp.serve.pacing import PLANNED, Pacing, take
 
 FIX = Path(__file__).resolve().parent / "fixtures"

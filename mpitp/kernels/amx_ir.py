@@ -30,21 +30,9 @@ Linux hands AMX's 8 KB of register state to a process only on request
 from __future__ import annotations
 
 from . import int8_ir
-from .int8_ir import (
-    SIGNATURE,
-    _at,
-    _bcast,
-    _Body,
-    _chain,
-    _k_scales,
-    _load,
-    _parse,
-    _per_tile,
-    _q6_quants,
-    _scales,
-    frame,
-    splat,
-)
+from .blocks_ir import k_scales, parse, q6_quants, scales
+from .frame_ir import SIGNATURE, frame
+from .ir import Body, bcast, chain, load, offset_at, per_tile, splat
 
 DECLARE = """
 declare void @llvm.x86.ldtilecfg(ptr)
@@ -118,7 +106,7 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
     block and mispredicted its branch; the 1B benchmark's random weights in 6% at
     K = 2048, where ``_d``'s wider tiles and second digit's float work are the waste."""
     name = f"{fmt}_amx_r{R}_d{D}_g{G}" + ("_o" if sparse else "")
-    core, _, _ = _parse(fmt)
+    core, _, _ = parse(fmt)
     if (
         isa != "amx"
         or core not in ("q4", "q8", "q4k", "q6k")
@@ -194,10 +182,10 @@ _ARGS = ", ".join(a.strip() for a in SIGNATURE.split(","))
 def _body(name: str, fmt: str, R: int, D: int, G: int, mode: str) -> str:
     """One kernel's function: ``plain`` (every digit every block), ``dense`` or ``sparse``
     (int8o, :func:`kernel`)."""
-    core, implied, half = _parse(fmt)
+    core, implied, half = parse(fmt)
     x_rows = R * D
     branch = mode == "sparse"
-    e = _Body(16)
+    e = Body(16)
     F = e.F
     latch = "join" if branch else "main"
     for r in range(R):
@@ -211,18 +199,18 @@ def _body(name: str, fmt: str, R: int, D: int, G: int, mode: str) -> str:
         e.do(f"{ts} = add i64 %tS{sfx}, %bs")
         e.do(f"{tb} = add i64 %tnb{sfx}, %b")
     if PREFETCH:
-        int8_ir._prefetch(e, core, far=FAR)
+        int8_ir.prefetch(e, core, far=FAR)
     mins: list[tuple[str, int]] = []
     if core in ("q4k", "q6k"):
-        dvs, mins = _k_scales(e, core, "avx512", half)
+        dvs, mins = k_scales(e, core, "avx512", half)
     elif G == 32:
-        dvs = [_scales(e, "avx512", "%d", _at(e, 3), half)]
+        dvs = [scales(e, "avx512", "%d", offset_at(e, 3), half)]
     else:
-        dvs = [_scales(e, "avx512", "%d", _at(e, 4, h * 8), half) for h in (0, 1)]
+        dvs = [scales(e, "avx512", "%d", offset_at(e, 4, h * 8), half) for h in (0, 1)]
     if core == "q4" and implied:
         mins = [(e(f"fmul {F} {dvs[0]}, {splat('float', 16, '-8.0')}"), -1)]
     elif core == "q4":
-        mins = [(_scales(e, "avx512", "%m", _at(e, 3), half), -1)]
+        mins = [(scales(e, "avx512", "%m", offset_at(e, 3), half), -1)]
     # B one block ahead: this block's weights were stored to the stack a block ago (the
     # first block of a step: now, on a branch), and the next block's are stored now, so
     # that no tile load waits on the vector stores just made (measured: 1.3-1.5x the speed)
@@ -275,7 +263,7 @@ def _body(name: str, fmt: str, R: int, D: int, G: int, mode: str) -> str:
 
     def digit_terms(r: int, j: int) -> list[tuple[str, str]]:
         a, i = where(r, j)
-        xd = _bcast(e, _load(e, "float", "%xdt", e(f"add i64 %bxd, {D * r + j}", "xb"), "float"))
+        xd = bcast(e, load(e, "float", "%xdt", e(f"add i64 %bxd, {D * r + j}", "xb"), "float"))
         out = []
         for h, dv in enumerate(dvs):
             cp = e(f"getelementptr i8, ptr %cbuf, i64 {1024 * (a * halves + h) + 64 * i}", "cp")  # row i of C
@@ -287,7 +275,7 @@ def _body(name: str, fmt: str, R: int, D: int, G: int, mode: str) -> str:
         out = []
         for mv, h in mins:
             at = e(f"add i64 %bxs, {S * r + max(h, 0)}", "xb")
-            out.append((mv, _bcast(e, _load(e, "float", "%xst", at, "float"))))
+            out.append((mv, bcast(e, load(e, "float", "%xst", at, "float"))))
         return out
 
     S = 2 if any(h >= 0 for _, h in mins) else 1  # x's sums a block: per 16 (Q6_K) or 32
@@ -297,13 +285,13 @@ def _body(name: str, fmt: str, R: int, D: int, G: int, mode: str) -> str:
         multiply(a)
     for r in range(R):
         if mode == "plain":
-            _chain(e, f"%acc{r}", [t for j in range(D) for t in digit_terms(r, j)] + least(r), f"%acc{r}_n")
+            chain(e, f"%acc{r}", [t for j in range(D) for t in digit_terms(r, j)] + least(r), f"%acc{r}_n")
         elif mode == "dense":  # the vector kernels' order: the first digit, the minimum, the outliers
-            _chain(e, f"%acc{r}", digit_terms(r, 0) + least(r) + digit_terms(r, 1), f"%acc{r}_n")
+            chain(e, f"%acc{r}", digit_terms(r, 0) + least(r) + digit_terms(r, 1), f"%acc{r}_n")
         else:
-            _chain(e, f"%acc{r}", digit_terms(r, 0) + least(r), f"%acc{r}_a")
+            chain(e, f"%acc{r}", digit_terms(r, 0) + least(r), f"%acc{r}_a")
     if branch:  # as int8_ir's: the rows' outlier scales OR-ed as integers, one branch
-        bits = [_load(e, "i32", "%xdt", e(f"add i64 %bxd, {D * r + 1}", "xb"), "float") for r in range(R)]
+        bits = [load(e, "i32", "%xdt", e(f"add i64 %bxd, {D * r + 1}", "xb"), "float") for r in range(R)]
         some = bits[0]
         for c in bits[1:]:
             some = e(f"or i32 {some}, {c}", "c")
@@ -312,7 +300,7 @@ def _body(name: str, fmt: str, R: int, D: int, G: int, mode: str) -> str:
         e.lines.append("sparse:")
         multiply(1)
         for r in range(R):
-            _chain(e, f"%acc{r}_a", digit_terms(r, 1), f"%acc{r}_s")
+            chain(e, f"%acc{r}_a", digit_terms(r, 1), f"%acc{r}_s")
         e.do("br label %join")
         e.lines.append("join:")
         for r in range(R):
@@ -382,19 +370,19 @@ done:
 """
 
 
-def _store_weights(e: _Body, core: str, buf: str) -> None:
+def _store_weights(e: Body, core: str, buf: str) -> None:
     """B of the block at ``e.tiles``' indices, row g = the block's vector g (16 output rows
     × 4 consecutive k, unsigned but q8's), stored to ``buf``."""
     B = e.B
     if core in ("q4", "q4k"):
-        raw = [_per_tile(e, "<32 x i8>", "%qs", _at(e, 7, 32 * g)) for g in range(4)]
+        raw = [per_tile(e, "<32 x i8>", "%qs", offset_at(e, 7, 32 * g)) for g in range(4)]
         rows = [e(f"and {B} {v}, {splat('i8', 64, 15)}") for v in raw] + [
             e(f"lshr {B} {v}, {splat('i8', 64, 4)}") for v in raw
         ]
     elif core == "q6k":
-        rows = _q6_quants(e)
+        rows = q6_quants(e)
     else:  # q8: signed weights as they are (tdpbssd)
-        rows = [_per_tile(e, "<32 x i8>", "%qs", _at(e, 8, 32 * g)) for g in range(8)]
+        rows = [per_tile(e, "<32 x i8>", "%qs", offset_at(e, 8, 32 * g)) for g in range(8)]
     for g, v in enumerate(rows):
         p = e(f"getelementptr i8, ptr {buf}, i64 {64 * g}", "bp")
         e.do(f"store {B} {v}, ptr {p}, align 64")

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import struct
 
-from .int8_ir import _Body, splat
+from .ir import Body, splat
 from .quantize_ir import _tree
 
 MASKED = -3.4028234663852886e38  # float32's lowest, as decode.MASKED
@@ -69,7 +69,7 @@ def _vsplat(v) -> str:
     return splat("float", LANES, v)
 
 
-def _exp(e: _Body, x: str) -> str:
+def _exp(e: Body, x: str) -> str:
     """exp of 16 floats at most 0 (a score less the row's top)."""
     low = e(f"fcmp olt {F} {x}, {_vsplat(LOWEST)}")
     xc = e(f"select <{LANES} x i1> {low}, {F} {_vsplat(LOWEST)}, {F} {x}")
@@ -98,18 +98,18 @@ def kernel(D: int, G: int, half: bool = False) -> str:
     C, H, m = D // LANES, range(G), _f(MASKED)
     KT = "half" if half else "float"  # the cache's type
     KV = f"<{LANES} x {KT}>"
-    blocks: dict[str, _Body] = {}
+    blocks: dict[str, Body] = {}
 
-    def block(label: str) -> _Body:  # the blocks' SSA names numbered in one sequence
-        b = _Body()
+    def block(label: str) -> Body:  # the blocks' SSA names numbered in one sequence
+        b = Body()
         b.n = max((x.n for x in blocks.values()), default=0)
         blocks[label] = b
         return b
 
-    def ptr(b: _Body, ty: str, base: str, off) -> str:
+    def ptr(b: Body, ty: str, base: str, off) -> str:
         return b(f"getelementptr {ty}, ptr {base}, i64 {off}", "p")
 
-    def bcast(b: _Body, s: str) -> str:
+    def bcast(b: Body, s: str) -> str:
         ins = b(f"insertelement {F} poison, float {s}, i64 0")
         return b(f"shufflevector {F} {ins}, {F} poison, <{LANES} x i32> zeroinitializer")
 
@@ -124,7 +124,7 @@ def kernel(D: int, G: int, half: bool = False) -> str:
             x = e(f"fptrunc {F} {x} to {KV}") if half else x
             e.do(f"store {KV} {x}, ptr {ptr(e, KT, cache, e(f'add i64 {at}, {LANES * c}'))}, align 2")
 
-    def row(b: _Body, base: str) -> list[str]:  # one column's D values, as float32
+    def row(b: Body, base: str) -> list[str]:  # one column's D values, as float32
         loads = [b(f"load {KV}, ptr {ptr(b, KT, base, LANES * c)}, align 2") for c in range(C)]
         return [b(f"fpext {KV} {x} to {F}") for x in loads] if half else loads
 

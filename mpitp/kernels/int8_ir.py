@@ -43,9 +43,9 @@ is paired with itself and its second half stored nowhere.
 
 from __future__ import annotations
 
-SIGNATURE = "ptr %qs, ptr %d, ptr %m, ptr %xq, ptr %xd, ptr %xs, ptr %y, i64 %T, i64 %nb, i64 %M, i64 %ldy"
-
-UNLIKELY = '\n!0 = !{!"branch_weights", i32 1, i32 64}\n'  # taken once in 64
+from .blocks_ir import k_scales, parse, q6_quants, scales
+from .frame_ir import any_outlier, frame
+from .ir import UNLIKELY, Body, bcast, chain, idx, load, offset_at, per_tile, splat
 
 DECLARE = """
 declare void @llvm.prefetch.p0(ptr, i32, i32, i32)
@@ -62,39 +62,7 @@ declare <64 x i8> @llvm.abs.v64i8(<64 x i8>, i1)
 """
 
 
-def splat(t: str, n: int, v) -> str:
-    return "<" + ", ".join(f"{t} {v}" for _ in range(n)) + ">"
-
-
-def idx(ix) -> str:
-    """A shufflevector mask."""
-    ix = list(ix)
-    return f"<{len(ix)} x i32> <" + ", ".join(f"i32 {i}" for i in ix) + ">"
-
-
-class _Body:
-    """Numbered SSA names and the lines that define them, for kernels of V lanes (output
-    rows a step: 8, or 16 = two tiles): F, I, B are the float, int32 and byte vector types."""
-
-    def __init__(self, V: int = 8):
-        self.lines: list[str] = []
-        self.n = 0
-        self.V = V
-        self.F, self.I, self.B = f"<{V} x float>", f"<{V} x i32>", f"<{4 * V} x i8>"
-        # the (tile·nb + b, tile·S + super-block) index names of each tile this step
-        self.tiles = [("%tb", "%ts")] + ([("%tb_1", "%ts_1")] if V == 16 else [])
-
-    def __call__(self, expr: str, name: str = "v") -> str:
-        self.n += 1
-        ssa = f"%{name}{self.n}"
-        self.lines.append(f"  {ssa} = {expr}")
-        return ssa
-
-    def do(self, line: str) -> None:
-        self.lines.append("  " + line)
-
-
-def _isum(e: _Body, isa: str, u: str, s: str) -> str:
+def _isum(e: Body, isa: str, u: str, s: str) -> str:
     """<8 x i32>: lane i = Σ_{j<4} u[4i+j]·s[4i+j] (u unsigned, s signed bytes)."""
     if isa == "avx2":
         p = e(f"call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {u}, <32 x i8> {s})")
@@ -102,7 +70,7 @@ def _isum(e: _Body, isa: str, u: str, s: str) -> str:
     return _pairs(e, u, s, "zext")
 
 
-def _pairs(e: _Body, u: str, s: str, uext: str) -> str:
+def _pairs(e: Body, u: str, s: str, uext: str) -> str:
     """Portable: products as i16 (``uext`` widens the first operand), neighbours added twice."""
     uw = e(f"{uext} <32 x i8> {u} to <32 x i16>")
     sw = e(f"sext <32 x i8> {s} to <32 x i16>")
@@ -116,25 +84,7 @@ def _pairs(e: _Body, u: str, s: str, uext: str) -> str:
     return e(f"add <8 x i32> {ev2}, {od2}")
 
 
-def _load(e: _Body, ty: str, base: str, offset: str, elem: str = "i8") -> str:
-    p = e(f"getelementptr {elem}, ptr {base}, i64 {offset}", "p")
-    return e(f"load {ty}, ptr {p}, align 1")
-
-
-def _lanes_of(ty: str) -> int:
-    return int(ty[1:].split(" x ")[0])
-
-
-def _per_tile(e: _Body, ty: str, base: str, offset, elem: str = "i8") -> str:
-    """``ty`` (one tile's 8 rows of something) loaded at ``offset(tb, ts)`` of each tile of
-    this step, joined: [tile t's, tile t+1's] where a step takes two."""
-    parts = [_load(e, ty, base, offset(tb, ts), elem) for tb, ts in e.tiles]
-    if len(parts) == 1:
-        return parts[0]
-    return e(f"shufflevector {ty} {parts[0]}, {ty} {parts[1]}, {idx(range(2 * _lanes_of(ty)))}")
-
-
-def _xgroups(e: _Body, row: str) -> list[str]:
+def _xgroups(e: Body, row: str) -> list[str]:
     """A row of xq, this block: 8 groups of 4 bytes, each broadcast to every lane."""
     out = []
     for g in range(8):
@@ -145,37 +95,6 @@ def _xgroups(e: _Body, row: str) -> list[str]:
         sp = e(f"shufflevector {e.I} {v}, {e.I} poison, <{e.V} x i32> zeroinitializer")
         out.append(e(f"bitcast {e.I} {sp} to {e.B}"))
     return out
-
-
-def _parse(fmt: str) -> tuple[str, bool, bool]:
-    """ "q40h" -> ("q4", Q4_0's implied minimum, float16 scales)."""
-    half = fmt.endswith("h") and fmt[:-1] in ("q4", "q40", "q8", "q4k", "q6k")
-    core = fmt[:-1] if half else fmt
-    return ("q4" if core == "q40" else core), core == "q40", half
-
-
-def _scales(e: _Body, isa: str, ptr: str, offset, half: bool) -> str:
-    """F: each row's scale at element ``offset(tb, ts)`` of ``ptr`` (float32, or float16)."""
-    if not half:
-        return _per_tile(e, "<8 x float>", ptr, offset, "float")
-    if isa != "portable":  # F16C: vcvtph2ps
-        return e(f"fpext <{e.V} x half> {_per_tile(e, '<8 x half>', ptr, offset, 'half')} to {e.F}")
-    h = e(f"zext <8 x i16> {_per_tile(e, '<8 x i16>', ptr, offset, 'i16')} to <8 x i32>")
-    low15, top = splat("i32", 8, 0x7FFF), splat("i32", 8, 0x8000)
-    mag = e(f"shl <8 x i32> {e(f'and <8 x i32> {h}, {low15}')}, {splat('i32', 8, 13)}")
-    sign = e(f"shl <8 x i32> {e(f'and <8 x i32> {h}, {top}')}, {splat('i32', 8, 16)}")
-    f = e(f"bitcast <8 x i32> {e(f'or <8 x i32> {mag}, {sign}')} to <8 x float>")
-    return e(f"fmul <8 x float> {f}, {splat('float', 8, '0x46F0000000000000')}")  # × 2^112: exact
-
-
-def _at(e: _Body, shift: int, plus: int = 0, which: int = 0, name: str = "o"):
-    """offset(tb, ts) = (tb or ts) << shift (+ plus): an element offset in a tile's arrays."""
-
-    def offset(tb: str, ts: str) -> str:
-        o = e(f"shl i64 {(tb, ts)[which]}, {shift}", name)
-        return e(f"add i64 {o}, {plus}", name) if plus else o
-
-    return offset
 
 
 # Software prefetch of the weights' stream in the kernels for up to PREFETCH_ROWS rows of
@@ -194,7 +113,7 @@ SEGMENT_ROWS = 1
 BLOCK_BYTES = {"q4": 128, "q4k": 128, "q8": 256, "q6k": 192}  # qs bytes of one (tile, block)
 
 
-def _prefetch(e: _Body, fmt: str, far: bool = True) -> None:
+def prefetch(e: Body, fmt: str, far: bool = True) -> None:
     """``llvm.prefetch`` of each cache line of this block's quants in each tile of the
     step: PREFETCH bytes on into every level, then FAR bytes on into L2 (``far``)."""
     size = BLOCK_BYTES[fmt]
@@ -215,7 +134,7 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
     blocks, and is multiplied only in blocks where some row's is not (a branch per block;
     up to SEGMENT_ROWS rows, after a loop over each run of blocks without one: frame())."""
     name = f"{fmt}_{isa}_r{R}_d{D}_g{G}" + ("_o" if sparse else "")
-    fmt, implied, half = _parse(fmt)
+    fmt, implied, half = parse(fmt)
     known = fmt in ("q4", "q8", "q4k", "q6k") and isa in ("avx512", "vnni", "avx2", "portable") and D in (1, 2)
     if (
         not known
@@ -225,7 +144,7 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
         or (fmt in ("q4k", "q6k") and G != 32)
     ):
         raise ValueError(f"no int8 kernel for {name}")
-    e = _Body(16 if isa == "avx512" else 8)
+    e = Body(16 if isa == "avx512" else 8)
     F = e.F
     segments = sparse and R <= SEGMENT_ROWS
     for r in range(R):  # (a segmented kernel's loop is the frame's: its phis are there)
@@ -242,32 +161,32 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
     for g in range(8):
         e.do(f"%xo{g} = add i64 %xb, {4 * g}" if g else "%xo0 = add i64 %xb, 0")
     if R <= PREFETCH_ROWS:
-        _prefetch(e, fmt)
+        prefetch(e, fmt)
     mins: list[tuple[str, int]] = []  # (minimum vector, which per-16 sum of x: 0/1; -1 per 32)
     if fmt in ("q4k", "q6k"):
-        dvs, mins = _k_scales(e, fmt, isa, half)
+        dvs, mins = k_scales(e, fmt, isa, half)
     elif G == 32:  # 8 rows' scales per (tile, block)
-        dvs = [_scales(e, isa, "%d", _at(e, 3), half)]
+        dvs = [scales(e, isa, "%d", offset_at(e, 3), half)]
     else:  # two scales a block: d[t, 2b] and d[t, 2b + 1], 8 rows each
-        dvs = [_scales(e, isa, "%d", _at(e, 4, h * 8), half) for h in (0, 1)]
+        dvs = [scales(e, isa, "%d", offset_at(e, 4, h * 8), half) for h in (0, 1)]
     if fmt == "q4" and implied:
         mins = [(e(f"fmul {F} {dvs[0]}, {splat('float', e.V, '-8.0')}"), -1)]
     elif fmt == "q4":
-        mins = [(_scales(e, isa, "%m", _at(e, 3), half), -1)]
+        mins = [(scales(e, isa, "%m", offset_at(e, 3), half), -1)]
     u, w = [], []
     B = e.B
     if fmt in ("q4", "q4k"):
         hi = []
         for g in range(4):
-            v = _per_tile(e, "<32 x i8>", "%qs", _at(e, 7, 32 * g))
+            v = per_tile(e, "<32 x i8>", "%qs", offset_at(e, 7, 32 * g))
             u.append(e(f"and {B} {v}, {splat('i8', 4 * e.V, 15)}"))
             hi.append(e(f"lshr {B} {v}, {splat('i8', 4 * e.V, 4)}"))
         u += hi
     elif fmt == "q6k":
-        u = _q6_quants(e)
+        u = q6_quants(e)
     else:
         for g in range(8):
-            w.append(_per_tile(e, "<32 x i8>", "%qs", _at(e, 8, 32 * g)))
+            w.append(per_tile(e, "<32 x i8>", "%qs", offset_at(e, 8, 32 * g)))
             if isa != "portable":
                 u.append(e(f"call {B} @llvm.abs.v{4 * e.V}i8({B} {w[g]}, i1 false)"))
     main = 1 if sparse else D  # digits every block multiplies; the sparse one only where x has one
@@ -275,29 +194,29 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
         terms = [t for j in range(main) for t in _digit_terms(e, fmt, isa, u, w, dvs, r, j)]
         for mv, h in mins:
             if h < 0:  # x's sum per 32: xs [R·D, nb]
-                xsum = _load(e, "float", "%xs", e(f"add i64 %xdrow{r}_0, %b", "xb"), "float")
+                xsum = load(e, "float", "%xs", e(f"add i64 %xdrow{r}_0, %b", "xb"), "float")
             else:  # per 16: xs [R·D, 2·nb]
                 at = e(f"add i64 %xsrow{r}, %b2{h}", "xb")
-                xsum = _load(e, "float", "%xs", at, "float")
-            terms.append((mv, _bcast(e, xsum)))
-        _chain(e, f"%acc{r}", terms, f"%acc{r}_a" if sparse else f"%acc{r}_n")
+                xsum = load(e, "float", "%xs", at, "float")
+            terms.append((mv, bcast(e, xsum)))
+        chain(e, f"%acc{r}", terms, f"%acc{r}_a" if sparse else f"%acc{r}_n")
     if segments:  # the outliers' digit, zero (d = +0.0) in the blocks where no row has one:
         # multiplied after the loop over the blocks before it (the frame's segments)
-        o = _Body(e.V)
+        o = Body(e.V)
         o.n, o.tiles = e.n, e.tiles
         for r in range(R):
-            _chain(o, f"%acc{r}_a", _digit_terms(o, fmt, isa, u, w, dvs, r, 1), f"%acc{r}_s")
+            chain(o, f"%acc{r}_a", _digit_terms(o, fmt, isa, u, w, dvs, r, 1), f"%acc{r}_s")
         return name, frame(name, e, R, D, "blk", outliers=o)
     latch = "blk"
     if sparse:  # with more rows of x more blocks have an outlier in some row: a branch per
         # block (a segment's loop exit is a mispredicted branch, where the block's own is
         # learnt: TP=2 1B Q4_K_M batch 4, 39.0 ms a step with the branch, 41.6-42.4 segmented).
         # The rows' scales' bits OR-ed as integers, one test and one branch
-        _any_outlier(e, R, "%b", "%some")
+        any_outlier(e, R, "%b", "%some")
         e.do("br i1 %some, label %sparse, label %join, !prof !0")  # rare: kept a branch, not if-converted
         e.lines.append("sparse:")
         for r in range(R):
-            _chain(e, f"%acc{r}_a", _digit_terms(e, fmt, isa, u, w, dvs, r, 1), f"%acc{r}_s")
+            chain(e, f"%acc{r}_a", _digit_terms(e, fmt, isa, u, w, dvs, r, 1), f"%acc{r}_s")
         e.do("br label %join")
         e.lines.append("join:")
         for r in range(R):
@@ -306,200 +225,7 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
     return name, frame(name, e, R, D, latch)
 
 
-def _any_outlier(e: _Body, R: int, b: str, name: str) -> None:
-    """``name`` = whether some row of x has an outlier in block ``b``: the rows' outlier
-    scales (row 2r + 1 of xd) OR-ed as integers, one test."""
-    bits = [_load(e, "i32", "%xd", e(f"add i64 %xdrow{r}_1, {b}", "xb"), "float") for r in range(R)]
-    some = bits[0]
-    for c in bits[1:]:
-        some = e(f"or i32 {some}, {c}", "c")
-    e.do(f"{name} = icmp ne i32 {some}, 0")
-
-
-def frame(
-    name: str, e: _Body, R: int, D: int, latch: str, entry: str = "", leave: str = "", outliers: _Body | None = None
-) -> str:
-    """A kernel's function around its block step ``e`` (ending in label ``latch``): the
-    loops over tiles (one or two a step) and blocks, each row's offsets, and the stores of
-    y (rows ≥ M, and an odd last tile's second half, stored nowhere); ``entry`` and
-    ``leave``: lines to run first and last (each ending in a newline).
-
-    ``outliers``: int8o's second digit (``%acc{r}_a`` -> ``%acc{r}_s``), multiplied only
-    in the blocks where some row of x has an outlier. The blocks go in segments, each a
-    run of blocks up to and including the next such block (found by a scan of the rows'
-    outlier scales), the step alone in a loop with no branch in it, the outliers' digit
-    after it for the run's last block: each block's sums in the order of one step, and a
-    loop as tight as one digit's (a branch in the loop body cost 20% of the weights'
-    stream at one row, measured: 10.0 against 12.6 GB/s, Q4_0 on a Xeon)."""
-    block = "\n".join(e.lines)
-    F = e.F
-    rowvars = "\n".join(
-        f"  %xrow{r}_{j} = mul i64 %K, {D * r + j}\n  %xdrow{r}_{j} = mul i64 %nb, {D * r + j}"
-        for r in range(R)
-        for j in range(D)
-    )
-    rowvars += "\n" + "\n".join(f"  %live{r} = icmp slt i64 {r}, %M\n  %yrow{r} = mul i64 %ldy, {r}" for r in range(R))
-    rowvars += "\n  %nb2 = shl i64 %nb, 1\n  %S = lshr i64 %nb, 3\n"
-    rowvars += "\n".join(f"  %xsrow{r} = mul i64 %nb2, {D * r}" for r in range(R))
-    if e.V == 8:
-        step, pair = 1, "  %tnb = mul i64 %t, %nb\n  %tS = mul i64 %t, %S"
-        stores = "\n".join(
-            f"  %yo{r} = add i64 %yrow{r}, %y0\n  %yp{r} = getelementptr float, ptr %y, i64 %yo{r}\n"
-            f"  %dst{r} = select i1 %live{r}, ptr %yp{r}, ptr %scratch\n"  # rows ≥ M: padding, stored nowhere
-            f"  store <8 x float> %acc{r}_n, ptr %dst{r}, align 4"
-            for r in range(R)
-        )
-    else:  # two tiles a step; an odd last tile paired with itself, its second half not stored
-        step = 2
-        pair = (
-            "  %tn = add i64 %t, 1\n  %has2 = icmp ult i64 %tn, %T\n  %t2 = select i1 %has2, i64 %tn, i64 %t\n"
-            "  %tnb = mul i64 %t, %nb\n  %tS = mul i64 %t, %S\n  %tnb_1 = mul i64 %t2, %nb\n  %tS_1 = mul i64 %t2, %S"
-        )
-        stores = "\n".join(
-            f"  %yo{r} = add i64 %yrow{r}, %y0\n  %yp{r} = getelementptr float, ptr %y, i64 %yo{r}\n"
-            f"  %dst{r} = select i1 %live{r}, ptr %yp{r}, ptr %scratch\n"
-            f"  %lo{r} = shufflevector {F} %acc{r}_n, {F} poison, {idx(range(8))}\n"
-            f"  store <8 x float> %lo{r}, ptr %dst{r}, align 4\n"
-            f"  %yh{r} = getelementptr float, ptr %yp{r}, i64 8\n  %liveh{r} = and i1 %live{r}, %has2\n"
-            f"  %dsth{r} = select i1 %liveh{r}, ptr %yh{r}, ptr %scratch\n"
-            f"  %hi{r} = shufflevector {F} %acc{r}_n, {F} poison, {idx(range(8, 16))}\n"
-            f"  store <8 x float> %hi{r}, ptr %dsth{r}, align 4"
-            for r in range(R)
-        )
-    if outliers is None:
-        loop, ends = _block_loop(block, latch), ""
-    else:
-        loop, ends = (
-            _segments(e, outliers, R),
-            "".join(f"  %acc{r}_n = phi {F} [%acc{r}_a, %blkexit], [%acc{r}_s, %outl]\n" for r in range(R)),
-        )
-    return f"""
-define void @{name}({SIGNATURE}) {{
-entry:
-  %scratch = alloca <8 x float>
-{entry}  %K = shl i64 %nb, 5
-{rowvars}
-  br label %tile
-tile:
-  %t = phi i64 [0, %entry], [%t1, %tileend]
-{pair}
-{loop}
-tileend:
-{ends}  %y0 = shl i64 %t, 3
-{stores}
-  %t1 = add i64 %t, {step}
-  %again = icmp ult i64 %t1, %T
-  br i1 %again, label %tile, label %exit
-exit:
-{leave}  ret void
-}}
-"""
-
-
-def _block_loop(block: str, latch: str) -> str:
-    """A tile's loop over its blocks, the step ``block`` (ending in label ``latch``) each."""
-    return f"""  br label %blk
-blk:
-  %b = phi i64 [0, %tile], [%b1, %{latch}]
-{block}
-  %b1 = add i64 %b, 1
-  %more = icmp ult i64 %b1, %nb
-  br i1 %more, label %blk, label %tileend"""
-
-
-def _segments(e: _Body, o: _Body, R: int) -> str:
-    """A tile's blocks in segments [b0, stop], stop the next block where some row has an
-    outlier (or the last): the step ``e`` in a loop, then the outliers' digit ``o``."""
-    F = e.F
-    scan = _Body(e.V)
-    scan.n = o.n
-    _any_outlier(scan, R, "%q", "%hit")
-
-    def each(fmt: str) -> str:
-        return "\n".join(fmt.format(r=r) for r in range(R))
-
-    return f"""  br label %seg
-seg:
-  %b0 = phi i64 [0, %tile], [%bn, %outl]
-{each(f"  %accin{{r}} = phi {F} [zeroinitializer, %tile], [%acc{{r}}_s, %outl]")}
-  br label %scan
-scan:
-  %q = phi i64 [%b0, %seg], [%q1, %scannext]
-{chr(10).join(scan.lines)}
-  %q1 = add i64 %q, 1
-  br i1 %hit, label %scandone, label %scannext
-scannext:
-  %qmore = icmp ult i64 %q1, %nb
-  br i1 %qmore, label %scan, label %scandone
-scandone:
-  %end = phi i64 [%q1, %scan], [%nb, %scannext]
-  %isout = phi i1 [true, %scan], [false, %scannext]
-  br label %blk
-blk:
-  %b = phi i64 [%b0, %scandone], [%b1, %blk]
-{each(f"  %acc{{r}} = phi {F} [%accin{{r}}, %scandone], [%acc{{r}}_a, %blk]")}
-{chr(10).join(e.lines)}
-  %b1 = add i64 %b, 1
-  %more = icmp ult i64 %b1, %end
-  br i1 %more, label %blk, label %blkexit
-blkexit:
-  br i1 %isout, label %outl, label %tileend
-outl:
-{chr(10).join(o.lines)}
-  %bn = add i64 %b, 1
-  %tmore = icmp ult i64 %bn, %nb
-  br i1 %tmore, label %seg, label %tileend"""
-
-
-def _k_scales(e: _Body, fmt: str, isa: str, half: bool) -> tuple[list[str], list[tuple[str, int]]]:
-    """The K-quants' float scales of this step's rows, formed from the integer ones as
-    the planar weight forms them (:mod:`.tiles`): (scale vectors, minimum vectors)."""
-    raws = [_load(e, "<16 x i8>", "%d", e(f"shl i64 {tb}, 4", "ko")) for tb, _ in e.tiles]  # 16 bytes a (tile, block)
-    b, V = raws[-1], e.V  # each tile's first 8 bytes, then its last 8
-    lo = e(f"shufflevector <16 x i8> {raws[0]}, <16 x i8> {b}, {idx([*range(8), *range(16, 16 + V - 8)])}")
-    hi = e(f"shufflevector <16 x i8> {raws[0]}, <16 x i8> {b}, {idx([*range(8, 16), *range(24, 24 + V - 8)])}")
-    F = e.F
-    if fmt == "q4k":  # sc | mn (unsigned 6 bits); m: d | dmin per super-block
-        dd = _scales(e, isa, "%m", _at(e, 4, 0, 1), half)
-        dmin = _scales(e, isa, "%m", _at(e, 4, 8, 1), half)
-        sc = e(f"uitofp <{V} x i8> {lo} to {F}")
-        mn = e(f"uitofp <{V} x i8> {hi} to {F}")
-        ndmin = e(f"fneg {F} {dmin}")
-        return [e(f"fmul {F} {dd}, {sc}")], [(e(f"fmul {F} {ndmin}, {mn}"), -1)]
-    dd = _scales(e, isa, "%m", _at(e, 3, 0, 1), half)  # q6k: signed scales of k 0-15 | 16-31; m: d per super-block
-    dvs = [e(f"fmul {F} {dd}, {e(f'sitofp <{V} x i8> {v} to {F}')}") for v in (lo, hi)]
-    m32 = splat("float", V, "-32.0")
-    return dvs, [(e(f"fmul {F} {dv}, {m32}"), h) for h, dv in enumerate(dvs)]
-
-
-def _q6_quants(e: _Body) -> list[str]:
-    """q6k: the 8 vectors of this block's unsigned 6-bit quants (0..63), low 4 bits from
-    the nibble vectors 0-3, high 2 bits from vectors 4-5."""
-    B, n = e.B, 4 * e.V
-    nib: list[str] = []
-    high: list[str] = []
-
-    def at(g: int):
-        return lambda tb, ts: e(f"add i64 {e(f'mul i64 {tb}, 192', 'qo')}, {32 * g}", "qo")
-
-    for g in range(6):
-        (nib if g < 4 else high).append(_per_tile(e, "<32 x i8>", "%qs", at(g)))
-    u = []
-    for g in range(8):
-        if g < 4:
-            lo = e(f"and {B} {nib[g]}, {splat('i8', n, 15)}")
-        else:
-            lo = e(f"lshr {B} {nib[g - 4]}, {splat('i8', n, 4)}")
-        h = high[g // 4]
-        if g % 4:
-            h = e(f"lshr {B} {h}, {splat('i8', n, 2 * (g % 4))}")
-        h = e(f"and {B} {h}, {splat('i8', n, 3)}")
-        h = e(f"shl {B} {h}, {splat('i8', n, 4)}")
-        u.append(e(f"or {B} {lo}, {h}"))
-    return u
-
-
-def _block_isum(e: _Body, fmt: str, isa: str, u: list[str], w: list[str], xs: list[str], groups=range(8)) -> str:
+def _block_isum(e: Body, fmt: str, isa: str, u: list[str], w: list[str], xs: list[str], groups=range(8)) -> str:
     """I: each lane's row of this block of weights · one row of x (the groups of 4 k asked
     for: all 8, or a half for a scale per 16)."""
     isum: str | None = None
@@ -530,32 +256,16 @@ def _block_isum(e: _Body, fmt: str, isa: str, u: list[str], w: list[str], xs: li
     return isum
 
 
-def _digit_terms(e: _Body, fmt: str, isa: str, u, w, dvs, r: int, j: int) -> list[tuple[str, str]]:
+def _digit_terms(e: Body, fmt: str, isa: str, u, w, dvs, r: int, j: int) -> list[tuple[str, str]]:
     """(integer sums as floats, their scale) of digit j of row r against this block."""
     xs = _xgroups(e, f"%xrow{r}_{j}")
-    xd = _bcast(e, _load(e, "float", "%xd", e(f"add i64 %xdrow{r}_{j}, %b", "xb"), "float"))
+    xd = bcast(e, load(e, "float", "%xd", e(f"add i64 %xdrow{r}_{j}, %b", "xb"), "float"))
     halves = [range(8)] if len(dvs) == 1 else [range(4), range(4, 8)]  # k 0-15, 16-31
     out = []
     for dv, gs in zip(dvs, halves):
         f = e(f"sitofp {e.I} {_block_isum(e, fmt, isa, u, w, xs, gs)} to {e.F}")
         out.append((f, e(f"fmul {e.F} {dv}, {xd}")))
     return out
-
-
-def _chain(e: _Body, acc: str, terms: list[tuple[str, str]], last: str) -> None:
-    """``last = acc + Σ vector·scale``, the products added in order."""
-    a, F = acc, e.F
-    for i, (v, sc) in enumerate(terms):
-        op = f"call {F} @llvm.fmuladd.v{e.V}f32({F} {v}, {F} {sc}, {F} {a})"
-        if i + 1 < len(terms):
-            a = e(op)
-        else:
-            e.do(f"{last} = {op}")
-
-
-def _bcast(e: _Body, s: str) -> str:
-    v = e(f"insertelement {e.F} poison, float {s}, i64 0")
-    return e(f"shufflevector {e.F} {v}, {e.F} poison, <{e.V} x i32> zeroinitializer")
 
 
 def module(fmt_isa_rc: list[tuple], build=None, declare: str = DECLARE) -> tuple[list[str], str]:

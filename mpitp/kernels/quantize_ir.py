@@ -35,7 +35,7 @@ K/32] and xs [2M, K/32 or K/16] float32 as :mod:`.quantize` lays them out.
 
 from __future__ import annotations
 
-from .int8_ir import _Body, idx, splat
+from .ir import Body, idx, splat
 
 LIMIT = 4.0  # an outlier: |x| above LIMIT times the root mean square of the rest of its block
 OUTLIERS, TWO_DIGITS = "quantize_rows_outliers", "quantize_rows2"  # the two rules, by function name
@@ -52,7 +52,7 @@ declare i32 @llvm.vector.reduce.add.v16i32(<16 x i32>)
 """
 
 
-def _tree(e: _Body, v: str, n: int, ty: str, op: str) -> str:
+def _tree(e: Body, v: str, n: int, ty: str, op: str) -> str:
     """One value of <n x ty> ``v`` by halving: lanes [0, n/2) op [n/2, n), and again (the
     order fixed here, not left to the target, so every CPU gets the same bits)."""
     while n > 1:
@@ -68,7 +68,7 @@ def _tree(e: _Body, v: str, n: int, ty: str, op: str) -> str:
     return e(f"extractelement <1 x {ty}> {v}, i64 0")
 
 
-def _digit(e: _Body, v: str, row: str) -> tuple[str, str, str]:
+def _digit(e: Body, v: str, row: str) -> tuple[str, str, str]:
     """``v`` quantized into xq at ``row`` (a pointer): (d, q as <32 x i32>, Σq as i32)."""
     amax = _tree(e, e(f"call {F32} @llvm.fabs.v32f32({F32} {v})"), 32, "float", "max")
     d = e(f"fdiv float {amax}, 127.0")
@@ -79,7 +79,7 @@ def _digit(e: _Body, v: str, row: str) -> tuple[str, str, str]:
     return d, q, e(f"call i32 @llvm.vector.reduce.add.v32i32({I32} {q})")
 
 
-def _round(e: _Body, t: str) -> str:
+def _round(e: Body, t: str) -> str:
     """<32 x i32>: t rounded half away from zero, as gguf's np_roundf: for a = |t|,
     floor(a) + floor(2(a - floor(a))) = floor(2a) - floor(a) (2a and both floors exact
     below 2²³), and truncation toward zero keeps t's sign: q = trunc(2t) - trunc(t). Two
@@ -88,17 +88,17 @@ def _round(e: _Body, t: str) -> str:
     return e(f"sub {I32} {e(f'fptosi {F32} {t2} to {I32}')}, {e(f'fptosi {F32} {t} to {I32}')}")
 
 
-def _splat32(e: _Body, ty: str, s: str) -> str:
+def _splat32(e: Body, ty: str, s: str) -> str:
     one = e(f"insertelement <32 x {ty}> poison, {ty} {s}, i64 0")
     return e(f"shufflevector <32 x {ty}> {one}, <32 x {ty}> poison, <32 x i32> zeroinitializer")
 
 
-def _half_sum(e: _Body, q: str, h: int) -> str:
+def _half_sum(e: Body, q: str, h: int) -> str:
     part = e(f"shufflevector {I32} {q}, {I32} poison, {idx(range(16 * h, 16 * h + 16))}")
     return e(f"sitofp i32 {e(f'call i32 @llvm.vector.reduce.add.v16i32(<16 x i32> {part})')} to float")
 
 
-def _split(e: _Body, v: str) -> tuple[str, str]:
+def _split(e: Body, v: str) -> tuple[str, str]:
     """int8o's rule: (v without its outliers, the outliers alone)."""
     a = e(f"call {F32} @llvm.fabs.v32f32({F32} {v})")
     amax = e(f"fpext float {_tree(e, a, 32, 'float', 'max')} to double")
@@ -117,7 +117,7 @@ def _split(e: _Body, v: str) -> tuple[str, str]:
 GROUP = 8  # blocks a step (a row's last K/32 mod 8 go one at a time)
 
 
-def _across(e: _Body, vs: list[str], ty: str, op: str) -> str:
+def _across(e: Body, vs: list[str], ty: str, op: str) -> str:
     """<G x ty>: lane j = ``op`` over block j's 32 lanes, for G = len(vs) blocks (each
     <32 x ty>): the blocks reduced side by side, halving the lanes each holds (a transpose
     as it goes), not one tree per block. Each level pairs lane i of a block with lane i + h,
@@ -154,7 +154,7 @@ def _across(e: _Body, vs: list[str], ty: str, op: str) -> str:
     return level[0]
 
 
-def _split_across(e: _Body, vs: list[str]) -> tuple[list[str], list[str]]:
+def _split_across(e: Body, vs: list[str]) -> tuple[list[str], list[str]]:
     """int8o's rule (:func:`_split`) for G blocks at once: (each without its outliers, the
     outliers alone), the cut of every block from one vector of G."""
     G = len(vs)
@@ -187,7 +187,7 @@ def _grouped(name: str, G: int = GROUP) -> str:
     """IR of one step of the quantizer ``name`` over G consecutive blocks of row %i from
     block %gb: the same values as G steps of the block loop, its per-block scalars computed
     G blocks to a vector instead of one at a time."""
-    e = _Body()
+    e = Body()
     e.n = 10_000  # names apart from the block loop's
     e.do("%gxrow = mul i64 %i, %K")
     e.do("%glo = shl i64 %gb, 5")
@@ -235,7 +235,7 @@ def _grouped(name: str, G: int = GROUP) -> str:
         e.do(f"store <{G} x float> {d}, ptr {e(f'getelementptr float, ptr %xd, i64 {at}')}, align 4")
     body = "\n".join(e.lines)
     # xs per 32: d·Σq + d2·Σq2, G blocks a vector; per 16 (halves): block by block as the loop
-    w = _Body()
+    w = Body()
     w.n = e.n
     GF = f"<{G} x float>"
     (d1, q1s), (d2, q2s) = digits
@@ -246,7 +246,7 @@ def _grouped(name: str, G: int = GROUP) -> str:
     w.do("%gxsb = add i64 %gxso, %gb")
     w.do(f"store {GF} {one}, ptr {w('getelementptr float, ptr %xs, i64 %gxsb')}, align 4")
     per32 = "\n".join(w.lines)
-    h = _Body()
+    h = Body()
     h.n = w.n
     h.do("%gxso_h = mul i64 %gr1, %ns")
     for j in range(G):
@@ -282,7 +282,7 @@ def module(name: str = OUTLIERS) -> tuple[str, str]:
     """(name, IR text) of the quantizer ``name``: OUTLIERS (int8o) or TWO_DIGITS (int8x2)."""
     if name not in (OUTLIERS, TWO_DIGITS):
         raise ValueError(f"no quantizer {name!r}")
-    e = _Body()
+    e = Body()
     e.do("%xrow = mul i64 %i, %K")
     e.do("%lo = shl i64 %b, 5")
     e.do("%at = add i64 %xrow, %lo")
@@ -312,7 +312,7 @@ def module(name: str = OUTLIERS) -> tuple[str, str]:
     e.do(f"store float {d2}, ptr %pd2, align 4")
     body = "\n".join(e.lines)
     # xs, per 32: d·Σq + d2·Σq2; per 16 (halves): (0 + d·Σ of the half) + d2·Σ of the half
-    w = _Body()
+    w = Body()
     w.n = e.n
     w.do("%xso = mul i64 %r1, %ns")
     w.do("%pxs0 = getelementptr float, ptr %xs, i64 %xso")
@@ -321,7 +321,7 @@ def module(name: str = OUTLIERS) -> tuple[str, str]:
     w.do("%pxs = getelementptr float, ptr %pxs0, i64 %b")
     w.do(f"store float {one}, ptr %pxs, align 4")
     per32 = "\n".join(w.lines)
-    h = _Body()
+    h = Body()
     h.n = w.n
     h.do("%xso_h = mul i64 %r1, %ns")
     h.do("%b2 = shl i64 %b, 1")

@@ -28,7 +28,6 @@ with them prefills only the rest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
@@ -36,107 +35,10 @@ from mpi4py import MPI
 
 from ..models.generate import sample
 from ..tp import partition
+from .jobs import Job, Prefill, Slot
 from .pacing import take
 from .prefix import BLOCK, PrefixCache
-
-
-@dataclass
-class Job:
-    """What every rank needs of a request (rank 0 keeps the HTTP side in ``Request``)."""
-
-    id: int
-    ids: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_ids: tuple[int, ...] = ()
-    logprobs: int | None = None  # alternatives per token (0: the chosen token's only); None: none
-    echo: bool = False  # with logprobs: the prompt's own too (its prefill keeps every position's logits)
-    constrained: bool = False  # a grammar (response_format): rank 0 masks the logits before sampling
-
-    @property
-    def prompt_logits(self) -> bool:
-        return self.echo and self.logprobs is not None
-
-    @property
-    def wants_logits(self) -> bool:
-        """Rank 0 needs this request's logits (log-probabilities, a grammar); otherwise the
-        last pipeline stage may sample it and send only the token."""
-        return self.logprobs is not None or self.constrained
-
-
-@dataclass
-class Slot:
-    job: Job
-    pos: int  # the position of the next token
-    last: int  # the token to feed next
-    rng: np.random.Generator = field(default_factory=np.random.default_rng)
-    tokens: list[int] = field(default_factory=list)  # what was picked (every rank)
-
-
-@dataclass
-class Prefill:
-    """A prompt on its way in: the keys and values of its first ``done`` tokens, per layer
-    [P, kv heads, head_dim] (prefix-cache hits, then each chunk's)."""
-
-    job: Job
-    done: int
-    k: list
-    v: list
-    logits: list = field(default_factory=list)  # echo with logprobs: every position's, chunk by chunk
-
-
-class Out:
-    """Rank 0's view of one row's next-token result: ``logits`` ([V]; [P, V] for a prompt
-    that keeps every position's) for rank 0 to sample, or ``token``, the one the last
-    pipeline stage already sampled with the row's own generator (-1: none). Read when
-    first asked: in the pipelined loop the message arrives while the first stage computes
-    the next micro-batch."""
-
-    def __init__(self, get):
-        self._get = get
-
-    @property
-    def logits(self):
-        return self._get()[0]
-
-    @property
-    def token(self) -> int:
-        return self._get()[1]
-
-
-class Next:
-    """One forward's next-token results for rank 0, by output position. ``fetch()`` gives
-    (tokens [n] int64, -1 where rank 0 samples; logits [m, V] of the positions in ``wants``,
-    in order); it is called at the first read."""
-
-    def __init__(self, fetch, wants: np.ndarray):
-        self._fetch, self._got = fetch, None
-        self._row = np.cumsum(wants) - 1  # position -> its row of the logits
-
-    def _data(self):
-        if self._got is None:
-            self._got = self._fetch()
-        return self._got
-
-    def _at(self, i: int):
-        tokens, logits = self._data()
-        t = int(tokens[i])
-        return (None, t) if t >= 0 else (logits[self._row[i]], -1)
-
-    def __getitem__(self, i: int) -> Out:
-        return Out(partial(self._at, i))
-
-    def span(self, lo: int, hi: int):
-        """The logits of positions [lo, hi), every one wanted (a prompt's own)."""
-        logits = self._data()[1]
-        return logits[self._row[lo] : self._row[hi - 1] + 1]
-
-
-def _nowhere():
-    raise RuntimeError("only rank 0 reads a forward's results")
+from .results import Next, Out, nowhere
 
 
 class Engine:
@@ -369,7 +271,7 @@ class Engine:
                 tokens[i] = self.pick(r, host[i])
             sent = host[wants]
         fetch = st.results_to_first(tokens, sent, n, int(wants.sum()), self.model.config.vocab_size)
-        return Next(fetch or _nowhere, wants)
+        return Next(fetch or nowhere, wants)
 
     def kv_usage(self) -> float:
         """The share of the cache's rows x columns that running requests attend to."""

@@ -18,8 +18,8 @@ from ..log import get_logger
 from ..models import chat
 from ..models.stops import StopText
 from . import protocol
-from .engine import Job
 from .grammar import Grammars
+from .jobs import Job
 from .metrics import Metrics
 
 _ids = itertools.count(1)

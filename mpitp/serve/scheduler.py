@@ -25,9 +25,11 @@ import numpy as np
 
 from ..log import get_logger
 from . import logprobs as lp
-from .engine import Engine, Job, Next, Out
+from .engine import Engine
+from .jobs import Job
 from .pacing import LONG, PROMPTS, REPS, SHORT, Pacing
 from .requests import Request, Service
+from .results import Next, Out
 
 
 class Stop(threading.Event):
