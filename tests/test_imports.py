@@ -113,3 +113,16 @@ def test_imports_point_down_the_floors():
 def test_the_check_sees_a_circle_closed_inside_a_function():
     g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert circles(g) == [["a", "b", "c"]]
+
+
+def test_modules_stay_small_and_keep_their_private_names():
+    """No module over 400 lines; no ``_name`` imported from another module of mpitp (a name
+    two modules share is public: give it a name without the underscore)."""
+    long = {m: n for m, p in modules().items() if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}
+    private = []
+    for m, p in modules().items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("mpitp")):
+                private += [f"{m}: {a.name}" for a in node.names if a.name.startswith("_") and a.name != "__version__"]
+    assert private == []

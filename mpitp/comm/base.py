@@ -311,7 +311,7 @@ class CommunicatorBase:
         return self._node_comms
 
 
-def _value(v) -> Steps:
+def value_steps(v) -> Steps:
     """Steps that communicate nothing and return ``v``."""
     return v
     yield  # pragma: no cover  (makes this a generator)

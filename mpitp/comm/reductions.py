@@ -13,7 +13,7 @@ from .. import backend, split
 from ..errors import UnsupportedOperation
 from .algorithms import hierarchical, mpi_collectives, oneshot, ring, select
 from .algorithms.select import NEVER
-from .base import CommunicatorBase, _value
+from .base import CommunicatorBase, value_steps
 from .handle import Steps
 from .mpi_types import ReduceOp, average, check_reducible, inferred, mpi_datatype, mpi_op, ufunc
 
@@ -259,7 +259,7 @@ class Reductions(CommunicatorBase):
         if self.size == 1:
             if dst is not src:
                 dst[...] = src
-            steps = _value(dst)
+            steps = value_steps(dst)
         else:
             self._record_mpi("reduce", 0 if is_root else a.nbytes)
             steps = mpi_collectives.reduce(
@@ -286,7 +286,7 @@ class Reductions(CommunicatorBase):
         staged = self._via_host(a)
         buf = self._to_host(a) if staged else a
         if self.size == 1:
-            steps = _value(buf)
+            steps = value_steps(buf)
         else:
             self._record_mpi("broadcast", buf.nbytes if self.rank == root else 0)
             steps = mpi_collectives.bcast(self.mpi, buf, mpi_datatype(a.dtype), root, self._call_blocking(nonblocking))
@@ -321,7 +321,7 @@ class Reductions(CommunicatorBase):
         dt = mpi_datatype(a.dtype)
         if self.size == 1:
             dst[...] = src
-            steps = _value(dst)
+            steps = value_steps(dst)
         elif alg == "ring":
             steps = self._ring_reduce_scatter(src, dst, elems, o, seq, nonblocking)
         else:

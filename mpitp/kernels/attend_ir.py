@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import struct
 
-from .ir import Body, splat
-from .quantize_ir import _tree
+from .ir import Body, splat, tree
 
 MASKED = -3.4028234663852886e38  # float32's lowest, as decode.MASKED
 LANES = 16
@@ -149,7 +148,7 @@ def kernel(D: int, G: int, half: bool = False) -> str:
         acc = e(f"fmul {F} {q[h][0]}, {kv[0]}")
         for c in range(1, C):
             acc = e(f"call {F} @llvm.fmuladd.v16f32({F} {q[h][c]}, {F} {kv[c]}, {F} {acc})")
-        s = e(f"select i1 {keep}, float {_tree(e, acc, LANES, 'float', 'fadd')}, float {m}")
+        s = e(f"select i1 {keep}, float {tree(e, acc, LANES, 'float', 'fadd')}, float {m}")
         at = e(f"add i64 %t, %row{h}")
         e.do(f"store float {s}, ptr {ptr(e, 'float', '%sc', at)}, align 4")
         gt = e(f"fcmp ogt float {s}, %top{h}")
@@ -171,7 +170,7 @@ def kernel(D: int, G: int, half: bool = False) -> str:
 
     e = block("softend")
     for h in H:
-        e.do(f"%total{h} = fadd float -0.0, {_tree(e, sums[h], LANES, 'float', 'fadd')}")
+        e.do(f"%total{h} = fadd float -0.0, {tree(e, sums[h], LANES, 'float', 'fadd')}")
 
     e = block("do")  # probabilities times values: the columns in order
     vv = row(e, e(f"getelementptr {KT}, ptr %v, i64 %vo"))

@@ -260,7 +260,7 @@ def _core_group(core, qkv, cos, sin, cache, valid, s, nh, nkv, d, scale, masked,
 
 
 @njit(**OPTS)
-def _attend_core(core, qkv, cos, sin, cache, valid, s, nh, nkv, d, scale, masked, out):
+def attend_core(core, qkv, cos, sin, cache, valid, s, nh, nkv, d, scale, masked, out):
     g = nh // nkv
     q, kn = np.empty((g, d), np.float32), np.empty(d, np.float32)
     sc = np.empty(g * ((s + 16) // 16 * 16), np.float32)
@@ -270,7 +270,7 @@ def _attend_core(core, qkv, cos, sin, cache, valid, s, nh, nkv, d, scale, masked
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True, boundscheck=False)
-def _attend_core_threads(core, qkv, cos, sin, cache, valid, s, nh, nkv, d, scale, masked, out):
+def attend_core_threads(core, qkv, cos, sin, cache, valid, s, nh, nkv, d, scale, masked, out):
     g = nh // nkv
     for task in prange(qkv.shape[0] * nkv):
         b = task // nkv
@@ -326,7 +326,7 @@ def bound_attend(d: int, g: int, threads: bool, dtype=np.float32):
     f = core(d, g, dtype)
     if f is None:
         return attend_loops_threads if threads else attend_loops
-    run = _attend_core_threads if threads else _attend_core
+    run = attend_core_threads if threads else attend_core
     f = address(f)  # an integer: numba types a ctypes function anew on every call (~1 µs)
 
     def attend(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out):
@@ -355,7 +355,7 @@ def attend(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out, *, thre
             qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out
         )
     else:
-        run = _attend_core_threads if threads else _attend_core
+        run = attend_core_threads if threads else attend_core
         run(address(f), qkv, cos, sin, _cache(kc, vc), valid, s, nh, nkv, kc.shape[3], scale, masked, out)
 
 
@@ -388,6 +388,6 @@ def warm(head_dim: int = 0, group: int = 1, kv_dtype=np.float32) -> None:
         cos, sin, out = np.ones((1, d), np.float32), np.zeros((1, d), np.float32), np.empty((1, group * d), np.float32)
         qkv, valid = np.zeros((1, (group + 2) * d), np.float32), np.ones((1, 2), bool)
         core_args = (qkv, cos, sin, _cache(kc, vc), valid, 0, group, 1, d, np.float32(1), True, out)
-        _attend_core(address(f), *core_args)
+        attend_core(address(f), *core_args)
         if threads() > 1:
-            _attend_core_threads(address(f), *core_args)
+            attend_core_threads(address(f), *core_args)

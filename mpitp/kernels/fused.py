@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit
 
 from .calls import kernel_at, quantizer_at
-from .decode import _attend_core, _attend_core_threads, rms_norm, swiglu
+from .decode import attend_core, attend_core_threads, rms_norm, swiglu
 from .int8 import SMALL, Bound
 from .matmul import Pieces
 from .parallel import tile_ranges
@@ -90,9 +90,9 @@ def attention_half(h, r, rb, add, w, eps, xn, pq, y, yb, qb, core, cos, sin, cac
     _matmul(pq, xn, y)
     _bias(y, yb, qb)
     if threads:
-        _attend_core_threads(core, y, cos, sin, cache, valid, s, nh, nkv, d, scale, masked, att)
+        attend_core_threads(core, y, cos, sin, cache, valid, s, nh, nkv, d, scale, masked, att)
     else:
-        _attend_core(core, y, cos, sin, cache, valid, s, nh, nkv, d, scale, masked, att)
+        attend_core(core, y, cos, sin, cache, valid, s, nh, nkv, d, scale, masked, att)
     _matmul(po, att, out)
 
 

@@ -82,3 +82,19 @@ def chain(e: Body, acc: str, terms: list[tuple[str, str]], last: str) -> None:
             a = e(op)
         else:
             e.do(f"{last} = {op}")
+
+
+def tree(e: Body, v: str, n: int, ty: str, op: str) -> str:
+    """One value of <n x ty> ``v`` by halving: lanes [0, n/2) op [n/2, n), and again (the
+    order fixed here, not left to the target, so every CPU gets the same bits)."""
+    while n > 1:
+        h = n // 2
+        lo = e(f"shufflevector <{n} x {ty}> {v}, <{n} x {ty}> poison, {idx(range(h))}")
+        hi = e(f"shufflevector <{n} x {ty}> {v}, <{n} x {ty}> poison, {idx(range(h, n))}")
+        if op == "max":  # exact in any order for numbers; |x| is never -0.0 here
+            gt = e(f"fcmp ogt <{h} x {ty}> {hi}, {lo}")
+            v = e(f"select <{h} x i1> {gt}, <{h} x {ty}> {hi}, <{h} x {ty}> {lo}")
+        else:
+            v = e(f"{op} <{h} x {ty}> {lo}, {hi}")
+        n = h
+    return e(f"extractelement <1 x {ty}> {v}, i64 0")

@@ -27,7 +27,7 @@ Both take GROUP = 8 blocks a step: their per-block scalars (amax, Σv², the cut
 and scalar divides per block, whose chains left the vector units idle (int8x2: 1.2 -> 0.4
 ns a value on a Xeon, an 8-prompt prefill of the default model 186-195 -> 170-174 ms;
 int8o: 1.2 -> 0.65-0.87 ns a value, a batch-8 step of the default model's 120 calls 0.97 ->
-0.69 ms). :func:`_across` pairs the lanes as :func:`_tree` does, so int8o's float64 Σv², and
+0.69 ms). :func:`_across` pairs the lanes as :func:`tree` does, so int8o's float64 Σv², and
 with it the cut, are the block loop's bits. A row's last K/32 mod 8 blocks go one block a
 step. Where a row of x is [M, K] float32 C-contiguous; xq [2M, K] int8, xd [2M,
 K/32] and xs [2M, K/32 or K/16] float32 as :mod:`.quantize` lays them out.
@@ -35,7 +35,7 @@ K/32] and xs [2M, K/32 or K/16] float32 as :mod:`.quantize` lays them out.
 
 from __future__ import annotations
 
-from .ir import Body, idx, splat
+from .ir import Body, idx, splat, tree
 
 LIMIT = 4.0  # an outlier: |x| above LIMIT times the root mean square of the rest of its block
 OUTLIERS, TWO_DIGITS = "quantize_rows_outliers", "quantize_rows2"  # the two rules, by function name
@@ -52,25 +52,9 @@ declare i32 @llvm.vector.reduce.add.v16i32(<16 x i32>)
 """
 
 
-def _tree(e: Body, v: str, n: int, ty: str, op: str) -> str:
-    """One value of <n x ty> ``v`` by halving: lanes [0, n/2) op [n/2, n), and again (the
-    order fixed here, not left to the target, so every CPU gets the same bits)."""
-    while n > 1:
-        h = n // 2
-        lo = e(f"shufflevector <{n} x {ty}> {v}, <{n} x {ty}> poison, {idx(range(h))}")
-        hi = e(f"shufflevector <{n} x {ty}> {v}, <{n} x {ty}> poison, {idx(range(h, n))}")
-        if op == "max":  # exact in any order for numbers; |x| is never -0.0 here
-            gt = e(f"fcmp ogt <{h} x {ty}> {hi}, {lo}")
-            v = e(f"select <{h} x i1> {gt}, <{h} x {ty}> {hi}, <{h} x {ty}> {lo}")
-        else:
-            v = e(f"{op} <{h} x {ty}> {lo}, {hi}")
-        n = h
-    return e(f"extractelement <1 x {ty}> {v}, i64 0")
-
-
 def _digit(e: Body, v: str, row: str) -> tuple[str, str, str]:
     """``v`` quantized into xq at ``row`` (a pointer): (d, q as <32 x i32>, Σq as i32)."""
-    amax = _tree(e, e(f"call {F32} @llvm.fabs.v32f32({F32} {v})"), 32, "float", "max")
+    amax = tree(e, e(f"call {F32} @llvm.fabs.v32f32({F32} {v})"), 32, "float", "max")
     d = e(f"fdiv float {amax}, 127.0")
     nz = e(f"fcmp une float {d}, 0.0")
     inv = e(f"select i1 {nz}, float {e(f'fdiv float 1.0, {d}')}, float 0.0")
@@ -101,9 +85,9 @@ def _half_sum(e: Body, q: str, h: int) -> str:
 def _split(e: Body, v: str) -> tuple[str, str]:
     """int8o's rule: (v without its outliers, the outliers alone)."""
     a = e(f"call {F32} @llvm.fabs.v32f32({F32} {v})")
-    amax = e(f"fpext float {_tree(e, a, 32, 'float', 'max')} to double")
+    amax = e(f"fpext float {tree(e, a, 32, 'float', 'max')} to double")
     v64 = e(f"fpext {F32} {v} to {F64}")
-    ss = _tree(e, e(f"fmul {F64} {v64}, {v64}"), 32, "double", "fadd")
+    ss = tree(e, e(f"fmul {F64} {v64}, {v64}"), 32, "double", "fadd")
     rest = e(f"fsub double {ss}, {e(f'fmul double {amax}, {amax}')}")
     rest = e(f"select i1 {e(f'fcmp ogt double {rest}, 0.0')}, double {rest}, double 0.0")
     rms = e(f"call double @llvm.sqrt.f64(double {e(f'fdiv double {rest}, 31.0')})")
@@ -121,7 +105,7 @@ def _across(e: Body, vs: list[str], ty: str, op: str) -> str:
     """<G x ty>: lane j = ``op`` over block j's 32 lanes, for G = len(vs) blocks (each
     <32 x ty>): the blocks reduced side by side, halving the lanes each holds (a transpose
     as it goes), not one tree per block. Each level pairs lane i of a block with lane i + h,
-    as :func:`_tree` does, so a float sum has the tree's bits."""
+    as :func:`tree` does, so a float sum has the tree's bits."""
 
     def combine(a: str, b: str, n: int) -> str:
         if op == "max":
