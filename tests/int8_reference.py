@@ -1,5 +1,5 @@
 """An independent NumPy statement of the activation quantizers' rules (DESIGN.md §10), to
-check the compiled ones (mpitp.kernels.quantize, .quantize_ir) against: written from the
+check the compiled ones (mpitp.kernels.quantize, mpitp.kernels.ir.quantize) against: written from the
 rules, not from their code, in float64 where the rule allows, one block at a time.
 
     Q8_0 digit:  d = amax / 127 (float32),  q = round(x · (1/d)) half away from zero

@@ -15,14 +15,9 @@ pytest.importorskip("numba")
 
 from int8_reference import k_blocks  # noqa: E402
 
-from mpitp.kernels import (  # noqa: E402
-    cpu,
-    formats,  # noqa: E402
-    int8,
-    jit,
-    tiles,
-)
+from mpitp.kernels import cpu, int8, jit  # noqa: E402
 from mpitp.kernels.quantize import LIMIT, quantize, quantize_rows2, quantize_rows_outliers  # noqa: E402
+from mpitp.kernels.weights import formats, tiles  # noqa: E402
 
 NATIVE = ["Q4_0", "Q4_1", "Q8_0"]
 RUNNABLE = list(cpu.supported())  # this CPU's instruction sets (portable always)
@@ -311,7 +306,7 @@ def test_amx_int8o_bodies_give_the_vector_kernels_bits(monkeypatch, t, R, m):
     between the outliers' digit on a branch and both digits in one tile product: each
     body, forced, gives avx512's numbers bit for bit, with outliers in a few blocks (the
     branch both ways) and rows past M (left from an earlier x) not stored."""
-    from mpitp.kernels import amx_ir
+    from mpitp.kernels.ir import amx as amx_ir
 
     rng = np.random.default_rng(7)
     n, k = 40, 512 if t != "Q4_1" else 288

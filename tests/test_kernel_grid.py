@@ -23,10 +23,11 @@ from int8_reference import LIMIT, dequantized, k_blocks, outlier_mask, quantize,
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("numba")
 
-from mpitp.kernels import cpu, formats, int8, parallel, tiles  # noqa: E402
+from mpitp.kernels import cpu, int8, parallel  # noqa: E402
 from mpitp.kernels import matmul as mm  # noqa: E402
 from mpitp.kernels.quantize import LIMIT as KERNEL_LIMIT  # noqa: E402
 from mpitp.kernels.quantize import quantize_rows, quantize_rows2  # noqa: E402
+from mpitp.kernels.weights import formats, tiles  # noqa: E402
 
 RUNNABLE = list(cpu.supported())
 SCHEMES = dict(cpu.SCHEMES)  # int8, int8o, int8x2: (digits, outliers)

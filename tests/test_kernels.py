@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("numba")
 
-from mpitp.kernels import cpu, formats  # noqa: E402
+from mpitp.kernels import cpu  # noqa: E402
 from mpitp.kernels import matmul as mm  # noqa: E402
-from mpitp.kernels.dequant import take  # noqa: E402
+from mpitp.kernels.weights import formats  # noqa: E402
+from mpitp.kernels.weights.dequant import take  # noqa: E402
 
 NATIVE = ["Q4_0", "Q4_1", "Q8_0"]
 RUNNABLE = list(cpu.supported())  # this CPU's instruction sets: decode attention's core on each

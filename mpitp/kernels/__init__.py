@@ -16,12 +16,12 @@ from pathlib import Path
 
 
 def numba_cache_dir(sources: Path = Path(__file__).parent) -> Path:
-    """``~/.cache/mpitp/numba/<digest of the *.py files in sources>`` (``XDG_CACHE_HOME``
+    """``~/.cache/mpitp/numba/<digest of the *.py files under sources>`` (``XDG_CACHE_HOME``
     respected; not ``MPITP_CACHE``, which tests point at fresh folders, where every
     process would compile the kernels again)."""
     h = hashlib.sha256()
-    for p in sorted(sources.glob("*.py")):
-        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    for p in sorted(sources.rglob("*.py")):  # the subpackages' too (weights/, ir/)
+        h.update(str(p.relative_to(sources)).encode() + b"\0" + p.read_bytes() + b"\0")
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "mpitp" / "numba" / h.hexdigest()[:16]
 

@@ -3,7 +3,7 @@
 The int8 kernels (:mod:`.int8`) come in five instruction sets, as ggml's CPU backend::
 
     amx       avx512's kernels up to 4 rows of x; from 8 rows (batches, prefill) Intel's
-              tile matrix unit (AMX-INT8: :mod:`.amx_ir`)
+              tile matrix unit (AMX-INT8: :mod:`.ir.amx`)
     avx512    vnni's instruction on 512-bit vectors, 16 output rows at once (AVX512-VNNI
               with AVX512-BW)
     vnni      vpdpbusd: 32 u8×s8 products summed in fours into 8 int32 lanes, one

@@ -14,7 +14,7 @@ differs)::
                RoPE (rotate-half) on q and k, k and v written into the cache at column s,
                softmax(q·kᵀ·scale) over columns 0..s that ``valid`` allows, · v
 
-attend's scores, softmax and sum over values run in an IR core (:mod:`.attend_ir`, one
+attend's scores, softmax and sum over values run in an IR core (:mod:`.attend`, one
 call per row and KV head: its query heads in registers while the cache streams past
 once, the new key and value stored by it) where the head dimension is a multiple of 16
 and each head's row of the cache is contiguous; the cache float32 or float16. Else (a
@@ -27,8 +27,8 @@ import numpy as np
 from numba import njit, prange
 
 from . import cpu, jit
-from .attend_ir import EXP_LN2, EXP_LOG2E, EXP_POLY
 from .calls import address, attention_at
+from .ir.attend import EXP_LN2, EXP_LOG2E, EXP_POLY
 from .matmul import OPTS
 
 MASKED = np.float32(np.finfo(np.float32).min)
@@ -64,7 +64,7 @@ def rotate(qkv, heads, cos, sin, out):
                 yb[i] = xb[i] * c[half + i] + xa[i] * s[half + i]
 
 
-# exp(x) = 2^k · p(r), k = round(x·log2 e), r = x - k·ln 2 (Cephes' expf, attend_ir's; relative
+# exp(x) = 2^k · p(r), k = round(x·log2 e), r = x - k·ln 2 (Cephes' expf, ir/attend.py's; relative
 # error ~2e-7, as libm's): a polynomial LLVM vectorizes, where np.exp is a call per value
 LOG2E, LN2HI, LN2LO = np.float32(EXP_LOG2E), np.float32(EXP_LN2[0]), np.float32(EXP_LN2[1])
 P0, P1, P2, P3, P4, P5 = (np.float32(c) for c in EXP_POLY)

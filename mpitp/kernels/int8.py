@@ -1,7 +1,7 @@
 """``y = x @ Wᵀ`` with int8 activations, for weights in tiles (:mod:`.tiles`).
 
 x is quantized once per call (:mod:`.quantize`), then one compiled kernel (:mod:`.jit`,
-:mod:`.int8_ir`; with ``amx``, 8 rows and more on the tiles, :mod:`.amx_ir`) per row
+:mod:`.vector`; with ``amx``, 8 rows and more on the tiles, :mod:`.ir.amx`) per row
 count R in 1, 2, 4, 8, 16 walks the weights once for all rows
 (a row count in between runs the next R up; its extra rows are not stored). More than 16
 rows (prefill) go a chunk at a time (16 rows, 8 with avx512: :func:`chunk`) over column
@@ -36,9 +36,9 @@ from numba import njit
 
 from . import cpu, jit, parallel
 from .calls import address, kernel_at, quantizer_at
+from .ir.quantize import OUTLIERS, TWO_DIGITS
 from .quantize import outlier_quantizer, quantize_rows, quantize_rows2, two_digit_quantizer
-from .quantize_ir import OUTLIERS, TWO_DIGITS
-from .tiles import ROWS, TiledWeight
+from .weights.tiles import ROWS, TiledWeight
 
 KERNEL_ROWS = (1, 2, 4, 8, 16)
 SMALL = KERNEL_ROWS[-1]

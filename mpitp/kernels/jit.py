@@ -1,4 +1,4 @@
-"""Compile the int8 kernels' IR (:mod:`.int8_ir`; the two-row quantizers, :mod:`.quantize_ir`)
+"""Compile the int8 kernels' IR (:mod:`.vector`; the two-row quantizers, :mod:`.ir.quantize`)
 for this CPU with llvmlite, once per process and format, and hand them out as ctypes
 functions (which release the GIL).
 
@@ -21,7 +21,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from . import amx_ir, attend_ir, cpu, int8_ir, quantize_ir
+from . import cpu
+from .ir import amx as amx_ir
+from .ir import attend as attend_ir
+from .ir import quantize as quantize_ir
+from .ir import vector as int8_ir  # the vector kernels
 
 _LOCK = threading.Lock()
 _ENGINES: list = []
@@ -134,7 +138,7 @@ def _module(specs: list[tuple]) -> tuple[list[str], str]:
 
 def functions(specs: list[tuple]) -> list:
     """ctypes functions of the kernels ``(fmt, isa, R, D)``, compiled on first request
-    (isa ``amx``: :mod:`.amx_ir`'s, not to be asked for with others in one call)."""
+    (isa ``amx``: :mod:`.ir.amx`'s, not to be asked for with others in one call)."""
     with _LOCK:
         todo = [s for s in dict.fromkeys(specs) if s not in _FUNCS]
         if todo:
@@ -147,7 +151,7 @@ def functions(specs: list[tuple]) -> list:
 
 
 def quantizer(isa: str, name: str = quantize_ir.OUTLIERS):
-    """The ctypes function of a two-row quantizer (:mod:`.quantize_ir`: int8o's, or
+    """The ctypes function of a two-row quantizer (:mod:`.ir.quantize`: int8o's, or
     int8x2's with ``TWO_DIGITS``) for ``isa``: ``f(x, xq, xd, xs, M, K, halves)``,
     pointers then integers."""
     key = ("quantizer", isa, name)
@@ -159,7 +163,7 @@ def quantizer(isa: str, name: str = quantize_ir.OUTLIERS):
 
 
 def attention(D: int, G: int, isa: str, half: bool = False):
-    """The ctypes function of decode attention's core (:mod:`.attend_ir`) for head
+    """The ctypes function of decode attention's core (:mod:`.attend`) for head
     dimension D and G query heads a KV head (``half``: a float16 cache), compiled for
     ``isa``'s target: ``f(q, k, v, valid, out, sc, knew, vnew, S, stride, masked)``,
     pointers then integers."""

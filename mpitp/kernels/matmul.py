@@ -25,7 +25,7 @@ from functools import partial
 import numpy as np
 from numba import njit
 
-from .dequant import OPTS, SIXTEEN, SIXTEENTH, dequantize_rows, q4_dequantize, q4_take, q8_dequantize, q8_take
+from .weights.dequant import OPTS, SIXTEEN, SIXTEENTH, dequantize_rows, q4_dequantize, q4_take, q8_dequantize, q8_take
 
 SMALL = 16  # rows of x up to which the decode kernels run; above, tiles + BLAS
 HALF_SMALL = 8  # the same for 16-bit floats (docs/measurements.md: at 16 rows BLAS wins)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from . import int8
 from .cpu import SCHEMES
-from .formats import Pieces, leaves
 from .matmul import warm as warm_planar
-from .tiles import repack
+from .weights.formats import Pieces, leaves
+from .weights.tiles import repack
 
 
 def tile(mods: list, activations: str) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 from numba import njit
 
 from . import cpu, jit
-from .quantize_ir import LIMIT, OUTLIERS, TWO_DIGITS  # noqa: F401  (LIMIT: int8o's rule, read by tests)
+from .ir.quantize import LIMIT, OUTLIERS, TWO_DIGITS  # noqa: F401  (LIMIT: int8o's rule, read by tests)
 
 # no fastmath: x · (1/d) must round as the reference does, not become x / d
 EXACT = dict(cache=True, nogil=True, boundscheck=False)
@@ -115,7 +115,7 @@ def quantize_rows2(x, xq, xd, xs, isa: str | None = None) -> None:
     """Two digits: row i of x -> xq rows 2i (x's blocks as one digit quantizes them) and
     2i+1 (what is left, x - d·q in float32, quantized the same way); xd the two digits'
     scales, xs[2i] the sum over both digits (per 32, or per 16 where xs has K/16 columns).
-    Compiled from IR (:mod:`.quantize_ir`): xq, xd and xs C-contiguous."""
+    Compiled from IR (:mod:`.ir.quantize`): xq, xd and xs C-contiguous."""
     _check(xq, xd, xs)
     two_digit_quantizer(isa)(xq, xd, xs)(x)
 
@@ -133,7 +133,7 @@ def quantize_rows_outliers(x, xq, xd, xs, isa: str | None = None) -> None:
     is all zero, d = 0), the rest to row 2i, quantized as one digit is. An outlier then no
     longer sets d for the other 31 values of its block. The rule looks at one block only,
     so a tensor-parallel cut (on block boundaries) quantizes x as one rank does; xs[2i] =
-    the sum over both rows. Compiled from IR (:mod:`.quantize_ir`): xq, xd and xs
+    the sum over both rows. Compiled from IR (:mod:`.ir.quantize`): xq, xd and xs
     C-contiguous as laid out above."""
     _check(xq, xd, xs)
     outlier_quantizer(isa)(xq, xd, xs)(x)

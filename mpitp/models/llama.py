@@ -231,7 +231,7 @@ class LlamaForCausalLM:
 
     def int8_tiles(self) -> bool:
         """Whether some matmul of this rank runs on int8 tiles (int8 activations)."""
-        from ..kernels.formats import leaves
+        from ..kernels.weights.formats import leaves
 
         mods = [m for _, m in self.named_modules() if getattr(m, "qweight", None) is not None]
         return any(getattr(w, "layout", "") == "tiles" for m in mods for w in leaves(m.qweight))
@@ -280,7 +280,7 @@ class LlamaForCausalLM:
             if getattr(m, "qweight", None) is None:
                 out[str(w.dtype)] = out.get(str(w.dtype), 0) + w.nbytes
                 continue
-            from ..kernels.formats import leaves
+            from ..kernels.weights.formats import leaves
 
             for p in leaves(w):  # a merged weight's pieces by their own formats
                 out[p.source] = out.get(p.source, 0) + p.nbytes

@@ -80,7 +80,7 @@ def pack_blocks(modules) -> np.ndarray | None:
         if w is not None and id(w) not in seen:
             seen.add(id(w))
             mods.append(m)
-    from ..kernels.formats import leaves
+    from ..kernels.weights.formats import leaves
 
     held = [w for m in mods for w in leaves(m.qweight)]  # a merged weight's pieces each
     fields = [(w, f) for w in held for f in ("qs", "d", "m") if getattr(w, f) is not None]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels import formats
+from ..kernels.weights import formats
 from . import partition
 from .linear import ShardingError, gather_last_dim
 from .partition import PAD  # noqa: F401  (re-exported)
@@ -80,7 +80,7 @@ class VocabParallelEmbedding:
         ids = xp.asarray(ids)
         mine = (ids >= self.start) & (ids < self.end)
         if self.qweight is not None:
-            from ..kernels.dequant import take
+            from ..kernels.weights.dequant import take
 
             local = np.where(mine, ids - self.start, -1).astype(np.int64)
             out = take(self.qweight, local.reshape(-1)).reshape(*ids.shape, self.hidden)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels import formats
+from ..kernels.weights import formats
 from . import partition
 from .partition import ShardingError
 from .source import TensorSource
@@ -85,7 +85,7 @@ class LinearBase:
     def finish(self) -> None:
         """After loading: join the block pieces into ``qweight``. Pieces of different
         kinds (a Q4_K_M file's Q4_K q/k beside its Q6_K v) stay as they are, side by side
-        (:class:`~mpitp.kernels.formats.Pieces`: each its own kernel); a part left as
+        (:class:`~mpitp.kernels.weights.formats.Pieces`: each its own kernel); a part left as
         floats makes the whole weight float32."""
         parts, self._parts = sorted(self._parts.items()), {}
         if not parts:

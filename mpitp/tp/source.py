@@ -79,7 +79,7 @@ class SafetensorsSource:
         return self.type_name in ("F16", "BF16")
 
     def _bits(self, block):
-        from ..kernels.formats import from_ggml
+        from ..kernels.weights.formats import from_ggml
 
         self.bytes_read += block.nbytes
         return from_ggml(np.asarray(block), self.type_name)
@@ -98,7 +98,7 @@ class GGUFSource:
 
     ``rows``/``cols``/``read`` give floats (dequantized, the ``gguf`` package's decoder);
     ``block_rows``/``block_cols`` give the quants themselves
-    (:class:`~mpitp.kernels.formats.BlockWeight`), only of the rows asked for."""
+    (:class:`~mpitp.kernels.weights.formats.BlockWeight`), only of the rows asked for."""
 
     def __init__(self, name: str, raw, type_name: str, shape: tuple, perm=None, dtype=np.float32):
         self.name, self._raw, self.type_name, self.dtype = name, raw, type_name, dtype
@@ -144,7 +144,7 @@ class GGUFSource:
         return w[:, a - lo * per : b - lo * per]
 
     def block_rows(self, a: int, b: int):
-        from ..kernels.formats import from_ggml
+        from ..kernels.weights.formats import from_ggml
 
         return from_ggml(self._count(self._raw_rows(a, b)), self.type_name)
 
@@ -153,7 +153,7 @@ class GGUFSource:
         are converted (whole blocks of 32, or super-blocks of 256 for K-quants)."""
         import gguf
 
-        from ..kernels.formats import from_ggml
+        from ..kernels.weights.formats import from_ggml
 
         per, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[self.type_name]]
         raw = self._raw_rows(0, self.shape[0])

@@ -204,7 +204,7 @@ def test_q4_k_m_is_held_at_the_files_size_and_keeps_the_accuracy_rule(tp, files)
     ref = log_softmax(ref_model.forward(ids, np.arange(120)[None], _full_cache(ref_model))[0])
     top2 = np.sort(ref, -1)[:, -2:]
     margin = top2[:, 1] - top2[:, 0]
-    from mpitp.kernels.formats import leaves
+    from mpitp.kernels.weights.formats import leaves
 
     modes = (("int8", 5e-3, 3e-2, 0.5, 5e-2), ("int8o", 5e-3, 3e-2, 0.5, 5e-2), ("int8x2", 1e-5, 1e-5, 1e-3, 1e-3))
     for mode, mean_kl, max_kl, sure, close in modes:

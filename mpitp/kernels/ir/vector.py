@@ -43,9 +43,9 @@ is paired with itself and its second half stored nowhere.
 
 from __future__ import annotations
 
-from .blocks_ir import k_scales, parse, q6_quants, scales
-from .frame_ir import any_outlier, frame
-from .ir import UNLIKELY, Body, bcast, chain, idx, load, offset_at, per_tile, splat
+from .blocks import k_scales, parse, q6_quants, scales
+from .build import UNLIKELY, Body, bcast, chain, idx, load, offset_at, per_tile, splat
+from .frame import any_outlier, frame
 
 DECLARE = """
 declare void @llvm.prefetch.p0(ptr, i32, i32, i32)

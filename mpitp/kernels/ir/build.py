@@ -1,5 +1,5 @@
-"""The toolkit every LLVM IR kernel generator here writes with (:mod:`.int8_ir`,
-:mod:`.amx_ir`, :mod:`.quantize_ir`, :mod:`.attend_ir`): numbered SSA names and their lines
+"""The toolkit every LLVM IR kernel generator here writes with (:mod:`.vector`,
+:mod:`.amx`, :mod:`.quantize`, :mod:`.attend`): numbered SSA names and their lines
 (:class:`Body`), vector constants and shuffle masks, loads at element offsets, a tile's
 rows of a value loaded per step, broadcasts and chains of multiply-adds."""
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import struct
 
-from .ir import Body, splat, tree
+from .build import Body, splat, tree
 
 MASKED = -3.4028234663852886e38  # float32's lowest, as decode.MASKED
 LANES = 16

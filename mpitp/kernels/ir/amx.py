@@ -1,6 +1,6 @@
 """LLVM IR of the int8 kernels for 8 rows of x and more (batches, prefill) on Intel AMX
 (the ``amx`` instruction set): the same
-function as :mod:`.int8_ir`'s kernels (same weights in tiles, same quantized x, same
+function as :mod:`.vector`'s kernels (same weights in tiles, same quantized x, same
 signature), its integer dot products done by tile instructions.
 
 AMX holds 8 two-dimensional registers (tiles) of up to 16 rows × 64 bytes and multiplies
@@ -29,10 +29,10 @@ Linux hands AMX's 8 KB of register state to a process only on request
 
 from __future__ import annotations
 
-from . import int8_ir
-from .blocks_ir import k_scales, parse, q6_quants, scales
-from .frame_ir import SIGNATURE, frame
-from .ir import Body, bcast, chain, load, offset_at, per_tile, splat
+from . import vector
+from .blocks import k_scales, parse, q6_quants, scales
+from .build import Body, bcast, chain, load, offset_at, per_tile, splat
+from .frame import SIGNATURE, frame
 
 DECLARE = """
 declare void @llvm.x86.ldtilecfg(ptr)
@@ -48,7 +48,7 @@ declare void @llvm.prefetch.p0(ptr, i32, i32, i32)
 
 A_TILE, B_TILE = 0, 1  # tmm0: 16 rows of x; tmm1 (tmm2): the weights (of each half)
 ROWS_A = 16  # rows of x an A tile holds
-# int8_ir's software prefetch of the weights' stream, here too: at 8 rows the vector
+# vector's software prefetch of the weights' stream, here too: at 8 rows the vector
 # kernels are bound by their multiply-adds, the tiles' kernels are not (default model, TP=2,
 # batch 8, rank 0's matmuls 7.8 -> 6.6 ms a step: o 1.09 -> 0.87, gate_up 2.99 -> 2.65;
 # 1B Q4_K_M and prefill unchanged within noise); FAR: its L2 prefetch further on too
@@ -91,7 +91,7 @@ DENSE_FROM = {1: (1, 2), 2: (3, 4)}  # halves -> (numerator, denominator)
 def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = False) -> tuple[str, str]:
     """(name, IR) of the AMX kernel for R rows of x (each D digits: R·D a multiple of 8, at
     most 32) over pairs of weight tiles. ``sparse``: int8o's second digit (x's outliers),
-    added after the weights' minimum term, in the order of :mod:`.int8_ir`'s ``_o``
+    added after the weights' minimum term, in the order of :mod:`.vector`'s ``_o``
     kernels, so the bits are theirs. Up to 8 rows of x, two bodies, one chosen per call by
     a scan of the rows' outlier scales (:func:`_choose`); at 16, ``_s``'s alone:
 
@@ -199,7 +199,7 @@ def _body(name: str, fmt: str, R: int, D: int, G: int, mode: str) -> str:
         e.do(f"{ts} = add i64 %tS{sfx}, %bs")
         e.do(f"{tb} = add i64 %tnb{sfx}, %b")
     if PREFETCH:
-        int8_ir.prefetch(e, core, far=FAR)
+        vector.prefetch(e, core, far=FAR)
     mins: list[tuple[str, int]] = []
     if core in ("q4k", "q6k"):
         dvs, mins = k_scales(e, core, "avx512", half)
@@ -290,7 +290,7 @@ def _body(name: str, fmt: str, R: int, D: int, G: int, mode: str) -> str:
             chain(e, f"%acc{r}", digit_terms(r, 0) + least(r) + digit_terms(r, 1), f"%acc{r}_n")
         else:
             chain(e, f"%acc{r}", digit_terms(r, 0) + least(r), f"%acc{r}_a")
-    if branch:  # as int8_ir's: the rows' outlier scales OR-ed as integers, one branch
+    if branch:  # as vector's: the rows' outlier scales OR-ed as integers, one branch
         bits = [load(e, "i32", "%xdt", e(f"add i64 %bxd, {D * r + 1}", "xb"), "float") for r in range(R)]
         some = bits[0]
         for c in bits[1:]:
@@ -390,4 +390,4 @@ def _store_weights(e: Body, core: str, buf: str) -> None:
 
 def module(specs: list[tuple]) -> tuple[list[str], str]:
     """(names, one module's IR) for several AMX kernels."""
-    return int8_ir.module(specs, kernel, DECLARE)
+    return vector.module(specs, kernel, DECLARE)

@@ -63,7 +63,7 @@ def dequantize_rows(w, r0: int, r1: int) -> np.ndarray:
         return dequantize_rows(w.planar(r0, r1), 0, r1 - r0)
     out = np.empty((r1 - r0, w.shape[1]), np.float32)
     if w.kind in ("f16", "bf16"):
-        from .half import half_dequantize
+        from ..half import half_dequantize
 
         half_dequantize(w.qs, w.kind == "bf16", r0, r1, out)
     elif w.kind == "q4":
@@ -81,7 +81,7 @@ def take(w, ids: np.ndarray) -> np.ndarray:
             out[t] = 0 if i < 0 else dequantize_rows(w, int(i), int(i) + 1)[0]
         return out
     if w.kind in ("f16", "bf16"):
-        from .half import half_take
+        from ..half import half_take
 
         half_take(w.qs, w.kind == "bf16", ids, out)
     elif w.kind == "q4":

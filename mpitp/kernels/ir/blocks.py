@@ -4,7 +4,7 @@ integer scales and minimums, Q6_K's 6-bit quants from their two planes."""
 
 from __future__ import annotations
 
-from .ir import Body, idx, load, offset_at, per_tile, splat
+from .build import Body, idx, load, offset_at, per_tile, splat
 
 
 def parse(fmt: str) -> tuple[str, bool, bool]:

@@ -1,11 +1,11 @@
-"""The function every int8 kernel's body sits in (:mod:`.int8_ir`'s vector kernels and
-:mod:`.amx_ir`'s tile kernels): its signature, the loop over tiles of output rows, the loop
+"""The function every int8 kernel's body sits in (:mod:`.vector`'s vector kernels and
+:mod:`.amx`'s tile kernels): its signature, the loop over tiles of output rows, the loop
 over blocks of K (for int8o, in segments between the blocks where some row of x has an
 outlier), the accumulators' phis and the stores of y's rows."""
 
 from __future__ import annotations
 
-from .ir import Body, idx, load
+from .build import Body, idx, load
 
 SIGNATURE = "ptr %qs, ptr %d, ptr %m, ptr %xq, ptr %xd, ptr %xs, ptr %y, i64 %T, i64 %nb, i64 %M, i64 %ldy"
 

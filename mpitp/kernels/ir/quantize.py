@@ -35,7 +35,7 @@ K/32] and xs [2M, K/32 or K/16] float32 as :mod:`.quantize` lays them out.
 
 from __future__ import annotations
 
-from .ir import Body, idx, splat, tree
+from .build import Body, idx, splat, tree
 
 LIMIT = 4.0  # an outlier: |x| above LIMIT times the root mean square of the rest of its block
 OUTLIERS, TWO_DIGITS = "quantize_rows_outliers", "quantize_rows2"  # the two rules, by function name
