@@ -29,7 +29,7 @@ from numba import njit, prange
 from . import cpu, jit
 from .calls import address, attention_at
 from .ir.attend import EXP_LN2, EXP_LOG2E, EXP_POLY
-from .matmul import OPTS
+from .weights.dequant import OPTS
 
 MASKED = np.float32(np.finfo(np.float32).min)
 

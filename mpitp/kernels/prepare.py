@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from . import int8
 from .cpu import SCHEMES
-from .matmul import warm as warm_planar
+from .planar import warm as warm_planar
 from .weights.formats import Pieces, leaves
 from .weights.tiles import repack
 
