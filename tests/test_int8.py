@@ -329,6 +329,21 @@ def test_amx_int8o_bodies_give_the_vector_kernels_bits(monkeypatch, t, R, m):
         assert np.array_equal(y[:, :n], want), dense_from
 
 
+def test_the_instruction_sets_table():
+    """cpu.FACTS as the kernels read it: which vector kernels take few and many rows of x,
+    prefill's rows a call, where AMX's tiles take over, what is compiled for the baseline."""
+    lanes = {i: [int8.lanes(i, r) for r in (1, 2, 4, 8, 16)] for i in cpu.ISAS}
+    assert lanes["amx"] == lanes["avx512"] == ["vnni", "vnni", "avx512", "avx512", "avx512"]
+    assert all(lanes[i] == [i] * 5 for i in ("vnni", "avx2", "portable"))
+    assert [int8.chunk(i) for i in cpu.ISAS] == [16, 8, 16, 16, 16]
+    assert (int8.chunk("amx", 2, int8.AMX_WIDE_K), int8.chunk("amx", 2, int8.AMX_WIDE_K + 32)) == (16, 8)
+    assert [cpu.FACTS[i].tiles_from for i in cpu.ISAS] == [8, None, None, None, None]
+    assert (
+        [i for i in cpu.ISAS if cpu.FACTS[i].baseline] == [i for i in cpu.ISAS if not cpu.FACTS[i].f16c] == ["portable"]
+    )
+    assert jit.target("portable")[1] == "x86-64" or not jit.target("portable")[0].startswith("x86_64")
+
+
 def test_the_choice_of_instruction_set(monkeypatch):
     have = cpu.supported()
     assert have[-1] == "portable" and cpu.isa({}) == have[0]

@@ -17,9 +17,33 @@ an error, not a crash. The features are LLVM's view of the host (what the JIT ma
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 ISAS = ("amx", "avx512", "vnni", "avx2", "portable")
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the kernels of one instruction set are, read by everything that picks one
+    (:mod:`.int8`, :mod:`.jit`, :mod:`.decode`, :mod:`.ir.blocks`)."""
+
+    vector: str  # the vector kernels it decodes with (amx decodes with avx512's)
+    narrow: str  # those for fewer than WIDE_ROWS rows of x (avx512: vnni's 8 lanes, one weight stream)
+    prefill_rows: int  # rows of x a prefill kernel call takes (avx512: 8, 16 rows of 16 lanes spill)
+    tiles_from: int | None  # rows of x from which AMX's tile kernels take a call (decode too)
+    baseline: bool  # compiled for the baseline x86-64 (SSE2), not for the host CPU
+    f16c: bool  # float16 widened by vcvtph2ps (else integer moves); a float16 KV cache's core
+
+
+WIDE_ROWS = 4  # avx512's 16 lanes from this many rows of x (1 row: 25 GB/s with 8 lanes, 20 with 16, Zen 4)
+FACTS = {
+    "amx": Facts("avx512", "vnni", 16, 8, False, True),
+    "avx512": Facts("avx512", "vnni", 8, None, False, True),
+    "vnni": Facts("vnni", "vnni", 16, None, False, True),
+    "avx2": Facts("avx2", "avx2", 16, None, False, True),
+    "portable": Facts("portable", "portable", 16, None, True, False),
+}
 # Linux's arch_prctl: ask for the AMX tile data state (XFEATURE_XTILEDATA), which a process
 # does not have until it asks (its 8 KB of registers saved on every context switch)
 SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18

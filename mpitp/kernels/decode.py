@@ -295,7 +295,7 @@ def core(d: int, g: int, dtype=np.float32):
     f = _CORES.get(key, False)
     if f is False:
         isa = cpu.isa()
-        f = _CORES[key] = None if half and isa == "portable" else jit.attention(d, g, isa, half)
+        f = _CORES[key] = None if half and not cpu.FACTS[isa].f16c else jit.attention(d, g, isa, half)
     return f
 
 

@@ -42,10 +42,6 @@ from .weights.tiles import ROWS, TiledWeight
 
 KERNEL_ROWS = (1, 2, 4, 8, 16)
 SMALL = KERNEL_ROWS[-1]
-# with amx, decode's kernels for this many rows of x and more run on the tiles too (TP=2
-# batch 8 / 16: default model 18.0 -> 15.2 / 27.4 -> 22.2 ms a step, 1B Q4_K_M 57-60 -> 53-54 /
-# 107-116 -> 83-86; at 4 rows no faster: docs/measurements.md)
-AMX_ROWS = 8
 SPAN = 64  # tiles (of 8 rows) per column span in prefill: 512 rows
 
 
@@ -60,7 +56,8 @@ def kernels(
     (``outliers``: the second digit is x's outliers, multiplied only where there are any)."""
     isa = isa or cpu.isa()
     extra = (True,) if outliers else ()
-    vector = [r for r in KERNEL_ROWS if not (isa == "amx" and r >= AMX_ROWS)]
+    tiles_from = cpu.FACTS[isa].tiles_from  # amx: from 8 rows of x on the tiles (docs/measurements.md)
+    vector = [r for r in KERNEL_ROWS if tiles_from is None or r < tiles_from]
     out = dict(zip(vector, jit.functions([(kind, lanes(isa, r), r, digits, group) + extra for r in vector])))
     tiles = [r for r in KERNEL_ROWS if r not in out]
     out.update(zip(tiles, jit.functions([(kind, "amx", r, digits, group) + extra for r in tiles])))
@@ -68,12 +65,11 @@ def kernels(
 
 
 def lanes(isa: str, rows: int) -> str:
-    """The kernel for ``rows`` rows of x: avx512's 16 lanes from 4 rows up. With fewer the
-    step is bound by memory, and one tile a step (one stream of weights) reads faster:
-    measured on Zen 4, 1 row of x over 36 MB of Q4_0, 25 GB/s with 8 lanes, 20 with 16.
-    ``amx`` decodes with avx512's kernels."""
-    isa = "avx512" if isa == "amx" else isa
-    return "vnni" if isa == "avx512" and rows < 4 else isa
+    """The vector kernels for ``rows`` rows of x (:data:`.cpu.FACTS`): avx512's 16 lanes from
+    WIDE_ROWS rows up; with fewer the step is bound by memory and one tile a step (one
+    stream of weights) reads faster. ``amx`` decodes with avx512's kernels."""
+    f = cpu.FACTS[isa]
+    return f.narrow if rows < cpu.WIDE_ROWS else f.vector
 
 
 def chunk(isa: str, digits: int = 1, K: int = 0) -> int:
@@ -83,9 +79,8 @@ def chunk(isa: str, digits: int = 1, K: int = 0) -> int:
     weights, as long as those 32 rows of xq (32·K bytes) stay in L1 (``K`` at most
     AMX_WIDE_K); past that 8 (measured on a Xeon with AMX, two digits, 171-512 rows:
     96 -> 110-120 GMAC/s at K = 576-1024, even at 1536, 119 -> 91 at 2048)."""
-    if isa == "amx":
-        return 16 if digits == 1 or K <= AMX_WIDE_K else 8
-    return 8 if isa == "avx512" else SMALL
+    rows = cpu.FACTS[isa].prefill_rows
+    return rows if isa != "amx" or digits == 1 or K <= AMX_WIDE_K else 8
 
 
 AMX_WIDE_K = 1024

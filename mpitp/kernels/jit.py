@@ -50,7 +50,7 @@ def target(isa: str) -> tuple[str, str, str]:
     import llvmlite.binding as llvm
 
     triple = llvm.get_process_triple()
-    if isa == "portable" and triple.startswith("x86_64"):
+    if cpu.FACTS[isa].baseline and triple.startswith("x86_64"):
         return triple, "x86-64", ""
     return triple, llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
 

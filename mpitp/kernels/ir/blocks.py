@@ -4,6 +4,7 @@ integer scales and minimums, Q6_K's 6-bit quants from their two planes."""
 
 from __future__ import annotations
 
+from ..cpu import FACTS
 from .build import Body, idx, load, offset_at, per_tile, splat
 
 
@@ -18,7 +19,7 @@ def scales(e: Body, isa: str, ptr: str, offset, half: bool) -> str:
     """F: each row's scale at element ``offset(tb, ts)`` of ``ptr`` (float32, or float16)."""
     if not half:
         return per_tile(e, "<8 x float>", ptr, offset, "float")
-    if isa != "portable":  # F16C: vcvtph2ps
+    if FACTS[isa].f16c:  # vcvtph2ps
         return e(f"fpext <{e.V} x half> {per_tile(e, '<8 x half>', ptr, offset, 'half')} to {e.F}")
     h = e(f"zext <8 x i16> {per_tile(e, '<8 x i16>', ptr, offset, 'i16')} to <8 x i32>")
     low15, top = splat("i32", 8, 0x7FFF), splat("i32", 8, 0x8000)
