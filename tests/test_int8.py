@@ -362,10 +362,12 @@ def test_the_choice_of_instruction_set(monkeypatch):
     if "vnni" not in have:
         with pytest.raises(ValueError, match="has only"):
             cpu.isa({"MPITP_ISA": "vnni"})
-    assert cpu.activations("float32") == "float32" and cpu.activations("int8") == "int8"
-    assert cpu.activations(None, {"MPITP_ACTIVATIONS": "int8"}) == "int8"
-    assert cpu.activations("auto", {}) == ("int8o" if have[0] != "portable" else "float32")
-    assert cpu.activations(None, {"MPITP_ISA": "portable"}) == "float32"  # auto: no integer instructions
+    assert str(cpu.activations("float32")) == "float32" and str(cpu.activations("int8")) == "int8"
+    assert cpu.activations(None, {"MPITP_ACTIVATIONS": "int8"}) == cpu.Activations("int8")
+    assert cpu.activations("auto", {}).name == ("int8o" if have[0] != "portable" else "float32")
+    assert cpu.activations(None, {"MPITP_ISA": "portable"}).name == "float32"  # auto: no integer instructions
+    o, f = cpu.activations("int8o"), cpu.activations("float32")  # what travels to the kernels
+    assert (o.int8, o.digits, o.outliers) == (True, 2, True) and (f.int8, f.digits) == (False, 0)
     with pytest.raises(ValueError, match="one of"):
         cpu.activations("int4")
 

@@ -58,7 +58,7 @@ def _cpu() -> dict:
     except ImportError:
         return {"cpu": None, "int8_isas": [], "int8_isa": None, "activations": "float32"}
     try:
-        chosen, act = cpu.isa(), cpu.activations()
+        chosen, act = cpu.isa(), str(cpu.activations())
     except ValueError as e:
         chosen, act = f"error: {e}", "error"
     from ..kernels import parallel

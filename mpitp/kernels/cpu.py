@@ -114,7 +114,32 @@ ACTIVATIONS = ("auto", "int8", "int8o", "int8x2", "float32")
 SCHEMES = {"int8": (1, False), "int8o": (2, True), "int8x2": (2, False)}
 
 
-def activations(choice: str | None = None, environ=None) -> str:
+@dataclass(frozen=True)
+class Activations:
+    """``--activations`` parsed once (:func:`activations`), the value that travels from the
+    command line through the loader and the model to the kernels' preparation unchanged:
+    its name, and for the int8 schemes the digits of x per value and whether the second
+    digit holds x's outliers (int8o). ``str()`` gives the name."""
+
+    name: str
+
+    @property
+    def int8(self) -> bool:
+        return self.name in SCHEMES
+
+    @property
+    def digits(self) -> int:
+        return SCHEMES[self.name][0] if self.int8 else 0
+
+    @property
+    def outliers(self) -> bool:
+        return self.int8 and SCHEMES[self.name][1]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def activations(choice: str | None = None, environ=None) -> Activations:
     """How block weights' matmul inputs are held: ``int8`` (one int8 digit per value, as
     ggml quantizes them), ``int8o`` (one digit, and in each block of 32 the values above 4×
     the root mean square of the block's other values kept apart in a second row, as
@@ -131,5 +156,5 @@ def activations(choice: str | None = None, environ=None) -> str:
     if choice not in ACTIVATIONS:
         raise ValueError(f"activations {choice!r}: one of {', '.join(ACTIVATIONS)}")
     if choice == "auto":
-        return "int8o" if isa(environ) != "portable" else "float32"
-    return choice
+        choice = "int8o" if isa(environ) != "portable" else "float32"
+    return Activations(choice)

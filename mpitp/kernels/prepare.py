@@ -7,16 +7,16 @@ forward). ``mods``: the model's modules that hold a ``qweight``, in reading orde
 from __future__ import annotations
 
 from . import int8
-from .cpu import SCHEMES
+from .cpu import Activations
 from .planar import warm as warm_planar
 from .weights.formats import Pieces, leaves
 from .weights.tiles import repack
 
 
-def tile(mods: list, activations: str) -> None:
+def tile(mods: list, activations: Activations) -> None:
     """q4/q8 weights into tiles where ``activations`` is an int8 scheme; K-quant scales dropped."""
-    if activations.startswith("int8"):
-        digits, outliers = SCHEMES[activations]
+    if activations.int8:
+        digits, outliers = activations.digits, activations.outliers
 
         def tiled(w):
             return repack(w, digits, outliers) if w.kind in ("q4", "q8") else w
@@ -32,14 +32,13 @@ def tile(mods: list, activations: str) -> None:
             w.ks = None
 
 
-def warm(mods: list, activations: str) -> None:
+def warm(mods: list, activations: Activations) -> None:
     """Compile (or load) the kernels of every layout these weights are held in."""
     if not mods:
         return
     held = [w for m in mods for w in leaves(m.qweight)]
     for kind in sorted({w.kind for w in held if w.layout == "planar"}):
         warm_planar(kind)
-    if activations.startswith("int8"):
-        digits, outliers = SCHEMES[activations]
+    if activations.int8:
         for kind, group in sorted({(w.fmt, w.group) for w in held if w.layout == "tiles"}):
-            int8.warm(kind, digits, group, outliers)
+            int8.warm(kind, activations.digits, group, activations.outliers)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..kernels.cpu import Activations
 from ..tp import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -67,7 +68,7 @@ class LlamaForCausalLM:
         self.first_layer, end = (0, config.num_hidden_layers) if stage is None else stage.layers
         self.is_first, self.is_last = self.first_layer == 0, end == config.num_hidden_layers
         self.weights = weights if xp is np else "float32"  # how matmul weights are kept (loader.WEIGHTS)
-        self.activations = "float32"  # of block weights' matmuls: int8 or float32 (set by the loader)
+        self.activations = Activations("float32")  # of block weights' matmuls (the loader sets it)
         self.kv_dtype = np.dtype(dtype)  # of the KV cache: kv_cache_dtype(kv_choice) once loaded
         self.kv_choice: str | None = None  # the loader's kv_cache_dtype
         c = config
@@ -238,7 +239,7 @@ class LlamaForCausalLM:
 
     def arithmetic(self) -> str:
         """What the matmuls multiply, for the ``[mpitp]`` line: "int8 activations (avx2)"."""
-        if self.weights == "float32" or self.activations == "float32":
+        if self.weights == "float32" or not self.activations.int8:
             return "float32 activations"
         from ..kernels.cpu import isa
         from ..kernels.parallel import threads
