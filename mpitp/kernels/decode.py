@@ -316,7 +316,8 @@ def usable(kc, vc, g: int) -> bool:
     return rows_fit(kc, vc) and (kc.dtype == np.float32 or core(kc.shape[3], g, kc.dtype) is not None)
 
 
-def _cache(kc, vc) -> tuple[int, int, int, int, int]:
+def cache_pointers(kc, vc) -> tuple[int, int, int, int, int]:
+    """(K's and V's addresses, a row's and a head's byte strides, a column's stride in values)."""
     return jit.address(kc), jit.address(vc), kc.strides[0], kc.strides[2], kc.strides[1] // kc.itemsize
 
 
@@ -330,7 +331,7 @@ def bound_attend(d: int, g: int, threads: bool, dtype=np.float32):
     f = address(f)  # an integer: numba types a ctypes function anew on every call (~1 µs)
 
     def attend(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out):
-        run(f, qkv, cos, sin, _cache(kc, vc), valid, s, nh, nkv, d, scale, masked, out)
+        run(f, qkv, cos, sin, cache_pointers(kc, vc), valid, s, nh, nkv, d, scale, masked, out)
 
     return attend
 
@@ -356,7 +357,7 @@ def attend(qkv, cos, sin, kc, vc, valid, s, nh, nkv, scale, masked, out, *, thre
         )
     else:
         run = attend_core_threads if threads else attend_core
-        run(address(f), qkv, cos, sin, _cache(kc, vc), valid, s, nh, nkv, kc.shape[3], scale, masked, out)
+        run(address(f), qkv, cos, sin, cache_pointers(kc, vc), valid, s, nh, nkv, kc.shape[3], scale, masked, out)
 
 
 def attend_threads(*args) -> None:
@@ -387,7 +388,7 @@ def warm(head_dim: int = 0, group: int = 1, kv_dtype=np.float32) -> None:
         kc, vc = np.zeros((1, 2, 1, d), kv_dtype), np.zeros((1, 2, 1, d), kv_dtype)
         cos, sin, out = np.ones((1, d), np.float32), np.zeros((1, d), np.float32), np.empty((1, group * d), np.float32)
         qkv, valid = np.zeros((1, (group + 2) * d), np.float32), np.ones((1, 2), bool)
-        core_args = (qkv, cos, sin, _cache(kc, vc), valid, 0, group, 1, d, np.float32(1), True, out)
+        core_args = (qkv, cos, sin, cache_pointers(kc, vc), valid, 0, group, 1, d, np.float32(1), True, out)
         attend_core(address(f), *core_args)
         if threads() > 1:
             attend_core_threads(address(f), *core_args)

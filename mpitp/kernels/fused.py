@@ -27,10 +27,13 @@ from .int8 import SMALL, Bound
 from .matmul import Pieces
 from .parallel import tile_ranges
 
-# per piece: kernels for 0..16 rows; quantizer, halves, xq, xd, xs, qs, d, m, T, nb, its first
-# column of y, bytes a tile advances qs, d and m, and threads (its tiles in that many ranges)
-PLAN = SMALL + 1 + 15
-_Q = SMALL + 1
+# A plan row, one per piece of a weight: columns 0..16 the kernel's address for that many
+# rows of x, then these (numba reads them as constants: the same code as raw offsets)
+(QUANTIZER, HALVES, XQ, XD, XS, QS, D, MIN, TILES, BLOCKS, COLUMN, QS_STEP, D_STEP, MIN_STEP, THREADS) = range(
+    SMALL + 1, SMALL + 16
+)  # the quantizer's address and its sums' layout; x's buffers; the weight's arrays, its tiles
+# and blocks a row; the piece's first column of y; bytes a tile advances qs, d and m; threads
+PLAN = SMALL + 16
 
 
 def plan(bound) -> np.ndarray | None:
@@ -43,22 +46,21 @@ def plan(bound) -> np.ndarray | None:
         if type(f) is not Bound or f.fused is None or f.pad is not None:
             return None
         rows.append([*f.at_rows, *f.fused, f.T, f.nb, a, *f.tile_bytes, f.threads])
+        assert len(rows[-1]) == PLAN
     return np.array(rows, np.int64)
 
 
 @njit(nogil=True, cache=True)
 def _matmul(plan, x, y):
     M, K = x.shape
-    q = _Q
     for p in plan:  # each piece: x quantized for its kernel, which writes its columns of y
-        quantizer_at(p[q], x.ctypes.data, p[q + 2], p[q + 3], p[q + 4], M, K, p[q + 1])
-        at = y.ctypes.data + p[q + 10] * 4
-        if p[q + 14] > 1:  # its tiles in that many ranges over numba's pool
-            tile_ranges(p[M], p[q + 14], p[q + 5], p[q + 6], p[q + 7], p[q + 2], p[q + 3], p[q + 4], at, p[q + 8],
-                        p[q + 9], M, y.shape[1], p[q + 11], p[q + 12], p[q + 13])  # fmt: skip
+        quantizer_at(p[QUANTIZER], x.ctypes.data, p[XQ], p[XD], p[XS], M, K, p[HALVES])
+        at = y.ctypes.data + p[COLUMN] * 4
+        if p[THREADS] > 1:  # its tiles in that many ranges over numba's pool
+            tile_ranges(p[M], p[THREADS], p[QS], p[D], p[MIN], p[XQ], p[XD], p[XS], at, p[TILES], p[BLOCKS], M,
+                        y.shape[1], p[QS_STEP], p[D_STEP], p[MIN_STEP])  # fmt: skip
         else:
-            kernel_at(p[M], p[q + 5], p[q + 6], p[q + 7], p[q + 2], p[q + 3], p[q + 4], at, p[q + 8], p[q + 9], M,
-                      y.shape[1])  # fmt: skip
+            kernel_at(p[M], p[QS], p[D], p[MIN], p[XQ], p[XD], p[XS], at, p[TILES], p[BLOCKS], M, y.shape[1])
 
 
 @njit(nogil=True, cache=True)
@@ -80,11 +82,21 @@ def _bias(y, b, on):
 
 
 @njit(nogil=True, cache=True)
-def attention_half(h, r, rb, add, w, eps, xn, pq, y, yb, qb, core, cos, sin, cache, valid, s, nh, nkv, d, scale,
-                   masked, att, po, out, threads):  # fmt: skip
+def attention_half(h, r, rb, add, layer, heads, step, xn, y, att, out):
     """``h += r``; then the attention block of one layer into ``out`` (this rank's partial
-    sums of o, before the all-reduce). ``core``: attention's IR core (an address);
-    ``threads``: its (row, KV head) pairs over numba's pool."""
+    sums of o, before the all-reduce). Its arguments come in three records:
+
+        layer  (w, eps, pq, yb, qb, po)   the norm's weight and eps, qkv's plan, its bias (and
+                                          whether there is one), o's plan
+        heads  (core, nh, nkv, d, scale, threads)   attention's IR core (an address), the
+                                          query and KV heads, head dim, scale, threads: its
+                                          (row, KV head) pairs over numba's pool
+        step   (cos, sin, cache, valid, s, masked)   this step's RoPE rows, the cache's
+                                          pointers, its valid columns, length and mask
+    """
+    w, eps, pq, yb, qb, po = layer
+    core, nh, nkv, d, scale, threads = heads
+    cos, sin, cache, valid, s, masked = step
     _residual(h, r, rb, add)
     rms_norm(h, w, eps, xn)
     _matmul(pq, xn, y)

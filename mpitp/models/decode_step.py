@@ -49,6 +49,8 @@ class DecodeLayers:
         if core is not None and plans is not None:
             self.core = calls.address(core)
             self.plans = plans
+            # the fused attention half's heads record (mpitp.kernels.fused.attention_half)
+            self.heads = (self.core, self.nh, self.nkv, self.head_dim, self.scale, self.threads > 1)
         self.none = np.zeros(1, np.float32)  # a bias that is not there
 
     @classmethod
@@ -141,11 +143,10 @@ class DecodeLayers:
         add, rb = (0, none) if pending is None else ((1, none) if pending[0] is None else (2, pending[0]))
         y = np.empty((B, nqkv), np.float32)
         att = np.empty((B, self.q_width), np.float32)
-        fused.attention_half(
-            h, r, rb, add, w1, self.eps, xn, pq, y, none if bqkv is None else bqkv, bqkv is not None, self.core,
-            step.cos1, step.sin1, kernels._cache(cache.k[i], cache.v[i]), cache.valid, cache.length, self.nh,
-            self.nkv, self.head_dim, self.scale, step.masked, att, po, r, self.threads > 1,
-        )  # fmt: skip
+        layer = (w1, self.eps, pq, none if bqkv is None else bqkv, bqkv is not None, po)
+        now = (step.cos1, step.sin1, kernels.cache_pointers(cache.k[i], cache.v[i]), cache.valid, cache.length,
+               step.masked)  # fmt: skip
+        fused.attention_half(h, r, rb, add, layer, self.heads, now, xn, y, att, r)
         if ar is not None:
             ar(r, out=r)
         g = np.empty((B, ngu), np.float32)
@@ -169,9 +170,9 @@ class DecodeLayers:
         pq, po, pgu, pd = self.plans[i]
         x, d = np.zeros((1, 1), np.float32), np.zeros((1, self.head_dim), np.float32)
         rb = self.none if bo is None else bo
-        attn = (x, x, rb, 0, w1, self.eps, x, pq, x, self.none if bqkv is None else bqkv, False, self.core, d, d,
-                (0, 0, 0, 0, 0), np.zeros((1, 1), bool), 0, self.nh, self.nkv, self.head_dim, self.scale, False, x, po,
-                x, False)  # fmt: skip
+        layer = (w1, self.eps, pq, self.none if bqkv is None else bqkv, False, po)
+        now = (d, d, (0, 0, 0, 0, 0), np.zeros((1, 1), bool), 0, False)
+        attn = (x, x, rb, 0, layer, self.heads, now, x, x, x, x)
         mlp = (x, x, rb, 0, w2, self.eps, x, pgu, x, self.none if bgu is None else bgu, False, x, pd, x)
         for f, args in ((fused.attention_half, attn), (fused.mlp_half, mlp)):
             f.compile(tuple(numba.typeof(a) for a in args))
