@@ -35,6 +35,7 @@ from mpi4py import MPI
 
 from ..models.generate import sample
 from ..tp import partition
+from . import rows as kv_rows
 from .jobs import Job, Prefill, Slot
 from .pacing import take
 from .prefix import BLOCK, PrefixCache
@@ -207,14 +208,9 @@ class Engine:
         at the current column."""
         c, job, P = self.cache, pf.job, len(pf.job.ids)
         if P > c.length:  # P <= max_len: checked when the request came in
-            self._shift(P - c.length)
+            kv_rows.shift(c, P - c.length)
         r = self.running  # the first free row: running requests hold rows 0 … k-1
-        L = c.length
-        for layer in range(len(c.k)):
-            c.k[layer][r, L - P : L] = pf.k[layer]
-            c.v[layer][r, L - P : L] = pf.v[layer]
-        c.valid[r, :] = False
-        c.valid[r, L - P : L] = True
+        kv_rows.place(c, r, pf.k, pf.v)
         seed = job.seed if job.seed is not None else job.id
         self.slots[r] = Slot(job, pos=P, last=-1, rng=np.random.default_rng(seed))
         return r
@@ -233,15 +229,15 @@ class Engine:
         hold garbage: masked out, never read). Running requests always hold the lowest rows (``release`` moves
         the last one down), so the step computes k rows, not the whole batch."""
         m, c = self.model, self.cache
-        if c.length >= self.max_len or self._unused() > max(256, c.length // 2):
-            self._compact()  # full, or most of the timeline belongs to finished requests
+        if c.length >= self.max_len or kv_rows.unused(self.cache, self.running) > max(256, c.length // 2):
+            kv_rows.compact(self.cache)  # full, or most of the timeline belongs to finished requests
         k = self.running
         rows = self.slots[:k]
         feed = [s is not None and s.last >= 0 for s in rows]
         toks = np.array([[s.last if f and s else 0] for s, f in zip(rows, feed)], np.int64)
         pos = np.array([[s.pos if f and s else 0] for s, f in zip(rows, feed)], np.int64)
         c.valid[:k, c.length] = feed  # a row without a token must not see this column later
-        view = _Rows(c, k)
+        view = kv_rows.Rows(c, k)
         with np.errstate(invalid="ignore", divide="ignore"):  # rows with nothing to attend to
             logits = m.forward(m.xp.asarray(toks), m.xp.asarray(pos), view, last_only=True)
             wants = np.array([s is not None and s.job.wants_logits for s in rows], bool)
@@ -300,11 +296,7 @@ class Engine:
         last = self.running - 1
         moved = None
         if row != last:
-            L = c.length
-            for arrs in (c.k, c.v):
-                for a in arrs:
-                    a[row, :L] = a[last, :L]
-            c.valid[row] = c.valid[last]
+            kv_rows.move(c, last, row)
             self.slots[row] = self.slots[last]
             moved = last
         self.slots[last] = None
@@ -329,48 +321,6 @@ class Engine:
         if len(cols) != len(tokens):  # every fed token holds one column; anything else: keep nothing
             return
         self.prefix.store(tokens, lambda layer, lo, hi: (c.k[layer][row, cols[lo:hi]], c.v[layer][row, cols[lo:hi]]))
-
-    def _unused(self) -> int:
-        """Leading columns of the timeline that no running request attends to."""
-        c = self.cache
-        used = c.valid[: self.running, : c.length].any(axis=0)
-        return int(np.argmax(used)) if used.any() else c.length
-
-    def _shift(self, by: int) -> None:
-        """Move every row's columns right by ``by`` (a new prompt longer than the timeline)."""
-        c = self.cache
-        L = c.length
-        for arrs in (c.k, c.v):
-            for a in arrs:
-                a[:, by : by + L] = a[:, :L].copy()
-        c.valid[:, by : by + L] = c.valid[:, :L].copy()
-        c.valid[:, :by] = False
-        c.length = L + by
-
-    def _compact(self) -> None:
-        """Drop the leading columns no running request uses."""
-        c = self.cache
-        used = c.valid[:, : c.length].any(axis=0)
-        first = int(np.argmax(used)) if used.any() else c.length
-        if first == 0:
-            raise RuntimeError("the KV cache is full: a request longer than the context is running")
-        L = c.length - first
-        for arrs in (c.k, c.v):
-            for a in arrs:
-                a[:, :L] = a[:, first : first + L].copy()
-        c.valid[:, :L] = c.valid[:, first : first + L].copy()
-        c.valid[:, L:] = False
-        c.length = L
-
-
-class _Rows:
-    """The first ``k`` rows of a KV cache, as the model's forward sees a cache (views)."""
-
-    def __init__(self, c, k: int):
-        self.k = [a[:k] for a in c.k]
-        self.v = [a[:k] for a in c.v]
-        self.valid = c.valid[:k]
-        self.length, self.max_len = c.length, c.max_len
 
 
 def _host(a):
