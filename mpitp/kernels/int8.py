@@ -73,12 +73,10 @@ def lanes(isa: str, rows: int) -> str:
 
 
 def chunk(isa: str, digits: int = 1, K: int = 0) -> int:
-    """Rows of x each prefill kernel call takes: 16, or 8 with avx512 (16 rows of 16 lanes
-    spill their accumulators; 8 run at ~1.2-1.5x the GMAC/s of 16, measured on Zen 4);
-    amx's 16 rows of x, in one tile, or with two digits in two tiles that share each block's
-    weights, as long as those 32 rows of xq (32·K bytes) stay in L1 (``K`` at most
-    AMX_WIDE_K); past that 8 (measured on a Xeon with AMX, two digits, 171-512 rows:
-    96 -> 110-120 GMAC/s at K = 576-1024, even at 1536, 119 -> 91 at 2048)."""
+    """Rows of x each prefill kernel call takes (:data:`.cpu.FACTS`): 16, or 8 with avx512
+    (16 rows of 16 lanes spill their accumulators); amx's 16 rows of x in one tile, or with
+    two digits in two tiles that share each block's weights as long as those 32 rows of xq
+    (32·K bytes) stay in L1 (``K`` at most AMX_WIDE_K), past that 8 (docs/measurements.md)."""
     rows = cpu.FACTS[isa].prefill_rows
     return rows if isa != "amx" or digits == 1 or K <= AMX_WIDE_K else 8
 

@@ -30,10 +30,8 @@ class ThreadsError(MpitpError, ValueError):
 
 
 MIN_WORK = 400  # tiles × blocks of 32 (256 weights each) per thread below which a matmul is not
-# split. 1200 (from calls in a tight loop on Zen 4, ~8 µs a launch) left the default model's
-# qkv and o (2160 and 1296) on one thread; in a decode step on a Xeon (OpenMP pool, ~2 µs a
-# launch) splitting them took TP=1 × 2 threads from 6.6-7.0 to 5.8-6.2 ms a step at batch 1
-# (docs/measurements.md)
+# split: a launch of the pool costs ~2 µs (a Xeon's OpenMP pool), so the default model's qkv
+# and o (2160 and 1296) split too (docs/measurements.md)
 
 
 _CHOSEN: int | None = None  # --threads, which takes precedence over MPITP_THREADS

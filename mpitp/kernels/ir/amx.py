@@ -48,11 +48,9 @@ declare void @llvm.prefetch.p0(ptr, i32, i32, i32)
 
 A_TILE, B_TILE = 0, 1  # tmm0: 16 rows of x; tmm1 (tmm2): the weights (of each half)
 ROWS_A = 16  # rows of x an A tile holds
-# vector's software prefetch of the weights' stream, here too: at 8 rows the vector
-# kernels are bound by their multiply-adds, the tiles' kernels are not (default model, TP=2,
-# batch 8, rank 0's matmuls 7.8 -> 6.6 ms a step: o 1.09 -> 0.87, gate_up 2.99 -> 2.65;
-# 1B Q4_K_M and prefill unchanged within noise); FAR: its L2 prefetch further on too
-# (default model batch 8: 9.2-9.4 against 9.6-10.5 ms a step; 1B and prefill unchanged)
+# the vector kernels' software prefetch of the weights' stream, here too (FAR: its L2 prefetch
+# as well): at 8 rows the tiles' kernels, unlike the vector ones, wait on memory (rank 0's
+# matmuls at batch 8: 15% faster; docs/measurements.md)
 PREFETCH, FAR = True, True
 
 

@@ -40,9 +40,8 @@ declare {F} @llvm.fmuladd.v16f32({F}, {F}, {F})
 declare void @llvm.prefetch.p0(ptr, i32, i32, i32)
 """
 AHEAD = 8  # columns of keys prefetched ahead of the scores' step
-# columns of keys prefetched into L2 ahead of it (0: none): default model, TP=2, batch 8 at
-# ~420 cached tokens, rank 0's attention halves 9.1-9.3 -> 8.6-8.8 ms a step (AHEAD 16
-# without it: as 8); at ~40 tokens no change
+# columns of keys prefetched into L2 ahead of it (0: none): attention at ~420 cached tokens
+# 6% faster, no change at ~40 (docs/measurements.md)
 FAR = 48
 
 

@@ -99,13 +99,10 @@ def _xgroups(e: Body, row: str) -> list[str]:
 
 # Software prefetch of the weights' stream in the kernels for up to PREFETCH_ROWS rows of
 # x, where a step is bound by reading the weights: each cache line of each tile's block
-# PREFETCH bytes ahead into L1 (prefetcht0), and FAR bytes ahead into L2 (prefetcht1). On
-# an Intel Xeon the hardware prefetchers alone left each core at ~8.5 GB/s (TP=2 decode at
-# batch 1: 1B Q4_K_M 41.5-42.5 ms a step, 30.2-30.6 with the L1 prefetch; the default model
-# 7.9-8.0 ms, 5.7-6.2); the L2 prefetch 6 KiB ahead took the 1B from 26.4-27.1 to 24.4-25.2
-# ms (one line a block, or the scales' stream too, was slower; docs/measurements.md). With
-# 8 rows and more the kernels are bound by the multiply-adds and the extra instructions
-# cost (batch 8: +8%, measured). On a Zen 4 a prefetch changed nothing measurable.
+# PREFETCH bytes ahead into L1 (prefetcht0), and FAR bytes ahead into L2 (prefetcht1): on an
+# Intel Xeon the hardware prefetchers alone left a core at ~8.5 GB/s, and the two took a
+# batch-1 step of the 1B Q4_K_M 28% faster (docs/measurements.md). With 8 rows and more
+# the kernels are bound by the multiply-adds, and the extra instructions cost.
 PREFETCH, FAR, PREFETCH_ROWS = 2048, 6144, 4
 # int8o's kernels for up to this many rows of x loop over the blocks in segments (frame()),
 # with more a branch per block: the same sums in the same order either way
