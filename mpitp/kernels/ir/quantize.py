@@ -25,8 +25,9 @@ quantizer's: trunc(2t) - trunc(t) for t = v·(1/d) (:func:`_round`).
 Both take GROUP = 8 blocks a step: their per-block scalars (amax, Σv², the cut, d, 1/d,
 Σq) come 8 to a vector from one reduction across the blocks (:func:`_across`), not a tree
 and scalar divides per block, whose chains left the vector units idle (int8o: about
-0.7 ns a value where it took 1.2; docs/measurements.md). :func:`_across` pairs the lanes as :func:`tree` does, so int8o's float64 Σv², and
-with it the cut, are the block loop's bits. A row's last K/32 mod 8 blocks go one block a
+0.7 ns a value where it took 1.2; docs/measurements.md). :func:`_across` pairs the lanes
+as :func:`tree` does, so int8o's float64 Σv², and with it the cut, are the block loop's
+bits. A row's last K/32 mod 8 blocks go one block a
 step. Where a row of x is [M, K] float32 C-contiguous; xq [2M, K] int8, xd [2M,
 K/32] and xs [2M, K/32 or K/16] float32 as :mod:`.quantize` lays them out.
 """
