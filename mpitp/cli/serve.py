@@ -82,6 +82,7 @@ def _serve(args, comm) -> int:
     from ..serve.engine import Engine
     from ..serve.http import start_http
     from ..serve.requests import Service
+    from ..serve.results import HandBack
     from ..serve.scheduler import Stop
     from ..serve.scheduler import run as serve_loop
 
@@ -99,6 +100,7 @@ def _serve(args, comm) -> int:
     # each a share of the rows; they share the prefix cache
     stages = args.pp or 1
     engines: list[Engine] = []
+    back = HandBack(model.stage) if model.stage is not None else None  # the engines' results, in one order
     for _ in range(stages):
         engines.append(
             Engine(
@@ -109,6 +111,7 @@ def _serve(args, comm) -> int:
                 prefix_bytes=int(args.prefix_cache_mib * 2**20),
                 comm=comm,
                 prefix=engines[0].prefix if engines else None,
+                hand_back=back,
             )
         )
     engine = engines[0]

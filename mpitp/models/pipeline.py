@@ -23,8 +23,7 @@ head holds the table too), any layer count; each stage reads only its own tensor
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -88,8 +87,6 @@ class Stage:
     layers: tuple[int, int]
     pp: Any  # Communicator over the ranks of this tp coordinate, one per stage (rank = stage)
     tp: Any  # Communicator over this stage's tensor-parallel ranks
-    _sent: list = field(default_factory=list)  # results_to_first's sends in flight
-    _due: deque = field(default_factory=deque)  # rank 0: their receives, in the order sent
 
     def _cut(self, n: int) -> tuple[int, int]:
         """(chunk, padded size) of a flat hidden state of ``n`` values over the tp ranks."""
@@ -124,50 +121,7 @@ class Stage:
         buf = np.asarray(tok, np.int64) if tok is not None else np.empty(batch, np.int64)
         return self.pp.broadcast(buf, root=self.count - 1)
 
-    def results_to_first(self, tokens, logits, n: int, m: int, vocab: int):
-        """``serve``'s next-token results of one forward, from the last stage's tp rank 0 to
-        rank 0 (the first stage's), sent without waiting: ``tokens`` [n] int64, those the last
-        stage sampled itself (-1 elsewhere), and the ``logits`` [m, V] of the positions whose
-        requests want them (log-probabilities, a grammar; m may be 0), so V floats per row
-        cross the link only where needed. Returns on rank 0 a function that receives them
-        (tokens, logits) when first called — in the pipelined serve loop, after its own
-        stage's next micro-batch (earlier forwards' results are received first); None on
-        every other rank."""
-        if self.index == self.count - 1 and self.tp.rank == 0:
-            self._sent = [h for h in self._sent if not h.test()]
-            self._sent.append(self.pp.isend(np.ascontiguousarray(tokens, np.int64), dest=0, tag=10))
-            if m:
-                self._sent.append(self.pp.isend(np.array(logits, np.float32), dest=0, tag=9))
-        if self.index != 0 or self.tp.rank != 0:
-            return None
-        got: list = []
-        last = self.count - 1
-
-        def receive() -> None:
-            t = self.pp.recv(last, out=np.empty(n, np.int64), tag=10)
-            lg = self.pp.recv(last, out=np.empty((m, vocab), np.float32), tag=9) if m else None
-            got.append((t, lg))
-
-        self._due.append(receive)
-
-        def get():
-            while not got:
-                self._due.popleft()()
-            return got[0]
-
-        return get
-
-    def drain(self) -> None:
-        """Rank 0 receives every result still due (also those nobody read: a prompt's own
-        logits when its request was cancelled); the last stage's sends complete."""
-        while self._due:
-            self._due.popleft()()
-        for h in self._sent:
-            h.wait()
-        self._sent = []
-
     def free(self) -> None:
-        self.drain()
         for c in (self.pp, self.tp):
             c.free()
 

@@ -39,7 +39,7 @@ from . import rows as kv_rows
 from .jobs import Job, Prefill, Slot
 from .pacing import take
 from .prefix import BLOCK, PrefixCache
-from .results import Next, Out, nowhere
+from .results import HandBack, Next, Out, nowhere
 
 
 class Engine:
@@ -52,12 +52,15 @@ class Engine:
         prefix_bytes: int = 0,
         comm=None,
         prefix: PrefixCache | None = None,
+        hand_back: HandBack | None = None,
     ):
         """``comm``: the ranks that run in lockstep (default the model's; with pipeline
         stages the world, the model's being its stage's tensor-parallel group). ``prefix``:
-        a prefix cache to share (pipelined serving's engines share one)."""
+        a prefix cache to share (pipelined serving's engines share one); ``hand_back``: the
+        stage's results hand-back (shared the same way; made here if not given)."""
         self.model, self.comm = model, comm if comm is not None else model.comm
         self.stage = getattr(model, "stage", None)
+        self.hand_back = hand_back if hand_back is not None or self.stage is None else HandBack(self.stage)
         self.B = max_batch
         self.max_len = max_len or min(model.config.max_position_embeddings, 4096)
         self.budget = max(1, budget)  # prompt tokens prefilled per iteration
@@ -254,7 +257,7 @@ class Engine:
         the last). Without pipeline stages this rank holds them and rank 0 samples every
         row. With them, the last stage samples the positions in ``sample`` (position -> row,
         requests that want no logits) with each row's own generator and sends rank 0 the
-        tokens and only the ``wants`` positions' logits (:meth:`Stage.results_to_first`)."""
+        tokens and only the ``wants`` positions' logits (:meth:`.results.HandBack.send`)."""
         n, st = len(wants), self.stage
         if st is None:
             host = _host(logits)
@@ -266,7 +269,8 @@ class Engine:
             for i, r in sample.items():
                 tokens[i] = self.pick(r, host[i])
             sent = host[wants]
-        fetch = st.results_to_first(tokens, sent, n, int(wants.sum()), self.model.config.vocab_size)
+        assert self.hand_back is not None
+        fetch = self.hand_back.send(tokens, sent, n, int(wants.sum()), self.model.config.vocab_size)
         return Next(fetch or nowhere, wants)
 
     def kv_usage(self) -> float:

@@ -125,8 +125,8 @@ def run(
         while len(in_flight) > (0 if shutdown else lag):
             _sample(*in_flight.popleft(), service, requests, home)
         if shutdown:
-            if e.stage is not None:
-                e.stage.drain()
+            if e.hand_back is not None:
+                e.hand_back.drain()
             if service is not None:
                 service.stopping.set()
             if rank0:
