@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from . import vector
 from .blocks import k_scales, parse, q6_quants, scales
-from .build import Body, bcast, chain, load, offset_at, per_tile, splat
+from .build import Body, bcast, chain, load, loop_end, loop_top, offset_at, per_tile, splat
 from .frame import SIGNATURE, frame
 
 DECLARE = """
@@ -149,16 +149,13 @@ define void @{name}({SIGNATURE}) {{
 entry:
 {rows}
   br label %scan
-scan:
-  %b = phi i64 [0, %entry], [%b1, %scan]
+{loop_top("scan", "b", 0, "entry", "scan")}
   %n = phi i64 [0, %entry], [%n1, %scan]
 {scan}
   %hit = icmp ne i32 {ors}, 0
   %inc = zext i1 %hit to i64
   %n1 = add i64 %n, %inc
-  %b1 = add i64 %b, 1
-  %more = icmp ult i64 %b1, %nb
-  br i1 %more, label %scan, label %done
+{loop_end("b", "%nb", "scan", "done")}
 done:
   %lhs = mul i64 %n1, {den}
   %rhs = mul i64 %nb, {num}
@@ -356,12 +353,9 @@ define internal void @{name}(ptr noalias %xd, ptr noalias %xs, ptr noalias %xdt,
 entry:
 {head_text}
   br label %blk
-blk:
-  %b = phi i64 [0, %entry], [%b1, %blk]
+{loop_top("blk", "b", 0, "entry", "blk")}
 {body}
-  %b1 = add i64 %b, 1
-  %more = icmp ult i64 %b1, %nb
-  br i1 %more, label %blk, label %done
+{loop_end("b", "%nb", "blk", "done")}
 done:
   ret void
 }}

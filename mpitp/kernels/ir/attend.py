@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import struct
 
-from .build import Body, splat, tree
+from .build import Body, loop_end, loop_top, splat, tree
 
 MASKED = -3.4028234663852886e38  # float32's lowest, as decode.MASKED
 LANES = 16
@@ -214,38 +214,28 @@ entry:
   %kfar = mul i64 %stride, {FAR}
 {lines("entry")}
   br label %qk
-qk:
-  %t = phi i64 [0, %entry], [%t1, %qk]
+{loop_top("qk", "t", 0, "entry", "qk")}
 {tops_phi}
   %ko = mul i64 %t, %stride
 {lines("qk")}
-  %t1 = add i64 %t, 1
-  %qmore = icmp ult i64 %t1, %S
-  br i1 %qmore, label %qk, label %padhead
+{loop_end("t", "%S", "qk", "padhead", "qmore")}
 padhead:
 {tops_out}
   %padany = icmp ult i64 %S, %S16
   br i1 %padany, label %pad, label %padend
-pad:
-  %tp = phi i64 [%S, %padhead], [%tp1, %pad]
+{loop_top("pad", "tp", "%S", "padhead", "pad")}
 {lines("pad")}
-  %tp1 = add i64 %tp, 1
-  %pmore = icmp ult i64 %tp1, %S16
-  br i1 %pmore, label %pad, label %padend
+{loop_end("tp", "%S16", "pad", "padend", "pmore")}
 padend:
   br label %soft
-soft:
-  %c16 = phi i64 [0, %padend], [%c16n, %soft]
+{loop_top("soft", "c16", 0, "padend", "soft", "c16n")}
 {sum_phi}
 {lines("soft")}
-  %c16n = add i64 %c16, {LANES}
-  %smore = icmp ult i64 %c16n, %S16
-  br i1 %smore, label %soft, label %softend
+{loop_end("c16", "%S16", "soft", "softend", "smore", LANES, "c16n")}
 softend:
 {lines("softend")}
   br label %pv
-pv:
-  %u = phi i64 [0, %softend], [%u1, %latch]
+{loop_top("pv", "u", 0, "softend", "latch")}
 {acc_phi}
   %vo = mul i64 %u, %stride
   %vbp = getelementptr i8, ptr %valid, i64 %u
@@ -258,9 +248,7 @@ do:
   br label %latch
 latch:
 {acc_latch}
-  %u1 = add i64 %u, 1
-  %vmore = icmp ult i64 %u1, %S
-  br i1 %vmore, label %pv, label %fin
+{loop_end("u", "%S", "pv", "fin", "vmore")}
 fin:
 {lines("fin")}
   ret void

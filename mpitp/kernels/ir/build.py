@@ -98,3 +98,19 @@ def tree(e: Body, v: str, n: int, ty: str, op: str) -> str:
             v = e(f"{op} <{h} x {ty}> {lo}, {hi}")
         n = h
     return e(f"extractelement <1 x {ty}> {v}, i64 0")
+
+
+def loop_top(label: str, i: str, start, pred: str, back: str, step_name: str = "") -> str:
+    """A counted loop's head: block ``label`` and the phi of its counter ``%i``: ``start``
+    on entry from ``pred``, the next value (``%i1``, or ``%step_name``) from ``back``."""
+    return f"{label}:\n  %{i} = phi i64 [{start}, %{pred}], [%{step_name or i + '1'}, %{back}]"
+
+
+def loop_end(i: str, end, label: str, exit: str, more: str = "more", step=1, step_name: str = "") -> str:
+    """A counted loop's latch: the next value of ``%i`` (``step`` on), back to ``label``
+    while it is below ``end`` (unsigned), else on to ``exit``."""
+    n = step_name or i + "1"
+    return (
+        f"  %{n} = add i64 %{i}, {step}\n  %{more} = icmp ult i64 %{n}, {end}\n"
+        f"  br i1 %{more}, label %{label}, label %{exit}"
+    )

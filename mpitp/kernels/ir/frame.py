@@ -5,7 +5,7 @@ outlier), the accumulators' phis and the stores of y's rows."""
 
 from __future__ import annotations
 
-from .build import Body, idx, load
+from .build import Body, idx, load, loop_end, loop_top
 
 SIGNATURE = "ptr %qs, ptr %d, ptr %m, ptr %xq, ptr %xd, ptr %xs, ptr %y, i64 %T, i64 %nb, i64 %M, i64 %ldy"
 
@@ -84,16 +84,13 @@ entry:
 {entry}  %K = shl i64 %nb, 5
 {rowvars}
   br label %tile
-tile:
-  %t = phi i64 [0, %entry], [%t1, %tileend]
+{loop_top("tile", "t", 0, "entry", "tileend")}
 {pair}
 {loop}
 tileend:
 {ends}  %y0 = shl i64 %t, 3
 {stores}
-  %t1 = add i64 %t, {step}
-  %again = icmp ult i64 %t1, %T
-  br i1 %again, label %tile, label %exit
+{loop_end("t", "%T", "tile", "exit", "again", step)}
 exit:
 {leave}  ret void
 }}
@@ -103,12 +100,9 @@ exit:
 def _block_loop(block: str, latch: str) -> str:
     """A tile's loop over its blocks, the step ``block`` (ending in label ``latch``) each."""
     return f"""  br label %blk
-blk:
-  %b = phi i64 [0, %tile], [%b1, %{latch}]
+{loop_top("blk", "b", 0, "tile", latch)}
 {block}
-  %b1 = add i64 %b, 1
-  %more = icmp ult i64 %b1, %nb
-  br i1 %more, label %blk, label %tileend"""
+{loop_end("b", "%nb", "blk", "tileend")}"""
 
 
 def _segments(e: Body, o: Body, R: int) -> str:
@@ -139,13 +133,10 @@ scandone:
   %end = phi i64 [%q1, %scan], [%nb, %scannext]
   %isout = phi i1 [true, %scan], [false, %scannext]
   br label %blk
-blk:
-  %b = phi i64 [%b0, %scandone], [%b1, %blk]
+{loop_top("blk", "b", "%b0", "scandone", "blk")}
 {each(f"  %acc{{r}} = phi {F} [%accin{{r}}, %scandone], [%acc{{r}}_a, %blk]")}
 {chr(10).join(e.lines)}
-  %b1 = add i64 %b, 1
-  %more = icmp ult i64 %b1, %end
-  br i1 %more, label %blk, label %blkexit
+{loop_end("b", "%end", "blk", "blkexit")}
 blkexit:
   br i1 %isout, label %outl, label %tileend
 outl:

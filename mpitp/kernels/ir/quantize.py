@@ -34,7 +34,7 @@ K/32] and xs [2M, K/32 or K/16] float32 as :mod:`.quantize` lays them out.
 
 from __future__ import annotations
 
-from .build import Body, idx, splat, tree
+from .build import Body, idx, loop_end, loop_top, splat, tree
 
 LIMIT = 4.0  # an outlier: |x| above LIMIT times the root mean square of the rest of its block
 OUTLIERS, TWO_DIGITS = "quantize_rows_outliers", "quantize_rows2"  # the two rules, by function name
@@ -243,8 +243,7 @@ def _grouped(name: str, G: int = GROUP) -> str:
             h.do(f"store float {val}, ptr {h(f'getelementptr float, ptr %xs, i64 {at}')}, align 4")
     per16 = "\n".join(h.lines)
     return f"""
-grp:
-  %g = phi i64 [0, %row], [%g1, %gnext]
+{loop_top("grp", "g", 0, "row", "gnext")}
   %gb = shl i64 %g, 3
 {body}
   br i1 %hv, label %gsums16, label %gsums32
@@ -255,9 +254,7 @@ gsums16:
 {per16}
   br label %gnext
 gnext:
-  %g1 = add i64 %g, 1
-  %gmore = icmp ult i64 %g1, %ng
-  br i1 %gmore, label %grp, label %tail
+{loop_end("g", "%ng", "grp", "tail", "gmore")}
 """
 
 
@@ -329,16 +326,14 @@ entry:
   %ng = {ngroups}
   %grouped = icmp ne i64 %ng, 0
   br i1 %skip, label %exit, label %row
-row:
-  %i = phi i64 [0, %entry], [%i1, %rowend]
+{loop_top("row", "i", 0, "entry", "rowend")}
   {enter}
 {groups}
 tail:
   %bt = shl i64 %ng, 3
   %anyb = icmp ult i64 %bt, %nb
   br i1 %anyb, label %blk, label %rowend
-blk:
-  %b = phi i64 [%bt, %tail], [%b1, %next]
+{loop_top("blk", "b", "%bt", "tail", "next")}
 {body}
   br i1 %hv, label %sums16, label %sums32
 sums32:
@@ -348,13 +343,9 @@ sums16:
 {per16}
   br label %next
 next:
-  %b1 = add i64 %b, 1
-  %more = icmp ult i64 %b1, %nb
-  br i1 %more, label %blk, label %rowend
+{loop_end("b", "%nb", "blk", "rowend")}
 rowend:
-  %i1 = add i64 %i, 1
-  %again = icmp ult i64 %i1, %M
-  br i1 %again, label %row, label %exit
+{loop_end("i", "%M", "row", "exit", "again")}
 exit:
   ret void
 }}
