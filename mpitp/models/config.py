@@ -13,7 +13,13 @@ from pathlib import Path
 
 from ..errors import MpitpError
 
-ARCHITECTURES = {"LlamaForCausalLM": False, "Qwen2ForCausalLM": True, "MistralForCausalLM": False}
+ARCHITECTURES = {
+    "LlamaForCausalLM": False,
+    "Qwen2ForCausalLM": True,
+    "MistralForCausalLM": False,
+    "Qwen3ForCausalLM": False,
+}
+# (architecture -> whether q, k, v carry a bias whatever attention_bias says)
 
 
 class ConfigError(MpitpError, ValueError):
@@ -35,6 +41,7 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: an RMSNorm over head_dim of each q and k head, before RoPE
     o_bias: bool = False
     mlp_bias: bool = False
     bos_token_id: int | None = None
@@ -93,6 +100,7 @@ class LlamaConfig:
         eos = cfg.get("eos_token_id")
         out.eos_token_id = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         out.architecture = arch
+        out.qk_norm = arch == "Qwen3ForCausalLM"
         out.torch_dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
         if out.head_dim * heads != hidden and "head_dim" not in cfg:
             raise ConfigError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads}")
@@ -128,10 +136,10 @@ class LlamaConfig:
     def to_dict(self) -> dict:
         """A transformers-style ``config.json`` that :meth:`from_dict` (and transformers'
         LlamaConfig / Qwen2Config) read back as this config."""
-        qwen = self.architecture == "Qwen2ForCausalLM"
+        qwen = self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
         out = {
             "architectures": [self.architecture],
-            "model_type": "qwen2" if qwen else "llama",
+            "model_type": {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}.get(self.architecture, "llama"),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,

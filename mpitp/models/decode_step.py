@@ -56,7 +56,7 @@ class DecodeLayers:
     @classmethod
     def of(cls, model) -> DecodeLayers | None:
         """None where the loop does not apply: CuPy, or activations other than float32."""
-        if model.xp is not np or model.dtype != np.float32:
+        if model.xp is not np or model.dtype != np.float32 or model.config.qk_norm:  # Qwen3's q/k norms: generic
             return None
         layers, rows, plans = [], [], []
         for layer in model.layers:

@@ -173,11 +173,25 @@ class Attention:
             xp=xp,
         )
         self.nh, self.nkv = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        # Qwen3: each head of q and of k RMS-normed over head_dim (weights whole on every rank)
+        self.q_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, xp) if cfg.qk_norm else None
+        self.k_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, xp) if cfg.qk_norm else None
+
+    def _normed(self, qkv):
+        """qkv [..., (nh + 2 nkv) d] with its q heads and k heads RMS-normed (Qwen3), a copy."""
+        d, nh, nkv = self.head_dim, self.nh, self.nkv
+        assert self.q_norm is not None and self.k_norm is not None
+        h = self.xp.array(qkv).reshape(*qkv.shape[:-1], nh + 2 * nkv, d)
+        h[..., :nh, :] = self.q_norm(h[..., :nh, :])
+        h[..., nh : nh + nkv, :] = self.k_norm(h[..., nh : nh + nkv, :])
+        return h.reshape(qkv.shape)
 
     def __call__(self, x, step: Step, cache: KVCache, layer: int):
         d = self.head_dim
         B, T, _ = x.shape
         qkv = self.qkv_proj(x)
+        if self.q_norm is not None:
+            qkv = self._normed(qkv)
         if step.one and _fast(qkv) and decode_kernels().usable(cache.k[layer], cache.v[layer], self.nh // self.nkv):
             out = np.empty((B, self.nh * d), np.float32)
             decode_kernels().attend(

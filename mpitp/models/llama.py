@@ -1,4 +1,4 @@
-"""Tensor-parallel LLaMA (and Qwen2) inference in NumPy / CuPy.
+"""Tensor-parallel LLaMA (and Qwen2, Qwen3 dense) inference in NumPy / CuPy.
 
 The Megatron cut, per decoder layer on ``p`` ranks::
 
@@ -179,6 +179,9 @@ class LlamaForCausalLM:
             p = f"model.layers.{i}."
             yield p + "input_layernorm", L.input_layernorm
             yield p + "self_attn.qkv_proj", L.self_attn.qkv_proj
+            if L.self_attn.q_norm is not None:  # Qwen3
+                yield p + "self_attn.q_norm", L.self_attn.q_norm
+                yield p + "self_attn.k_norm", L.self_attn.k_norm
             yield p + "self_attn.o_proj", L.self_attn.o_proj
             yield p + "post_attention_layernorm", L.post_attention_layernorm
             yield p + "mlp.gate_up_proj", L.mlp.gate_up_proj

@@ -15,7 +15,16 @@ from mpitp.models.llama import LlamaForCausalLM
 
 N = MPI.COMM_WORLD.size
 FIX = Path(__file__).resolve().parent.parent / "fixtures"
-NAMES = ["mha", "gqa", "tied", "llama3_rope", "bf16", "sharded", "qwen2"]
+NAMES = [
+    "mha",
+    "gqa",
+    "tied",
+    "llama3_rope",
+    "bf16",
+    "sharded",
+    "qwen2",
+    "qwen3",
+]  # qwen3: q/k norms, head_dim 32 of 64
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +54,15 @@ def test_decode_loop_equals_the_generic_layers(tp, name):
     fast, generic, ran = decode_both_ways(model, [[5, 17, 42, 7, 3], [9, 2], [11, 12, 13]])
     agree(ran, f"{name}: the decode loop did not run")
     agree(np.array_equal(fast, generic), f"{name}: loop vs generic max diff {float(np.abs(fast - generic).max()):.2e}")
+
+
+def test_qwen3_decodes_through_the_generic_layers(tp):
+    """Qwen3's per-head q/k norms are not in the fused decode loop: its decode steps take the
+    generic layers (the Hugging Face parity above covers them), never the loop."""
+    model = LlamaForCausalLM.from_pretrained(FIX / "qwen3", comm=tp)
+    agree(model.config.qk_norm and model._decode_layers() is None, "qwen3: a decode loop was built")
+    fast, generic, ran = decode_both_ways(model, [[5, 17, 42, 7, 3], [9, 2]])
+    agree(not ran and np.array_equal(fast, generic), "qwen3: decode step differs from the generic layers")
 
 
 def test_decoding_agrees_on_every_rank(tp):
