@@ -18,6 +18,7 @@ def load_options(args, **override) -> LoadOptions:
         pp=getattr(args, "pp", 1),
         stage_inside_node=getattr(args, "tp", None) is not None,
         kv_cache_dtype=args.kv_cache_dtype,
+        moe=getattr(args, "moe", "auto"),
     )
     return LoadOptions(**(fields | override))
 
@@ -56,6 +57,16 @@ def add_weights_argument(p, extra: tuple[str, ...] = (), note: str = "") -> None
         help="threads per rank in the int8 matmul kernels: each matmul's output rows split over N threads "
         "(as MPI + OpenMP codes run a rank per socket); ranks × threads should not exceed the cores "
         "(default: $MPITP_THREADS or 1)",
+    )
+    p.add_argument(
+        "--moe",
+        default="auto",
+        choices=["auto", "ep", "tp"],
+        help="how a mixture-of-experts model's experts are cut over the ranks: ep = whole experts per rank "
+        "(128 over 3 ranks: 43 + 43 + 42; a rank idle in a step where none of its experts is chosen), tp = "
+        "every expert's intermediate columns cut (balanced at batch 1); both sum the experts with one "
+        "all-reduce per layer; auto = the one whose slowest rank reads fewer expert weights per step, as "
+        "`mpitp plan infer` predicts (default auto; dense models ignore it)",
     )
     p.add_argument(
         "--kv-cache-dtype",

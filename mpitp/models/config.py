@@ -18,8 +18,16 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": True,
     "MistralForCausalLM": False,
     "Qwen3ForCausalLM": False,
+    "Qwen3MoeForCausalLM": False,
+    "Qwen2MoeForCausalLM": True,
 }
 # (architecture -> whether q, k, v carry a bias whatever attention_bias says)
+MODEL_TYPES = {
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+}
 
 
 class ConfigError(MpitpError, ValueError):
@@ -48,6 +56,20 @@ class LlamaConfig:
     eos_token_id: list[int] = field(default_factory=list)
     architecture: str = "LlamaForCausalLM"
     torch_dtype: str = "float32"
+    # mixture of experts (Qwen3-MoE, Qwen2-MoE): 0 experts = a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the top-k routing weights renormalized to sum to 1
+    decoder_sparse_step: int = 1  # every this-many-th layer has experts (its index + 1 a multiple)
+    mlp_only_layers: list[int] = field(default_factory=list)  # layers kept dense whatever the step
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one always-on expert, sigmoid-gated
+
+    def sparse(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has experts instead of a dense MLP (transformers' rule)."""
+        return (
+            self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     @classmethod
     def from_dict(cls, cfg: dict) -> LlamaConfig:
@@ -100,7 +122,18 @@ class LlamaConfig:
         eos = cfg.get("eos_token_id")
         out.eos_token_id = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         out.architecture = arch
-        out.qk_norm = arch == "Qwen3ForCausalLM"
+        out.qk_norm = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+        if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+            out.num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+            out.num_experts_per_tok = int(cfg.get("num_experts_per_tok") or 0)
+            out.moe_intermediate_size = int(cfg.get("moe_intermediate_size") or 0)
+            out.norm_topk_prob = bool(cfg.get("norm_topk_prob", False))
+            out.decoder_sparse_step = int(cfg.get("decoder_sparse_step") or 1)
+            out.mlp_only_layers = [int(i) for i in cfg.get("mlp_only_layers") or []]
+            out.shared_expert_intermediate_size = int(cfg.get("shared_expert_intermediate_size") or 0)
+            if arch == "Qwen2MoeForCausalLM":
+                out.qkv_bias = bool(cfg.get("qkv_bias", True))
+                out.o_bias = False
         out.torch_dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
         if out.head_dim * heads != hidden and "head_dim" not in cfg:
             raise ConfigError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads}")
@@ -128,6 +161,14 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"config.json: head_dim = {self.head_dim} is odd; rotary embeddings need pairs")
+        if self.num_experts and not (
+            0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0
+        ):
+            raise ConfigError(
+                f"config.json: num_experts_per_tok = {self.num_experts_per_tok} of num_experts = "
+                f"{self.num_experts} with moe_intermediate_size = {self.moe_intermediate_size}: each token "
+                "needs 1 to num_experts experts of at least one column"
+            )
         if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
             raise ConfigError(
                 f"config.json: rms_norm_eps = {self.rms_norm_eps} and rope_theta = {self.rope_theta} must be positive"
@@ -136,10 +177,10 @@ class LlamaConfig:
     def to_dict(self) -> dict:
         """A transformers-style ``config.json`` that :meth:`from_dict` (and transformers'
         LlamaConfig / Qwen2Config) read back as this config."""
-        qwen = self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+        qwen = self.architecture.startswith("Qwen")
         out = {
             "architectures": [self.architecture],
-            "model_type": {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}.get(self.architecture, "llama"),
+            "model_type": MODEL_TYPES.get(self.architecture, "llama"),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -160,6 +201,17 @@ class LlamaConfig:
         if not qwen:
             out["attention_bias"] = self.qkv_bias
             out["mlp_bias"] = self.mlp_bias
+        if self.num_experts:
+            out |= {
+                "num_experts": self.num_experts,
+                "num_experts_per_tok": self.num_experts_per_tok,
+                "moe_intermediate_size": self.moe_intermediate_size,
+                "norm_topk_prob": self.norm_topk_prob,
+                "decoder_sparse_step": self.decoder_sparse_step,
+                "mlp_only_layers": self.mlp_only_layers,
+            }
+            if self.shared_expert_intermediate_size:
+                out["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         return out
 
     @classmethod

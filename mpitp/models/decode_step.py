@@ -58,6 +58,8 @@ class DecodeLayers:
         """None where the loop does not apply: CuPy, or activations other than float32."""
         if model.xp is not np or model.dtype != np.float32 or model.config.qk_norm:  # Qwen3's q/k norms: generic
             return None
+        if model.config.num_experts:  # experts routed per token: the generic layers (mpitp.models.moe)
+            return None
         layers, rows, plans = [], [], []
         for layer in model.layers:
             a, mlp = layer.self_attn, layer.mlp

@@ -1,4 +1,5 @@
-"""GGUF (llama.cpp) LLaMA checkpoint -> a model directory that mpitp loads.
+"""GGUF (llama.cpp) LLaMA, Qwen2, Qwen3 and Qwen2/3-MoE checkpoint -> a model directory
+that mpitp loads.
 
 Reads the file's header with the ``gguf`` package (llama.cpp's own reader) and writes
 config.json, a tokenizer.json rebuilt from the GGUF vocabulary and merges (byte-level
@@ -35,20 +36,47 @@ LAYER = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",  # mixture of experts: the router
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",  # Qwen2-MoE's shared expert
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# llama.cpp's stacked experts [n_expert, rows, cols]: one tensor per expert in Hugging Face's names
+EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# general.architecture -> (transformers' architecture, norm_topk_prob as llama.cpp's graph has it)
+ARCHS = {
+    "llama": ("LlamaForCausalLM", False),
+    "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3ForCausalLM", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", True),  # llama.cpp's qwen3moe.cpp: build_moe_ffn(..., norm_w = true)
+    "qwen2moe": ("Qwen2MoeForCausalLM", False),
+}
+PERMUTED = ("llama",)  # architectures whose converter reorders q/k rows per head (LlamaModel.permute)
 
 
 class GGUFError(MpitpError, ValueError):
     """The GGUF file is not a LLaMA model mpitp can import."""
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, expert: int | None = None) -> str:
+    """The Hugging Face name of a GGUF tensor (of ``expert`` in a stacked experts tensor)."""
     if name in NAMES:
         return NAMES[name]
     parts = name.split(".")  # blk.{i}.{what}.{weight|bias}
     if parts[0] == "blk" and parts[2] in LAYER:
         return f"model.layers.{parts[1]}.{LAYER[parts[2]]}.{parts[3]}"
-    raise GGUFError(f"unexpected tensor {name!r} in a llama GGUF file")
+    if parts[0] == "blk" and parts[2] in EXPERTS and expert is not None:
+        return f"model.layers.{parts[1]}.mlp.experts.{expert}.{EXPERTS[parts[2]]}.{parts[3]}"
+    raise GGUFError(f"unexpected tensor {name!r} in a GGUF file")
+
+
+def stacked(name: str) -> bool:
+    """Whether ``name`` is llama.cpp's stacked experts tensor (ffn_{gate,up,down}_exps)."""
+    parts = name.split(".")
+    return len(parts) == 4 and parts[0] == "blk" and parts[2] in EXPERTS
 
 
 def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -77,9 +105,9 @@ def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
         arch = _field(reader, "general.architecture")
     except Exception as e:  # truncated, corrupt, or not a GGUF file at all
         raise GGUFError(f"{gguf_path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-    if arch != "llama":
-        raise GGUFError(f"{gguf_path}: architecture {arch!r}; only 'llama' GGUF files are imported")
-    g = lambda k, d=_REQUIRED: _field(reader, f"llama.{k}", d)  # noqa: E731
+    if arch not in ARCHS:
+        raise GGUFError(f"{gguf_path}: architecture {arch!r}; mpitp imports {', '.join(ARCHS)} GGUF files")
+    g = lambda k, d=_REQUIRED: _field(reader, f"{arch}.{k}", d)  # noqa: E731
     heads, kv = int(g("attention.head_count")), int(g("attention.head_count_kv", g("attention.head_count")))
     names = set()
     for t in reader.tensors:
@@ -90,13 +118,15 @@ def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
             raise GGUFError(
                 f"{gguf_path}: tensor {t.name} cannot be read ({t.data.nbytes} of {expected} bytes; truncated file?)"
             )
-        names.add(hf_name(t.name))
+        names.add(hf_name(t.name, 0))
     tokens = _field(reader, "tokenizer.ggml.tokens", _REQUIRED)
+    hidden = int(g("embedding_length"))
+    hf_arch, norm_topk = ARCHS[arch]
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": int(g("embedding_length")),
-        "intermediate_size": int(g("feed_forward_length")),
+        "architectures": [hf_arch],
+        "model_type": {"llama": "llama", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}.get(arch, arch),
+        "hidden_size": hidden,
+        "intermediate_size": int(g("feed_forward_length", g("expert_feed_forward_length", 0))),
         "num_hidden_layers": int(g("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": kv,
@@ -109,7 +139,20 @@ def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",  # what the float path computes in; the weights keep the file's formats
         "source": f"converted by mpitp from {Path(gguf_path).name}",
+        "head_dim": int(g("attention.key_length", hidden // heads)),
     }
+    if arch.endswith("moe"):
+        config |= {
+            "num_experts": int(g("expert_count")),
+            "num_experts_per_tok": int(g("expert_used_count")),
+            "moe_intermediate_size": int(g("expert_feed_forward_length")),
+            "norm_topk_prob": norm_topk,
+            "shared_expert_intermediate_size": int(g("expert_shared_feed_forward_length", 0)),
+            # llama.cpp's graph: every layer with ffn_gate_inp is sparse, the others dense
+            "mlp_only_layers": [
+                i for i in range(int(g("block_count"))) if f"model.layers.{i}.mlp.gate.weight" not in names
+            ],
+        }
     out = Path(out_dir)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent if out.parent.exists() else None))
     try:

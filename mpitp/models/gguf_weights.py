@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..tp.source import GGUFSource
-from .gguf_import import GGUFError, hf_name, unpermute
+from .gguf_import import GGUFError, hf_name, stacked, unpermute
 from .gguf_tensors import read_tensors
 
 FILE = "model.gguf"
@@ -29,7 +29,13 @@ def _perm(rows: int, heads: int) -> np.ndarray:
     return unpermute(np.arange(rows)[:, None], heads)[:, 0]
 
 
-def sources(path: Path, heads: int, kv_heads: int, dtype=np.float32) -> Iterator[tuple[str, GGUFSource]]:
+def sources(
+    path: Path, heads: int, kv_heads: int, dtype=np.float32, permuted: bool = True
+) -> Iterator[tuple[str, GGUFSource]]:
+    """(Hugging Face name, source) of every tensor of the file; ``permuted``: the file's q/k
+    rows are in llama.cpp's per-head order (LLaMA; Qwen's converters keep Hugging Face's).
+    A stacked experts tensor [n_expert, rows, cols] becomes one source per expert, each a
+    view of its own rows of the mapped file (a rank reads only the experts it holds)."""
     f = Path(path) / FILE
     try:
         tensors = read_tensors(f)
@@ -37,9 +43,14 @@ def sources(path: Path, heads: int, kv_heads: int, dtype=np.float32) -> Iterator
         raise GGUFError(f"{f}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     for t in tensors:
         shape = tuple(reversed(t.shape))
+        if stacked(t.name):
+            for expert in range(shape[0]):
+                name = hf_name(t.name, expert)
+                yield name, GGUFSource(name, t.data[expert], t.type_name, shape[1:], None, dtype)
+            continue
         perm = None
-        if t.name.endswith("attn_q.weight"):
+        if permuted and t.name.endswith("attn_q.weight"):
             perm = _perm(shape[0], heads)
-        elif t.name.endswith("attn_k.weight"):
+        elif permuted and t.name.endswith("attn_k.weight"):
             perm = _perm(shape[0], kv_heads)
         yield hf_name(t.name), GGUFSource(hf_name(t.name), t.data, t.type_name, shape, perm, dtype)

@@ -240,13 +240,17 @@ class Attention:
 
 
 class MLP:
-    def __init__(self, cfg: LlamaConfig, comm, dtype, xp, sizes: list[int]):
+    """SwiGLU: gate_up_proj (column: ``sizes`` of ``inter`` per rank) then down_proj (row);
+    ``reduce``: all-reduce down_proj's partial sums (a mixture-of-experts block sums its
+    experts' first, :mod:`.moe`). ``comm`` None: whole on this rank."""
+
+    def __init__(self, hidden: int, inter: int, comm, dtype, xp, sizes, *, bias: bool = False, reduce: bool = True):
         self.xp = xp
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias, comm=comm, sizes=sizes, dtype=dtype, xp=xp
+            hidden, [inter] * 2, bias=bias, comm=comm, sizes=sizes, dtype=dtype, xp=xp
         )
         self.down_proj = RowParallelLinear(
-            cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, comm=comm, sizes=sizes, dtype=dtype, xp=xp
+            inter, hidden, bias=bias, comm=comm, sizes=sizes, reduce_results=reduce, dtype=dtype, xp=xp
         )
 
     def __call__(self, x):
@@ -260,11 +264,14 @@ class MLP:
 
 
 class DecoderLayer:
-    def __init__(self, cfg: LlamaConfig, comm, rotary: Rotary, dtype, xp, plan: TPPlan):
+    """``mlp``: the layer's feed-forward block when it is not the dense MLP (a mixture of
+    experts, :class:`mpitp.models.moe.SparseMoE`)."""
+
+    def __init__(self, cfg: LlamaConfig, comm, rotary: Rotary, dtype, xp, plan: TPPlan, mlp=None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, xp)
         self.self_attn = Attention(cfg, comm, rotary, dtype, xp, plan.attention)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, xp)
-        self.mlp = MLP(cfg, comm, dtype, xp, plan.mlp)
+        self.mlp = mlp or MLP(cfg.hidden_size, cfg.intermediate_size, comm, dtype, xp, plan.mlp, bias=cfg.mlp_bias)
 
     def __call__(self, x, step, cache, layer):
         h = x + self.self_attn(self.input_layernorm(x), step, cache, layer)

@@ -26,6 +26,7 @@ from ..tp.arena import pack, pack_blocks
 from .config import LlamaConfig
 from .kv_cache import KVCache, kv_cache_dtype
 from .layers import DecoderLayer, RMSNorm, Step, TPPlan, decode_kernels
+from .moe import MoEPlan, SparseMoE, choose
 from .rope import Rotary
 
 if TYPE_CHECKING:
@@ -57,11 +58,13 @@ class LlamaForCausalLM:
         weights: str = "float32",
         mlp_block: int = 32,
         stage=None,
+        moe: str = "auto",
     ):
         """``stage``: a pipeline stage (:class:`mpitp.models.pipeline.Stage`) — this model
         holds only its layers (and the embedding on the first, the norm and head on the
         last) and passes hidden states to the next stage; ``comm`` is then the stage's
-        tensor-parallel group."""
+        tensor-parallel group. ``moe``: how a mixture of experts' experts are cut, ep or tp
+        (:mod:`.moe`); auto = what :func:`.moe.choose` predicts faster."""
         self.config, self.comm, self.xp, self.dtype = config, comm, xp, np.dtype(dtype)
         self.stage = stage
         self.first_layer: int
@@ -78,15 +81,24 @@ class LlamaForCausalLM:
         self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, comm=comm, dtype=self.dtype, xp=xp)
         # the MLP cut in whole blocks of block weights (32; 256 for K-quants' super-blocks)
         self.plan = TPPlan.of(c, comm.size if comm is not None else 1, 1 if self.weights == "float32" else mlp_block)
+        p = comm.size if comm is not None else 1
+        self.moe_plan: MoEPlan | None = None
+        if c.num_experts:
+            block = 1 if self.weights == "float32" else mlp_block
+            self.moe_plan = MoEPlan.of(c, p, choose(c, p, block) if moe == "auto" else moe, block)
         self.layers = [
-            DecoderLayer(c, comm, self.rotary, self.dtype, xp, self.plan) for _ in range(self.first_layer, end)
-        ]
+            DecoderLayer(
+                c, comm, self.rotary, self.dtype, xp, self.plan,
+                mlp=SparseMoE(c, comm, self.dtype, xp, self.moe_plan) if self.moe_plan and c.sparse(i) else None,
+            )
+            for i in range(self.first_layer, end)
+        ]  # fmt: skip
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, xp)
         self.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size, comm=comm, dtype=self.dtype, xp=xp)
         if c.tie_word_embeddings:
             self.lm_head.tie(self.embed_tokens)
         for _, m in self.named_modules():
-            if hasattr(m, "weights"):
+            if hasattr(m, "weights") and not getattr(m, "keep_float", False):  # routers stay float32
                 m.weights = self.weights
         if xp is np and self.weights == "float32":  # one stream of the matrices decoding reads, in reading order: the
             # layers', then the head's; the embedding last (one row of it is read per token;
@@ -184,11 +196,23 @@ class LlamaForCausalLM:
                 yield p + "self_attn.k_norm", L.self_attn.k_norm
             yield p + "self_attn.o_proj", L.self_attn.o_proj
             yield p + "post_attention_layernorm", L.post_attention_layernorm
+            if isinstance(L.mlp, SparseMoE):
+                yield from L.mlp.named_modules(p + "mlp.")
+                continue
             yield p + "mlp.gate_up_proj", L.mlp.gate_up_proj
             yield p + "mlp.down_proj", L.mlp.down_proj
         if self.is_last:
             yield "model.norm", self.norm
             yield "lm_head", self.lm_head
+
+    def expert_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every expert tensor of this model's layers (held on this rank or another) -> its
+        shape, for the loader's check on every rank (:meth:`.moe.SparseMoE.all_expert_shapes`)."""
+        out: dict[str, tuple[int, ...]] = {}
+        for i, L in enumerate(self.layers, start=self.first_layer):
+            if isinstance(L.mlp, SparseMoE):
+                out |= L.mlp.all_expert_shapes(f"model.layers.{i}.mlp.")
+        return out
 
     def named_weights(self):
         """(checkpoint name, module, param, shard id) of every tensor a Hugging Face

@@ -95,7 +95,8 @@ def _sources(model, path: Path):
 
     if is_gguf_dir(path):
         c = model.config
-        for name, src in sources(path, c.num_attention_heads, c.num_key_value_heads):
+        permuted = c.architecture == "LlamaForCausalLM"  # Qwen's converters keep Hugging Face's q/k rows
+        for name, src in sources(path, c.num_attention_heads, c.num_key_value_heads, permuted=permuted):
             yield path / "model.gguf", name, src
         return
     for f in checkpoint_files(path):
@@ -106,11 +107,16 @@ def _sources(model, path: Path):
 
 def load_weights(model, path: Path) -> dict:
     wmap = weight_map(model)
+    experts = model.expert_shapes() if hasattr(model, "expert_shapes") else {}  # every rank checks all
     seen: set[str] = set()
     bytes_read = 0
     loud = model.comm is None or model.comm.rank == 0  # rank 0's progress: a bar on a terminal, else lines
     bar = Progress(len(wmap), f"loading {path.name}", "tensor", enabled=loud, leave=False, seconds=10.0, after=10.0)
     for f, name, src in _sources(model, path):
+        if name in experts:
+            if tuple(src.shape) != experts[name]:
+                raise CheckpointError(f"{f}: {name} has shape {tuple(src.shape)}, the config asks {experts[name]}")
+            seen.add(name)
         target = locate(wmap, model, name)
         if target is None:
             continue
@@ -125,7 +131,7 @@ def load_weights(model, path: Path) -> dict:
         bar.update(name in wmap)
         seen.add(name)
     bar.close()
-    missing = sorted(set(wmap) - seen)
+    missing = sorted((set(wmap) | set(experts)) - seen)
     if missing:
         hint = ""
         if "lm_head.weight" in missing:
@@ -182,7 +188,8 @@ class LoadOptions:
     int8x2, float32, auto: :func:`mpitp.kernels.cpu.activations`) says how block weights
     multiply: int8 activations with the weights repacked in tiles (:mod:`mpitp.kernels.int8`),
     or float32 activations, the exact reference. ``kv_cache_dtype``:
-    :func:`mpitp.models.kv_cache.kv_cache_dtype`."""
+    :func:`mpitp.models.kv_cache.kv_cache_dtype`. ``moe``: a mixture of experts' cut, ep, tp
+    or auto (:mod:`.moe`)."""
 
     dtype: str = "float32"
     device: str = "cpu"
@@ -191,6 +198,7 @@ class LoadOptions:
     pp: int = 1
     stage_inside_node: bool = False
     kv_cache_dtype: str | None = None
+    moe: str = "auto"
 
 
 def load_pretrained(cls, path, comm=None, options: LoadOptions | None = None):
@@ -232,7 +240,7 @@ def load_pretrained(cls, path, comm=None, options: LoadOptions | None = None):
         stage = build(comm, pp, cfg, stage_inside_node)
         comm = stage.tp
     block = _mlp_block(path, weights)
-    model = cls(cfg, comm=comm, dtype=dtype, xp=xp, weights=weights, mlp_block=block, stage=stage)
+    model = cls(cfg, comm=comm, dtype=dtype, xp=xp, weights=weights, mlp_block=block, stage=stage, moe=o.moe)
     if weights != "float32":
         from ..kernels.cpu import activations as resolve
 

@@ -81,3 +81,14 @@ def mlp(intermediate: int, p: int, block: int = 1) -> list[int]:
     if intermediate % block or intermediate // block < p:
         block = 1
     return [s * block for s in even(intermediate // block, p)]
+
+
+def experts(num_experts: int, p: int) -> list[int]:
+    """Whole experts per rank for expert parallelism, as even as counts allow (128 over 3:
+    43, 43, 42); refused where a rank would hold none."""
+    if p > num_experts:
+        raise ShardingError(
+            f"--moe ep: {p} ranks but {num_experts} experts; every rank must hold at least one "
+            f"(run at most {num_experts} ranks, or --moe tp)"
+        )
+    return even(num_experts, p)

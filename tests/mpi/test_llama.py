@@ -3,6 +3,7 @@ committed fixtures, equality with the single-process model, traffic per forward,
 clear load-time errors where the config cannot be cut this many ways (more ranks than
 heads); every other world size, uneven ones included, must match Hugging Face."""
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ from mpi4py import MPI
 
 import mpitp
 from mpitp.models.llama import LlamaForCausalLM
+from mpitp.tp import ShardingError
 
 N = MPI.COMM_WORLD.size
 FIX = Path(__file__).resolve().parent.parent / "fixtures"
@@ -63,6 +65,83 @@ def test_qwen3_decodes_through_the_generic_layers(tp):
     agree(model.config.qk_norm and model._decode_layers() is None, "qwen3: a decode loop was built")
     fast, generic, ran = decode_both_ways(model, [[5, 17, 42, 7, 3], [9, 2]])
     agree(not ran and np.array_equal(fast, generic), "qwen3: decode step differs from the generic layers")
+
+
+MOE = ["qwen3_moe", "qwen2_moe"]  # 5 experts top-3 renormalized, one dense layer; 7 top-2 + a shared expert
+
+
+@pytest.mark.parametrize("moe", ["ep", "tp"])
+@pytest.mark.parametrize("name", MOE)
+def test_mixture_of_experts_parity(tp, name, moe):
+    """Qwen3-MoE and Qwen2-MoE made by transformers, experts cut both ways over N ranks (ep:
+    whole experts, 5 or 7 over any N, uneven; tp: every expert's columns): logits within 1e-4
+    of transformers', its greedy tokens, every rank routing alike, one all-reduce per MoE
+    block (as the dense MLP's), and each rank reading only its share of the experts."""
+    ref = np.load(FIX / name / "reference.npz")
+    if N > 4:  # 4 attention heads: refused at load, with the numbers
+        with pytest.raises(ShardingError, match="exceeds the number of attention heads = 4"):
+            LlamaForCausalLM.from_pretrained(FIX / name, comm=tp, moe=moe)
+        return
+    model = LlamaForCausalLM.from_pretrained(FIX / name, comm=tp, moe=moe)
+    tp.traffic.reset()
+    logits = model(ref["input_ids"])
+    diff = float(np.abs(logits - ref["logits"]).max())
+    agree(diff <= 1e-4, f"{name} --moe {moe}: max |logit - HF| = {diff:.2e} at {N} ranks")
+    layers = model.config.num_hidden_layers
+    want = 0 if N == 1 else 2 * layers + 1
+    agree(tp.traffic.calls.get("allreduce", 0) == want, f"{dict(tp.traffic.calls)}: want {want} all-reduces")
+    moes = [L.mlp for L in model.layers if hasattr(L.mlp, "experts")]
+    sparse = [i for i in range(layers) if model.config.sparse(i)]  # qwen2_moe: layer 1 of 4 (step 2, 3 dense)
+    agree(len(moes) == len(sparse) == (1 if name == "qwen2_moe" else layers), f"{len(moes)} MoE blocks")
+    agree(same_on_all_ranks(moes[0].last_routes[0]), "ranks routed tokens differently")
+    prompts = [ref["greedy_0"][:9].tolist(), ref["greedy_1"][:6].tolist()]
+    out = model.generate(prompts, max_new_tokens=10, stop_tokens=[])
+    agree(out == [ref["greedy_0"].tolist(), ref["greedy_1"].tolist()], f"{name} --moe {moe}: greedy differs from HF")
+    c = model.config
+    expert = 3 * c.hidden_size * c.moe_intermediate_size * 4  # one expert's bytes
+    held = sum(m.weight.size for m in moes[0].experts.values() for m in (m.gate_up_proj, m.down_proj)) * 4
+    agree(tp.mpi.allreduce(held) == c.num_experts * expert, f"experts held {held} per rank do not add up")
+    total = (FIX / name / "model.safetensors").stat().st_size
+    others = total - len(moes) * c.num_experts * expert  # attention, norms, dense MLP, router, shared expert
+    read = model.load_info["bytes_read"]
+    agree(read <= others + len(moes) * held + 4096, f"rank read {read} bytes; others {others} + its experts {held}")
+
+
+def _broken_experts(root: Path) -> None:
+    """Two copies of qwen3_moe: one without expert 4's up_proj of layer 2, one whose expert
+    0 down_proj of layer 0 is transposed."""
+    from safetensors.numpy import load_file, save_file
+
+    w = load_file(FIX / "qwen3_moe" / "model.safetensors")
+    for name, change in (("missing", "model.layers.2.mlp.experts.4.up_proj.weight"), ("shape", None)):
+        d = root / name
+        d.mkdir()
+        shutil.copy(FIX / "qwen3_moe" / "config.json", d)
+        v = dict(w)
+        if change:
+            del v[change]
+        else:
+            t = "model.layers.0.mlp.experts.0.down_proj.weight"
+            v[t] = np.ascontiguousarray(np.concatenate([v[t], v[t]], axis=1))
+        save_file(v, d / "model.safetensors")
+
+
+@pytest.mark.parametrize("moe", ["ep", "tp"])
+def test_broken_experts_fail_on_every_rank(tp, moe):
+    """A missing or mis-shaped expert tensor fails the load on every rank (not only the one
+    that holds that expert), naming the tensor and the shapes."""
+    from helpers import shared_dir
+
+    from mpitp.models.loader import CheckpointError
+
+    if N > 4:  # 4 attention heads: the cut is refused before any tensor is read
+        with pytest.raises(ShardingError, match="attention heads = 4"):
+            LlamaForCausalLM.from_pretrained(FIX / "qwen3_moe", comm=tp, moe=moe)
+        return
+    with shared_dir("mpitp-moe-", _broken_experts) as root:
+        for name, text in (("missing", "experts.4.up_proj"), ("shape", r"\(64, 128\).*\(64, 64\)")):
+            with pytest.raises(CheckpointError, match=text):
+                LlamaForCausalLM.from_pretrained(root / name, comm=tp, moe=moe)
 
 
 def test_decoding_agrees_on_every_rank(tp):

@@ -279,3 +279,109 @@ def test_int8o_in_decode_keeps_its_own_rule_on_every_instruction_set(tp, files, 
         flips = (ref.argmax(-1) != out.argmax(-1)) & sure
         why = f"{fix}-{q} int8o on {isa} at TP={N}: KL mean {kl.mean():.2e} max {kl.max():.2e}, {flips.sum()} flips"
         agree(kl.mean() <= 1e-4 and kl.max() <= 2e-4 and not flips.any(), why)
+
+
+@pytest.mark.parametrize("moe", ["ep", "tp"])
+def test_int8o_on_a_mixture_of_experts_keeps_the_rule_and_counts_router_flips(tp, moe):
+    """Qwen3-MoE (5 experts, top-3) quantized to Q8_0 at load, int8o against the same weights
+    with float32 activations, teacher-forced over 120 positions, experts cut both ways: the
+    accuracy rule (mean KL 5e-3, max 3e-2, no top-1 flip where the margin exceeds 0.5), and
+    the router's choices compared token by token in every MoE layer: a token whose top-3
+    set differs is counted, and allowed only where the float model's 3rd and 4th expert
+    probabilities were within 0.05 of each other (a near-tie), never hidden."""
+    ids = np.random.default_rng(5).integers(0, 256, (1, 120))
+
+    def run(activations):
+        m = LlamaForCausalLM.from_pretrained(
+            FIX / "qwen3_moe", comm=tp, weights="q8_0", moe=moe, activations=activations
+        )
+        seen = []  # each MoE layer's routes, every chunk
+        for L in m.layers:
+            if hasattr(L.mlp, "experts"):
+                L.mlp.log = []
+                seen.append(L.mlp.log)
+        out = _teacher_forced_in_decode_chunks(m, ids)  # int8o's one digit: decode's chunks of <= 16 rows
+        return m, out, [tuple(np.concatenate(parts) for parts in zip(*layer)) for layer in seen]
+
+    floats, ref, ref_routes = run("float32")
+    m, out, routes = run("int8o")
+    agree("Q8_0" in m.weight_formats() and m.int8_tiles(), f"--moe {moe}: held as {m.weight_formats()}")
+    top2 = np.sort(ref, -1)[:, -2:]
+    kl = (np.exp(ref) * (ref - out)).sum(-1)
+    flips = (ref.argmax(-1) != out.argmax(-1)) & (top2[:, 1] - top2[:, 0] > 0.5)
+    k = m.config.num_experts_per_tok
+    changed, far = 0, []
+    for (a, probs), (b, _) in zip(ref_routes, routes):
+        differ = np.flatnonzero([set(x) != set(y) for x, y in zip(a.tolist(), b.tolist())])
+        ranked = np.sort(probs, -1)[:, ::-1]
+        gap = ranked[:, k - 1] - ranked[:, k]
+        changed += differ.size
+        far += [float(g) for g in gap[differ] if g > 0.05]
+    why = (
+        f"qwen3_moe Q8_0 int8o --moe {moe} at {N} ranks: KL mean {kl.mean():.2e} max {kl.max():.2e}, "
+        f"{flips.sum()} top-1 flips; router: {changed} of {len(routes) * 120} token choices changed, "
+        f"{len(far)} beyond a near-tie {far[:3]}"
+    )
+    print(why)
+    agree(kl.mean() <= 5e-3 and kl.max() <= 3e-2 and not flips.any() and not far, why)
+
+
+LLAMA_CPP_FILES = sorted((FIX / "gguf").glob("*.gguf"))  # made by llama.cpp's converter and quantizer
+
+
+def _import_all(root: Path) -> None:
+    from mpitp.models.gguf_import import convert
+
+    for f in LLAMA_CPP_FILES:
+        convert(f, root / f.stem)
+
+
+@pytest.fixture(scope="module")
+def imported():
+    with shared_dir("mpitp-lcpp-", _import_all) as root:
+        yield root
+
+
+@pytest.mark.parametrize("moe", ["ep", "tp"])
+@pytest.mark.parametrize("f", LLAMA_CPP_FILES, ids=lambda f: f.stem)
+def test_llama_cpp_files_of_qwen3_and_its_experts(tp, imported, f, moe):
+    """Qwen3 and Qwen3-MoE GGUF files written by llama.cpp's convert_hf_to_gguf.py (F32, F16,
+    Q8_0) and llama-quantize (Q4_0, Q4_1, Q5_0) from the transformers fixtures, experts
+    stacked [n_expert, rows, cols] in one tensor per layer: every expert this rank holds
+    equals the gguf package's dequantization of its rows (its own reader, not mpitp's); with
+    float32 activations the logits equal the dequantized model's within 1e-4 of their scale;
+    the F32 file's are within 1e-4 of transformers' and its greedy tokens the same."""
+    d = imported / f.stem
+    ref = np.load(FIX / f.stem.split("-")[0] / "reference.npz")
+    blocks = LlamaForCausalLM.from_pretrained(d, comm=tp, activations="float32", moe=moe)
+    floats = LlamaForCausalLM.from_pretrained(d, comm=tp, weights="float32", moe=moe)
+    reader = gguf.GGUFReader(str(f))
+    stacked = {t.name: t for t in reader.tensors if t.name.endswith("_exps.weight")}
+    mods = dict(floats.named_modules())
+    checked, bad = 0, []  # each rank its own experts: one agree for all (ranks hold different counts)
+    for name, t in stacked.items():
+        layer, part = int(name.split(".")[1]), name.split(".")[2]
+        full = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        for e in floats.layers[layer].mlp.experts:
+            if part == "ffn_down_exps":
+                m = mods[f"model.layers.{layer}.mlp.experts.{e}.down_proj"]
+                got, want = m.weight, full[e][:, m.start : m.start + m.in_features]
+            else:
+                m = mods[f"model.layers.{layer}.mlp.experts.{e}.gate_up_proj"]
+                k = 0 if part == "ffn_gate_exps" else 1
+                a, n, off = m.shard_starts[k], m.cuts[k][m.tp_rank], m.shard_offsets[k]
+                got, want = m.weight[off : off + n], full[e][a : a + n]
+            checked += 1
+            if not np.array_equal(got, want):
+                bad.append(f"{name} expert {e}")
+    agree(not bad, f"{f.stem}: values differ from gguf's dequantization in {bad[:3]}")
+    agree(not stacked or tp.mpi.allreduce(checked) >= len(stacked), f"{f.stem}: {checked} experts checked")
+    a, b = blocks(ref["input_ids"]), floats(ref["input_ids"])
+    rel = float(np.abs(a - b).max() / np.abs(b).max())
+    agree(rel <= 1e-4, f"{f.stem} --moe {moe} at {N} ranks: |blocks - dequantized| / max = {rel:.2e}")
+    if f.stem.endswith("f32"):
+        diff = float(np.abs(b - ref["logits"]).max())
+        agree(diff <= 1e-4, f"{f.stem}: max |logit - transformers| = {diff:.2e}")
+        prompts = [ref["greedy_0"][:9].tolist(), ref["greedy_1"][:6].tolist()]
+        out = blocks.generate(prompts, max_new_tokens=10, stop_tokens=[])
+        agree(out == [ref["greedy_0"].tolist(), ref["greedy_1"].tolist()], f"{f.stem}: greedy differs")

@@ -1,0 +1,180 @@
+"""A mixture-of-experts MLP (Qwen3-MoE; Qwen2-MoE's shared expert) cut over ranks, two ways.
+
+Every rank holds the router whole and routes every token the same way (softmax, top-k,
+renormalized where ``norm_topk_prob``); what it then multiplies depends on the cut::
+
+    ep: rank r holds whole experts [s_r, s_r + n_r)       tp: every expert's intermediate columns
+        (128 experts over 3 ranks: 43 + 43 + 42)              cut over the ranks (as a dense MLP)
+
+        e0 e1 e2 │ e3 e4 │ e5 e6                              e0 e1 e2 e3 e4 e5 e6
+        ─rank 0─   ─ r1 ─   ─ r2 ─                             ─── r0's columns of each ───
+                                                               ─── r1's columns of each ───
+
+    y_r = Σ over its experts e, over the tokens t routed to e:  w[t, e] · down_e(SiLU(gate_e x_t) · up_e x_t)
+    y   = all-reduce(y_r)                                       (one per layer, as the dense MLP's)
+
+In a batch (prefill, several sequences decoding) the tokens are grouped by expert, so each
+expert's weights are read once per step for all its tokens. ep reads whole experts (big
+matmuls, a rank idle when none of its experts is chosen); tp reads a slice of every chosen
+expert (balanced at batch 1). A shared expert (Qwen2-MoE) is cut as the dense MLP is, its
+sigmoid gate replicated; its partial sums ride the same all-reduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..tp import ReplicatedLinear, partition
+from .config import LlamaConfig
+from .layers import MLP
+
+MODES = ("ep", "tp")
+
+
+@dataclass(frozen=True)
+class MoEPlan:
+    """How a model's experts are cut over ``p`` ranks: ``mode`` ep or tp; ``experts``: whole
+    experts per rank (ep; every expert on every rank under tp); ``columns``: each expert's
+    intermediate columns per rank (tp; whole under ep); ``shared``: the shared expert's."""
+
+    mode: str
+    experts: list[int]
+    columns: list[int]
+    shared: list[int]
+
+    @classmethod
+    def of(cls, c: LlamaConfig, p: int, mode: str, block: int = 1) -> MoEPlan:
+        if mode not in MODES:
+            raise partition.ShardingError(f"--moe {mode!r}: one of {', '.join(MODES)}")
+        shared = partition.mlp(c.shared_expert_intermediate_size, p, block) if c.shared_expert_intermediate_size else []
+        if mode == "ep":
+            return cls("ep", partition.experts(c.num_experts, p), [c.moe_intermediate_size] * p, shared)
+        return cls("tp", [c.num_experts] * p, partition.mlp(c.moe_intermediate_size, p, block), shared)
+
+    def held(self, r: int) -> range:
+        """The experts rank ``r`` holds (all of them under tp)."""
+        if self.mode == "tp":
+            return range(self.experts[r])
+        s = partition.starts(self.experts)[r]
+        return range(s, s + self.experts[r])
+
+
+class Router(ReplicatedLinear):
+    """The router (and a shared expert's gate): whole on every rank, kept in float32 whatever
+    ``--weights`` says, so that every rank, and transformers, choose the same experts."""
+
+    keep_float = True
+
+
+def route(logits, k: int, renormalize: bool, xp=np):
+    """(experts [N, k], weights [N, k], probabilities [N, E]) from router logits [N, E]:
+    softmax in float32, the k largest probabilities (largest first; a tie goes to the lower
+    expert), renormalized to sum to 1 where ``renormalize``."""
+    z = logits.astype(np.float32, copy=False)
+    z = xp.exp(z - z.max(axis=-1, keepdims=True))
+    probs = z / z.sum(axis=-1, keepdims=True)
+    top = xp.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    w = xp.take_along_axis(probs, top, axis=-1)
+    if renormalize:
+        w = w / w.sum(axis=-1, keepdims=True)
+    return top, w, probs
+
+
+class SparseMoE:
+    """The MoE block of one decoder layer on this rank (see the module's picture)."""
+
+    def __init__(self, cfg: LlamaConfig, comm, dtype, xp, plan: MoEPlan):
+        self.xp, self.comm, self.plan = xp, comm, plan
+        self.k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        H, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        self.inter = inter
+        self.gate = Router(H, cfg.num_experts, bias=False, comm=None, dtype=dtype, xp=xp)
+        r = comm.rank if comm is not None else 0
+        cut = comm if plan.mode == "tp" else None  # ep: each expert whole on its rank
+        sizes = plan.columns if plan.mode == "tp" else None
+        # each expert a SwiGLU MLP: whole on this rank (ep), or its columns of it (tp), unreduced
+        self.experts = {e: MLP(H, inter, cut, dtype, xp, sizes, reduce=False) for e in plan.held(r)}
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: Router | None = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size, comm, dtype, xp, plan.shared, reduce=False)
+            self.shared_expert_gate = Router(H, 1, bias=False, comm=None, dtype=dtype, xp=xp)
+        self.last_routes: tuple | None = None  # (experts [N, k], probabilities [N, E]) of the last call, for tests
+        self.log: list | None = None  # a list: every call's routes appended (tests compare two models')
+
+    def __call__(self, x):
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        top, w, probs = route(self.gate(flat), self.k, self.renormalize, self.xp)
+        self.last_routes = (top, probs)
+        if self.log is not None:
+            self.log.append(self.last_routes)
+        y = self.xp.zeros_like(flat)
+        w = w.astype(flat.dtype, copy=False)
+        for e, expert in self.experts.items():
+            rows, slot = self.xp.nonzero(top == e)  # the tokens routed to e, each once
+            if rows.size:
+                y[rows] += expert(flat[rows]) * w[rows, slot][:, None]
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            g = self.shared_expert_gate(flat)
+            y += self.shared_expert(flat) / (1.0 + self.xp.exp(-g))
+        if self.comm is not None and self.comm.size > 1:  # a rank that ran no expert still joins
+            self.comm.allreduce(y, out=y)
+        return y.reshape(shape)
+
+    def all_expert_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        """Checkpoint name -> shape of every expert's tensors of this layer, held here or not:
+        every rank checks them all at load, so a missing or mis-shaped expert fails on every
+        rank with the same message."""
+        H, inter = self.gate.in_features, self.inter
+        out: dict[str, tuple[int, ...]] = {}
+        for e in range(self.gate.out_features):
+            for part, shape in (("gate_proj", (inter, H)), ("up_proj", (inter, H)), ("down_proj", (H, inter))):
+                out[f"{prefix}experts.{e}.{part}.weight"] = shape
+        return out
+
+    def named_modules(self, prefix: str):
+        """(checkpoint prefix, module) of its weights, in reading order."""
+        yield prefix + "gate", self.gate
+        for e, ex in self.experts.items():
+            yield f"{prefix}experts.{e}.gate_up_proj", ex.gate_up_proj
+            yield f"{prefix}experts.{e}.down_proj", ex.down_proj
+        if self.shared_expert is not None:
+            yield prefix + "shared_expert.gate_up_proj", self.shared_expert.gate_up_proj
+            yield prefix + "shared_expert.down_proj", self.shared_expert.down_proj
+            yield prefix + "shared_expert_gate", self.shared_expert_gate
+
+
+def expected_reads(c: LlamaConfig, p: int, mode: str, block: int = 1, batch: int = 1, samples: int = 512) -> float:
+    """Expert weights (in columns of one expert's 3·hidden) the slowest rank reads in one
+    step of ``batch`` tokens, averaged over uniform routings (a fixed seed: the same on every
+    rank): under ep, the distinct chosen experts it holds times their whole width; under tp,
+    every distinct chosen expert times its widest rank's columns."""
+    plan = MoEPlan.of(c, p, mode, block)
+    E, k = c.num_experts, c.num_experts_per_tok
+    rng = np.random.default_rng(0)
+    owner = np.repeat(np.arange(p), plan.experts) if mode == "ep" else None
+    total = 0.0
+    for _ in range(samples):
+        chosen = np.zeros(E, bool)
+        for _ in range(batch):
+            chosen[rng.choice(E, k, replace=False)] = True
+        if owner is None:
+            total += chosen.sum() * max(plan.columns)
+        else:
+            total += np.bincount(owner[chosen], minlength=p).max() * c.moe_intermediate_size
+    return total / samples
+
+
+def choose(c: LlamaConfig, p: int, block: int = 1, batch: int = 1) -> str:
+    """``--moe auto``: ep or tp, whichever has its slowest rank read fewer expert weights per
+    step (:func:`expected_reads`); ep where they tie (bigger matmuls, no column cut) or tp
+    cannot cut an expert's columns this many ways."""
+    if p == 1 or p > c.moe_intermediate_size:
+        return "ep"
+    if p > c.num_experts:
+        return "tp"
+    ep, tp = (expected_reads(c, p, m, block, batch) for m in MODES)
+    return "ep" if ep <= tp else "tp"
