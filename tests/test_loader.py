@@ -182,3 +182,54 @@ def test_gguf_tensor_table_equals_gguf_readers(tmp_path):
         (tmp_path / "cut.gguf").write_bytes(data[:cut])
         with pytest.raises((ValueError, struct.error)):
             read_tensors(tmp_path / "cut.gguf")
+
+
+def test_bench_shape_writes_a_mixture_of_experts_file_mpitp_reads(tmp_path, monkeypatch):
+    """``mpitp bench decode --shape qwen3-30b-a3b`` writes llama.cpp's qwen3moe layout (stacked
+    ffn_*_exps, a float32 router, q/k norms, the vocabulary padded with unused tokens); here a
+    small shape of the same kind, Q4_K_M: mpitp imports it, holds its blocks as Q4_K/Q6_K,
+    and every expert's rows equal the gguf package's dequantization of the stacked tensor."""
+    import gguf
+
+    from mpitp.bench import shapes
+    from mpitp.models.gguf_import import convert
+    from mpitp.models.llama import LlamaForCausalLM
+
+    small = dict(arch="qwen3moe", hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, ffn=512, experts=5,
+                 used=2, expert_ffn=256, rope_theta=1e6, vocab=49216)  # fmt: skip
+    monkeypatch.setitem(shapes.SHAPES, "tiny-moe", small)
+    f = tmp_path / "tiny.gguf"
+    shapes.write("tiny-moe", "q4_k_m", f, say=lambda *a: None)
+    d = convert(f, tmp_path / "tiny")
+    m = LlamaForCausalLM.from_pretrained(d, activations="float32")
+    c = m.config
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.vocab_size) == (5, 2, 256, 49216)
+    assert c.qk_norm and c.norm_topk_prob and {"Q4_K", "Q6_K"} <= set(m.weight_formats())
+    floats = LlamaForCausalLM.from_pretrained(d, weights="float32")
+    t = next(t for t in gguf.GGUFReader(str(f)).tensors if t.name == "blk.1.ffn_down_exps.weight")
+    full = gguf.quants.dequantize(t.data, t.tensor_type).reshape(5, 256, 256)
+    for e, expert in floats.layers[1].mlp.experts.items():
+        assert np.array_equal(expert.down_proj.weight, full[e])
+    ids = np.arange(1, 9)[None]
+    a, b = m(ids), floats(ids)
+    assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max()
+
+
+def test_expert_cuts_and_the_auto_choice():
+    """ep over more ranks than experts is refused with the numbers; ep cuts any count over
+    any ranks (128 over 3: 43, 43, 42); tp cuts each expert's columns in whole blocks; auto
+    takes the cut whose slowest rank reads fewer expert weights a step: on Qwen3-30B-A3B's
+    shape at 2 ranks, ep where K-quant super-blocks leave tp a 512/256 column split, tp where
+    blocks of 32 split it evenly."""
+    import dataclasses
+
+    from mpitp.models.moe import MoEPlan, choose
+
+    c = LlamaConfig.from_path(FIX / "qwen3_moe")
+    with pytest.raises(ShardingError, match="6 ranks but 5 experts"):
+        MoEPlan.of(c, 6, "ep")
+    big = dataclasses.replace(c, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, hidden_size=2048)
+    assert MoEPlan.of(big, 3, "ep").experts == [43, 43, 42]
+    assert list(MoEPlan.of(big, 3, "ep").held(2)) == list(range(86, 128))
+    assert MoEPlan.of(big, 2, "tp", 256).columns == [512, 256]
+    assert (choose(big, 2, 256), choose(big, 2, 32), choose(big, 1), choose(c, 6)) == ("ep", "tp", "ep", "tp")

@@ -103,9 +103,18 @@ def add_parser(sub) -> None:
     p.add_argument("--model", help="decode: as mpitp generate takes it (default: the embedded model)")
     p.add_argument(
         "--shape",
-        choices=["llama-3.2-1b", "llama-3.2-3b"],
+        choices=["llama-3.2-1b", "llama-3.2-3b", "qwen3-0.6b", "qwen3-30b-a3b"],
         help="decode: a model of this shape with random weights (written once into the cache as a GGUF "
-        "file llama.cpp loads too; the default model's tokenizer), in the file type --weights names",
+        "file llama.cpp loads too; the default model's tokenizer, padded with unused tokens to the shape's "
+        "vocabulary), in the file type --weights names",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="decode --shape: only the shape's first N layers (qwen3-30b-a3b's 48 layers are ~17 GB in "
+        "Q4_K_M; 12 are ~4.7 GB)",
     )
     add_weights_argument(
         p, ("q4_0", "q4_k_m"), "; with --shape: the file's type, q4_0 (default), q4_k_m or q8_0, kept as stored"
@@ -209,7 +218,8 @@ def run(args) -> int:
             apply_threads(args)
             check_parallel(args, comm.size)
             if args.shape:
-                model, weights = _shape_file(comm, args.shape, "q4_0" if weights == "auto" else weights), "auto"
+                ftype = "q4_0" if weights == "auto" else weights
+                model, weights = _shape_file(comm, args.shape, ftype, args.layers), "auto"
             elif weights in ("q4_0", "q4_k_m"):
                 raise ConfigError(f"--weights {weights} names a --shape file's type; give --shape")
             say = print if comm.rank == 0 else (lambda *a, **k: None)
@@ -221,7 +231,7 @@ def run(args) -> int:
         return _bench(args, comm)
 
 
-def _shape_file(comm, shape: str, ftype: str) -> str:
+def _shape_file(comm, shape: str, ftype: str, layers: int | None = None) -> str:
     """Rank 0 writes the shape's file (once); every rank gets its path."""
     from ..bench import shapes
 
@@ -230,7 +240,7 @@ def _shape_file(comm, shape: str, ftype: str) -> str:
     err, path = None, None
     if comm.rank == 0:
         try:
-            path = str(shapes.ensure(shape, ftype))
+            path = str(shapes.ensure(shape, ftype, layers=layers))
         except (OSError, RuntimeError, ValueError) as e:
             err = str(e)
     err, path = comm.bcast_object((err, path))

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..tp import ReplicatedLinear, partition
 from .config import LlamaConfig
-from .layers import MLP
+from .layers import MLP, _fast, decode_kernels
 
 MODES = ("ep", "tp")
 
@@ -102,6 +102,7 @@ class SparseMoE:
             self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size, comm, dtype, xp, plan.shared, reduce=False)
             self.shared_expert_gate = Router(H, 1, bias=False, comm=None, dtype=dtype, xp=xp)
         self.last_routes: tuple | None = None  # (experts [N, k], probabilities [N, E]) of the last call, for tests
+        self._bound: dict = {}  # expert -> its weights' bound kernels (made at its first call after loading)
         self.log: list | None = None  # a list: every call's routes appended (tests compare two models')
 
     def __call__(self, x):
@@ -113,16 +114,38 @@ class SparseMoE:
             self.log.append(self.last_routes)
         y = self.xp.zeros_like(flat)
         w = w.astype(flat.dtype, copy=False)
-        for e, expert in self.experts.items():
+        for e in self.xp.unique(top).tolist():  # the experts some token chose, each once
+            expert = self.experts.get(e)
+            if expert is None:  # another rank's (ep)
+                continue
             rows, slot = self.xp.nonzero(top == e)  # the tokens routed to e, each once
-            if rows.size:
-                y[rows] += expert(flat[rows]) * w[rows, slot][:, None]
+            y[rows] += self._expert(e, expert, flat[rows]) * w[rows, slot][:, None]
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             g = self.shared_expert_gate(flat)
             y += self.shared_expert(flat) / (1.0 + self.xp.exp(-g))
         if self.comm is not None and self.comm.size > 1:  # a rank that ran no expert still joins
             self.comm.allreduce(y, out=y)
         return y.reshape(shape)
+
+    def _expert(self, e: int, expert: MLP, x):
+        """``expert(x)``; for a few rows of NumPy float32, through the weights' bound kernels
+        (:meth:`mpitp.tp.linear.LinearBase.kernel`: chosen once per expert, as the decode loop
+        binds a dense layer's), which spares each call the kernel's lookup."""
+        bound = self._bound.get(e)
+        if bound is None:
+            bound = self._bound[e] = (expert.gate_up_proj.kernel(), expert.down_proj.kernel())
+        (gate_up, r1), (down, r2) = bound
+        M = x.shape[0]
+        if M > min(r1, r2) or not _fast(x):
+            return expert(x)
+        gu = np.empty((M, expert.gate_up_proj.out_features), np.float32)
+        gate_up(x, gu)
+        half = gu.shape[1] // 2
+        act = np.empty((M, half), np.float32)
+        decode_kernels().swiglu(gu, act)
+        out = np.empty((M, expert.down_proj.out_features), np.float32)
+        down(act, out)
+        return out
 
     def all_expert_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
         """Checkpoint name -> shape of every expert's tensors of this layer, held here or not:
