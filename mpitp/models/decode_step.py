@@ -10,7 +10,9 @@ so they are bound once (each linear layer's kernel to its weight,
     h ─ rms_norm ─ qkv (+b) ─ attend: RoPE, K/V into the cache, softmax(q·kᵀ)·v ─ o ─ all-reduce (+b) ─ h +=
       ─ rms_norm ─ gate_up (+b) ─ swiglu ─ down ─ all-reduce (+b) ─ h +=
 
-The same kernels on the same arrays in the same order as the generic path, so the
+Qwen3's q/k norms run after qkv (:func:`~mpitp.models.layers.norm_heads`), and a
+mixture-of-experts block is its own call (:class:`~mpitp.models.moe.SparseMoE`) in place
+of the MLP's four steps. The same kernels on the same arrays in the same order as the generic path, so the
 result is the same: bit for bit with block weights. Where a layer's four matmuls are int8
 kernels that :mod:`mpitp.kernels.fused` can drive (IR quantizers, attention's IR core; with
 threads, their tiles and attention's heads over numba's pool), each half of it between two
@@ -24,6 +26,7 @@ import numpy as np
 
 from ..kernels import calls, fused, parallel
 from ..kernels import decode as kernels
+from .layers import norm_heads
 
 
 class DecodeLayers:
@@ -52,21 +55,29 @@ class DecodeLayers:
             # the fused attention half's heads record (mpitp.kernels.fused.attention_half)
             self.heads = (self.core, self.nh, self.nkv, self.head_dim, self.scale, self.threads > 1)
         self.none = np.zeros(1, np.float32)  # a bias that is not there
+        self.extra: list = [(None, None)] * len(layers)  # per layer: (q/k norms or None, a MoE block or None)
 
     @classmethod
     def of(cls, model) -> DecodeLayers | None:
-        """None where the loop does not apply: CuPy, or activations other than float32."""
-        if model.xp is not np or model.dtype != np.float32 or model.config.qk_norm:  # Qwen3's q/k norms: generic
+        """None where the loop does not apply: CuPy, or activations other than float32. Layers
+        with q/k norms or experts take the loop's own steps, never the fused halves."""
+        if model.xp is not np or model.dtype != np.float32:
             return None
-        if model.config.num_experts:  # experts routed per token: the generic layers (mpitp.models.moe)
-            return None
-        layers, rows, plans = [], [], []
+        layers, rows, plans, extra = [], [], [], []
         for layer in model.layers:
             a, mlp = layer.self_attn, layer.mlp
-            bound = [m.kernel() for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            moe = mlp if hasattr(mlp, "experts") else None  # a mixture of experts: its own call
+            # Qwen3's q/k norms, a MoE block: the loop's own steps, never the fused halves
+            extra.append(((a.q_norm, a.k_norm) if a.q_norm is not None else None, moe))
+            mods = (
+                (a.qkv_proj, a.o_proj) if moe is not None else (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            )
+            bound = [m.kernel() for m in mods]
             rows += [r for _, r in bound]
             p = [fused.plan(f) for f, _ in bound]
-            plans.append(None if any(x is None for x in p) else p)
+            plans.append(None if any(x is None for x in p) or extra[-1] != (None, None) else p)
+            if moe is not None:  # no dense MLP: placeholders
+                bound += [(None, 0), (None, 0)]
             (qkv, _), (o, _), (gate_up, _), (down, _) = bound
             layers.append(
                 (
@@ -74,11 +85,15 @@ class DecodeLayers:
                     (qkv, a.qkv_proj.out_features, a.qkv_proj.bias),
                     (o, a.o_proj.bias),
                     layer.post_attention_layernorm.weight,
-                    (gate_up, mlp.gate_up_proj.out_features, mlp.gate_up_proj.bias),
-                    (down, mlp.down_proj.bias),
+                    (gate_up, 0, None)
+                    if moe is not None
+                    else (gate_up, mlp.gate_up_proj.out_features, mlp.gate_up_proj.bias),
+                    (down, None) if moe is not None else (down, mlp.down_proj.bias),
                 )
             )
-        return cls(model, layers, min(rows), plans)
+        loop = cls(model, layers, min(rows), plans)
+        loop.extra = extra
+        return loop
 
     def fits(self, batch: int, step, cache) -> bool:
         k = cache.k[0]
@@ -112,6 +127,9 @@ class DecodeLayers:
             qkv(xn, y)
             if bqkv is not None:
                 y += bqkv
+            qk_norms, moe = self.extra[i]
+            if qk_norms is not None:
+                norm_heads(y, self.nh, self.nkv, self.head_dim, *qk_norms)
             att = np.empty((B, self.q_width), np.float32)
             self.attend(
                 y, step.cos1, step.sin1, cache.k[i], cache.v[i], cache.valid, s, self.nh, self.nkv, self.scale,
@@ -122,6 +140,9 @@ class DecodeLayers:
             self._finish_row_parallel(r, bo, ar)
             h += r
             kernels.rms_norm(h, w2, eps, xn)
+            if moe is not None:  # routed, its experts run, their sum all-reduced (mpitp.models.moe)
+                h += moe(xn)
+                continue
             g = np.empty((B, ngu), np.float32)
             gate_up(xn, g)
             if bgu is not None:

@@ -146,6 +146,14 @@ def _parts(allowed, s: int, owner, xp) -> list:
     return [(slice(t0, t1), c, allowed[:, t0:t1][:, :, c][:, None, None]) for t0, t1, c in spans]
 
 
+def norm_heads(qkv, nh: int, nkv: int, d: int, q_norm: RMSNorm, k_norm: RMSNorm) -> None:
+    """Qwen3's q and k norms, in place on ``qkv`` [rows, (nh + 2 nkv) d] NumPy float32: each
+    of the nh query heads and nkv key heads of every row RMS-normed over its d values."""
+    for norm, a, n in ((q_norm, 0, nh), (k_norm, nh * d, nkv)):
+        heads = np.ascontiguousarray(qkv[:, a : a + n * d]).reshape(-1, d)
+        qkv[:, a : a + n * d] = norm(heads).reshape(qkv.shape[0], n * d)
+
+
 class Attention:
     def __init__(self, cfg: LlamaConfig, comm, rotary: Rotary, dtype, xp, split: partition.AttentionSplit):
         self.xp, self.rotary, self.head_dim = xp, rotary, cfg.head_dim
@@ -181,6 +189,10 @@ class Attention:
         """qkv [..., (nh + 2 nkv) d] with its q heads and k heads RMS-normed (Qwen3), a copy."""
         d, nh, nkv = self.head_dim, self.nh, self.nkv
         assert self.q_norm is not None and self.k_norm is not None
+        if _fast(qkv):  # as the decode loop norms them (mpitp.models.decode_step): the same bits
+            flat = np.array(qkv).reshape(-1, qkv.shape[-1])
+            norm_heads(flat, nh, nkv, d, self.q_norm, self.k_norm)
+            return flat.reshape(qkv.shape)
         h = self.xp.array(qkv).reshape(*qkv.shape[:-1], nh + 2 * nkv, d)
         h[..., :nh, :] = self.q_norm(h[..., :nh, :])
         h[..., nh : nh + nkv, :] = self.k_norm(h[..., nh : nh + nkv, :])
