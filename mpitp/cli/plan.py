@@ -299,6 +299,21 @@ def _train(args):
         )
 
 
+def _print_moe(r: dict) -> None:
+    """The mixture-of-experts lines of plan infer: the cuts, and bytes per token on the links."""
+    ep, tp = r["experts_per_rank_ep"], r["columns_per_rank_tp"]
+    print(
+        f"experts over {r['ranks']} rank(s): --moe ep holds {'/'.join(map(str, ep))} whole experts a rank, "
+        f"--moe tp {'/'.join(map(str, tp))} columns of each; auto = {r['auto']} (fewer expert weights "
+        f"read by the slowest rank at batch {r['batch']}); expert weights per rank "
+        f"{_mb(r['expert_weights_per_rank_bytes'])}, the rest {_mb(r['other_weights_per_rank_bytes']['tp'])} "
+        f"(tp attention) or {_mb(r['other_weights_per_rank_bytes']['dp'])} (--dp-attention)"
+    )
+    for mode, what in (("tp", "tp attention's all-reduces"), ("dp", "--dp-attention's all-to-all")):
+        b = r["bytes_per_token"][mode]
+        print(f"per token, {what}: inter-node {_mb(b['inter'])}, intra-node {_mb(b['intra'])} (all ranks)")
+
+
 def ptp_error(msg: str):
     from ..tp.partition import ShardingError
 
@@ -353,6 +368,8 @@ def _infer(args):
     nodes = args.nodes or args.pp
     res = pinf.plan(m, args.pp, args.tp, nodes, args.batch, args.context, prof, args.weights)
     res["crossover_latency_s"] = pinf.crossover(m, args.pp, args.tp, nodes, args.batch, prof) if args.pp > 1 else None
+    if m.num_experts:
+        res["moe"] = pinf.moe(m, args.pp * args.tp, nodes, args.batch, args.weights)
     if args.json:
         print(json.dumps(res, indent=2))
         return
@@ -379,6 +396,8 @@ def _infer(args):
             f"{res['stage_boundaries_across_nodes']} of {args.pp - 1} boundaries across nodes"
         )
     print(f"communication per step (one stream, stages in turn): {_time(res['comm_time_s'])}")
+    if "moe" in res:
+        _print_moe(res["moe"])
     x = res["crossover_latency_s"]
     if args.pp > 1:
         print(

@@ -212,3 +212,39 @@ class Gathers(CommunicatorBase):
         if staged:
             steps = self._back_to_device(steps, x, None)
         return self._run(steps, label, nonblocking)
+
+    def alltoallv(self, x, counts) -> tuple:
+        """Rows of ``x`` grouped by destination, ``counts[j]`` of them (in order) to rank j:
+        returns ``(rows, sources)``, the rows every rank sent here stacked by source rank and
+        how many came from each. The counts go first, as an all-to-all of one int64 a rank;
+        any count may be 0 (a rank with nothing to send or receive still takes part). The
+        traffic counters record the rows this rank hands MPI for other ranks."""
+        seq, label = self._begin("alltoallv")
+        sig = lambda: self._sig("alltoallv", x, trailing=tuple(getattr(x, "shape", ()))[1:])  # noqa: E731
+
+        def prep():
+            a = self._array(x)
+            c = [int(v) for v in counts]
+            if a.ndim == 0 or len(c) != self.size or min(c) < 0 or sum(c) != a.shape[0]:
+                raise ValueError(
+                    f"alltoallv: counts {c} must give each of the {self.size} ranks a share of the "
+                    f"{a.shape[0] if a.ndim else 0} rows of axis 0"
+                )
+            return a
+
+        a = self._prepare(label, sig, ("collective", "dtype", "trailing"), prep)
+        staged = self._via_host(a)
+        src = self._to_host(a) if staged else a
+        rows, trailing, row = self._rows(src)
+        send = np.asarray(counts, np.int64)
+        recv = np.empty(self.size, np.int64)
+        self.watchdog.wait([self.mpi.Ialltoall(send, recv)], "alltoall of row counts")
+        shape = (int(recv.sum()),) + trailing
+        dst = np.empty(shape, src.dtype) if staged else backend.empty(shape, src.dtype, a)
+        self._record_mpi("alltoallv", int(rows - send[self.rank]) * row * src.itemsize)
+        steps = mpi_collectives.alltoallv(
+            self.mpi, src, (send * row).tolist(), dst, (recv * row).tolist(), mpi_datatype(a.dtype), False
+        )
+        if staged:
+            steps = self._back_to_device(steps, x, None)
+        return self._run(steps, label, False), recv.tolist()

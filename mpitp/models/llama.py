@@ -59,12 +59,27 @@ class LlamaForCausalLM:
         mlp_block: int = 32,
         stage=None,
         moe: str = "auto",
+        dp_attention: bool = False,
     ):
         """``stage``: a pipeline stage (:class:`mpitp.models.pipeline.Stage`) — this model
         holds only its layers (and the embedding on the first, the norm and head on the
         last) and passes hidden states to the next stage; ``comm`` is then the stage's
         tensor-parallel group. ``moe``: how a mixture of experts' experts are cut, ep or tp
-        (:mod:`.moe`); auto = what :func:`.moe.choose` predicts faster."""
+        (:mod:`.moe`); auto = what :func:`.moe.choose` predicts faster. ``dp_attention``: every
+        rank holds all but the experts whole and runs its own sequences; the experts are cut
+        ep over ``comm`` and reached by all-to-all (:meth:`.moe.SparseMoE._dispatched`); every
+        rank must then run each forward with the others (an idle rank an empty batch)."""
+        if dp_attention:
+            if not config.num_experts or stage is not None or moe == "tp":
+                from ..tp import ShardingError
+
+                raise ShardingError(
+                    "--dp-attention needs a mixture-of-experts model, its experts cut --moe ep, and no --pp"
+                )
+            self.expert_comm, comm, moe = comm, None, "ep"  # attention, dense layers, the head: whole here
+        else:
+            self.expert_comm = comm
+        self.dp_attention = dp_attention
         self.config, self.comm, self.xp, self.dtype = config, comm, xp, np.dtype(dtype)
         self.stage = stage
         self.first_layer: int
@@ -81,18 +96,22 @@ class LlamaForCausalLM:
         self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, comm=comm, dtype=self.dtype, xp=xp)
         # the MLP cut in whole blocks of block weights (32; 256 for K-quants' super-blocks)
         self.plan = TPPlan.of(c, comm.size if comm is not None else 1, 1 if self.weights == "float32" else mlp_block)
-        p = comm.size if comm is not None else 1
+        ecomm = self.expert_comm
+        p = ecomm.size if ecomm is not None else 1
         self.moe_plan: MoEPlan | None = None
         if c.num_experts:
             block = 1 if self.weights == "float32" else mlp_block
             self.moe_plan = MoEPlan.of(c, p, choose(c, p, block) if moe == "auto" else moe, block)
+
+        def moe_block(i: int):
+            if self.moe_plan is None or not c.sparse(i):
+                return None
+            return SparseMoE(c, ecomm, self.dtype, xp, self.moe_plan, dispatch=dp_attention)
+
         self.layers = [
-            DecoderLayer(
-                c, comm, self.rotary, self.dtype, xp, self.plan,
-                mlp=SparseMoE(c, comm, self.dtype, xp, self.moe_plan) if self.moe_plan and c.sparse(i) else None,
-            )
+            DecoderLayer(c, comm, self.rotary, self.dtype, xp, self.plan, mlp=moe_block(i))
             for i in range(self.first_layer, end)
-        ]  # fmt: skip
+        ]
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, xp)
         self.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size, comm=comm, dtype=self.dtype, xp=xp)
         if c.tie_word_embeddings:

@@ -110,7 +110,8 @@ def load_weights(model, path: Path) -> dict:
     experts = model.expert_shapes() if hasattr(model, "expert_shapes") else {}  # every rank checks all
     seen: set[str] = set()
     bytes_read = 0
-    loud = model.comm is None or model.comm.rank == 0  # rank 0's progress: a bar on a terminal, else lines
+    c = getattr(model, "expert_comm", model.comm)
+    loud = c is None or c.rank == 0  # rank 0's progress: a bar on a terminal, else lines
     bar = Progress(len(wmap), f"loading {path.name}", "tensor", enabled=loud, leave=False, seconds=10.0, after=10.0)
     for f, name, src in _sources(model, path):
         if name in experts:
@@ -158,7 +159,7 @@ K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 def _mlp_block(path: Path, weights: str) -> int:
-    """Columns the MLP is cut in multiples of: 256 where the file's down_proj is a K-quant
+    """Columns the MLP (and each expert) is cut in multiples of: 256 where the file's down_proj is a K-quant
     (whole super-blocks on every rank, held with their integer scales: kernels.tiles),
     else 32."""
     from .gguf_weights import FILE, is_gguf_dir
@@ -168,7 +169,8 @@ def _mlp_block(path: Path, weights: str) -> int:
     from .gguf_tensors import read_tensors
 
     try:
-        types = {t.type_name for t in read_tensors(path / FILE) if t.name.endswith("ffn_down.weight")}
+        downs = ("ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")  # dense, experts, shared
+        types = {t.type_name for t in read_tensors(path / FILE) if t.name.endswith(downs)}
     except Exception:
         return 32  # the loader reports an unreadable file
     return 256 if types & set(K_QUANTS) else 32
@@ -189,7 +191,8 @@ class LoadOptions:
     multiply: int8 activations with the weights repacked in tiles (:mod:`mpitp.kernels.int8`),
     or float32 activations, the exact reference. ``kv_cache_dtype``:
     :func:`mpitp.models.kv_cache.kv_cache_dtype`. ``moe``: a mixture of experts' cut, ep, tp
-    or auto (:mod:`.moe`)."""
+    or auto (:mod:`.moe`); ``dp_attention``: each rank its own sequences, the experts reached
+    by all-to-all (:class:`.llama.LlamaForCausalLM`)."""
 
     dtype: str = "float32"
     device: str = "cpu"
@@ -199,6 +202,7 @@ class LoadOptions:
     stage_inside_node: bool = False
     kv_cache_dtype: str | None = None
     moe: str = "auto"
+    dp_attention: bool = False
 
 
 def load_pretrained(cls, path, comm=None, options: LoadOptions | None = None):
@@ -240,7 +244,17 @@ def load_pretrained(cls, path, comm=None, options: LoadOptions | None = None):
         stage = build(comm, pp, cfg, stage_inside_node)
         comm = stage.tp
     block = _mlp_block(path, weights)
-    model = cls(cfg, comm=comm, dtype=dtype, xp=xp, weights=weights, mlp_block=block, stage=stage, moe=o.moe)
+    model = cls(
+        cfg,
+        comm=comm,
+        dtype=dtype,
+        xp=xp,
+        weights=weights,
+        mlp_block=block,
+        stage=stage,
+        moe=o.moe,
+        dp_attention=o.dp_attention,
+    )
     if weights != "float32":
         from ..kernels.cpu import activations as resolve
 

@@ -85,8 +85,11 @@ def route(logits, k: int, renormalize: bool, xp=np):
 class SparseMoE:
     """The MoE block of one decoder layer on this rank (see the module's picture)."""
 
-    def __init__(self, cfg: LlamaConfig, comm, dtype, xp, plan: MoEPlan):
-        self.xp, self.comm, self.plan = xp, comm, plan
+    def __init__(self, cfg: LlamaConfig, comm, dtype, xp, plan: MoEPlan, dispatch: bool = False):
+        """``dispatch``: data-parallel attention (:func:`dispatch_rows`): each rank's tokens are
+        its own, sent to their experts' ranks by all-to-all and their sums returned the same
+        way; the shared expert then whole on every rank."""
+        self.xp, self.comm, self.plan, self.dispatch = xp, comm, plan, dispatch
         self.k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         H, inter = cfg.hidden_size, cfg.moe_intermediate_size
         self.inter = inter
@@ -99,8 +102,13 @@ class SparseMoE:
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: Router | None = None
         if cfg.shared_expert_intermediate_size:
-            self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size, comm, dtype, xp, plan.shared, reduce=False)
+            shared_comm = None if dispatch else comm  # data-parallel: whole, for this rank's own tokens
+            self.shared_expert = MLP(
+                H, cfg.shared_expert_intermediate_size, shared_comm, dtype, xp, None if dispatch else plan.shared,
+                reduce=False,
+            )  # fmt: skip
             self.shared_expert_gate = Router(H, 1, bias=False, comm=None, dtype=dtype, xp=xp)
+        self.owner = np.repeat(np.arange(len(plan.experts)), plan.experts) if plan.mode == "ep" else None
         self.last_routes: tuple | None = None  # (experts [N, k], probabilities [N, E]) of the last call, for tests
         self._bound: dict = {}  # expert -> its weights' bound kernels (made at its first call after loading)
         self.log: list | None = None  # a list: every call's routes appended (tests compare two models')
@@ -112,20 +120,48 @@ class SparseMoE:
         self.last_routes = (top, probs)
         if self.log is not None:
             self.log.append(self.last_routes)
-        y = self.xp.zeros_like(flat)
         w = w.astype(flat.dtype, copy=False)
-        for e in self.xp.unique(top).tolist():  # the experts some token chose, each once
-            expert = self.experts.get(e)
-            if expert is None:  # another rank's (ep)
-                continue
-            rows, slot = self.xp.nonzero(top == e)  # the tokens routed to e, each once
-            y[rows] += self._expert(e, expert, flat[rows]) * w[rows, slot][:, None]
+        if self.dispatch and self.comm is not None and self.comm.size > 1:
+            y = self._dispatched(flat, top, w)
+        else:
+            y = self._held_experts(flat, top, w)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             g = self.shared_expert_gate(flat)
             y += self.shared_expert(flat) / (1.0 + self.xp.exp(-g))
-        if self.comm is not None and self.comm.size > 1:  # a rank that ran no expert still joins
+        if not self.dispatch and self.comm is not None and self.comm.size > 1:  # a rank with no expert still joins
             self.comm.allreduce(y, out=y)
         return y.reshape(shape)
+
+    def _held_experts(self, x, top, w):
+        """Σ over this rank's experts e and the rows routed to e of w · e(x): [N, H]."""
+        y = self.xp.zeros_like(x)
+        for e in self.xp.unique(top).tolist():  # the experts some row chose, each once
+            expert = self.experts.get(e)
+            if expert is None:  # another rank's (ep)
+                continue
+            rows, slot = self.xp.nonzero(top == e)  # the rows routed to e, each once
+            y[rows] += self._expert(e, expert, x[rows]) * w[rows, slot][:, None]
+        return y
+
+    def _dispatched(self, x, top, w):
+        """Data-parallel attention's exchange (see :func:`dispatch_rows`): this rank's rows to
+        the ranks holding their experts, one all-to-all out and one back, summed here."""
+        H, k = x.shape[1], self.k
+        assert self.owner is not None  # dispatch: experts cut ep
+        owner = self.owner[top]  # [N, k] the rank holding each chosen expert
+        order, counts, mine = dispatch_rows(owner, self.comm.size)
+        # one buffer a row: x, then the k chosen experts (-1 where another rank holds it), then the weights
+        out = np.empty((order.size, H + 2 * k), np.float32)
+        out[:, :H] = x[order]
+        out[:, H : H + k] = np.where(mine, top[order], -1)
+        out[:, H + k :] = w[order]
+        got, sources = self.comm.alltoallv(out, counts)
+        experts = got[:, H : H + k].astype(np.int64)
+        y = self._held_experts(np.ascontiguousarray(got[:, :H]), np.where(experts >= 0, experts, -1), got[:, H + k :])
+        back, _ = self.comm.alltoallv(y, sources)  # each row's sum to the rank it came from, in its order
+        total = np.zeros_like(x)
+        np.add.at(total, order, back)
+        return total
 
     def _expert(self, e: int, expert: MLP, x):
         """``expert(x)``; for a few rows of NumPy float32, through the weights' bound kernels
@@ -168,6 +204,26 @@ class SparseMoE:
             yield prefix + "shared_expert.gate_up_proj", self.shared_expert.gate_up_proj
             yield prefix + "shared_expert.down_proj", self.shared_expert.down_proj
             yield prefix + "shared_expert_gate", self.shared_expert_gate
+
+
+def dispatch_rows(owner, p: int):
+    """How data-parallel attention sends its rows to their experts: ``owner`` [N, k] the rank
+    of each row's chosen experts. Returns (order, counts, mine): the rows to send grouped by
+    destination rank (a row once to each rank that holds any of its experts, in row order),
+    how many go to each rank, and for each sent row which of its k experts that rank holds::
+
+        row 0 chose experts on ranks [0, 1, 1]   ->  to rank 0: row 0 (mine [T, F, F])
+        row 1 chose experts on ranks [1, 1, 1]       to rank 1: rows 0, 1 (mine [F, T, T], [T, T, T])
+    """
+    order, counts, mine = [], [], []
+    for q in range(p):
+        hit = owner == q
+        rows = np.flatnonzero(hit.any(axis=1))
+        order.append(rows)
+        counts.append(int(rows.size))
+        mine.append(hit[rows])
+    k = owner.shape[1] if owner.ndim == 2 else 0
+    return np.concatenate(order), counts, np.concatenate(mine) if mine else np.zeros((0, k), bool)
 
 
 def expected_reads(c: LlamaConfig, p: int, mode: str, block: int = 1, batch: int = 1, samples: int = 512) -> float:

@@ -36,10 +36,16 @@ class PipelineError(MpitpError, ValueError):
     """A pipeline layout that cannot be built."""
 
 
-def layer_params(c: LlamaConfig) -> int:
-    """Weights of one decoder layer: q, k, v, o, the MLP's three, its two norms."""
+def layer_params(c: LlamaConfig, layer: int | None = None) -> int:
+    """Weights of decoder layer ``layer`` (None: a sparse one where the model has experts):
+    q, k, v, o, its two norms, and the MLP's three, or every expert's three, the router and
+    a shared expert with its gate."""
     h, d = c.hidden_size, c.head_dim
-    return h * d * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) + 3 * h * c.intermediate_size + 2 * h
+    attention = h * d * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) + 2 * h
+    if c.num_experts and (layer is None or c.sparse(layer)):
+        shared = 3 * h * c.shared_expert_intermediate_size + h if c.shared_expert_intermediate_size else 0
+        return attention + c.num_experts * (3 * h * c.moe_intermediate_size + h) + shared
+    return attention + 3 * h * c.intermediate_size
 
 
 def balance(c: LlamaConfig, P: int) -> list[tuple[int, int]]:
@@ -51,11 +57,14 @@ def balance(c: LlamaConfig, P: int) -> list[tuple[int, int]]:
         raise PipelineError(f"--pp must be at least 1, got {P}")
     if P > L:
         raise PipelineError(f"--pp {P}: more pipeline stages than the model's {L} layers")
-    per, table = layer_params(c), c.vocab_size * c.hidden_size
+    table = c.vocab_size * c.hidden_size
+    upto = [0]  # parameters of layers [0, l)
+    for i in range(L):
+        upto.append(upto[-1] + layer_params(c, i))
     extra_first, extra_last = table, table + c.hidden_size  # the head: its own table, or the tied one
 
     def cost(s: int, l0: int, l1: int) -> int:
-        return (l1 - l0) * per + (extra_first if s == 0 else 0) + (extra_last if s == P - 1 else 0)
+        return upto[l1] - upto[l0] + (extra_first if s == 0 else 0) + (extra_last if s == P - 1 else 0)
 
     # best[s][l]: the least max-cost of stages 0..s covering layers [0, l)
     inf = float("inf")

@@ -129,3 +129,68 @@ def crossover(m: LlamaConfig, P: int, T: int, nodes: int, batch: int, prof: Prof
     if dtp <= dpp:
         return None
     return max(0.0, (pp0 - tp0) / (dtp - dpp))
+
+
+def ranks_hit(experts_per_rank: list[int], k: int) -> list[float]:
+    """For each rank, the chance that a token's k experts (chosen uniformly, without
+    repeats, from all of them) include one it holds: 1 - C(E - n, k) / C(E, k)."""
+    E = sum(experts_per_rank)
+    return [1 - math.comb(E - n, k) / math.comb(E, k) for n in experts_per_rank]
+
+
+def moe(m: LlamaConfig, ranks: int, nodes: int, batch: int, weights: str | None = None) -> dict:
+    """A mixture of experts over ``ranks`` ranks on ``nodes`` nodes (ranks in order), a decode
+    step of ``batch`` rows in all (activations float32), per generated token, all ranks::
+
+        tp attention (--moe ep or tp)   2 all-reduces a layer (attention's, the experts' sum) of
+                                        B·H·4 bytes (ring: 2(p-1)/p of it sent a rank), the
+                                        embedding's one more, the head's all-gather (V·4 (p-1)/p)
+        dp attention (--dp-attention)   B/p rows a rank; each MoE layer sends each row once to
+                                        every other rank holding one of its experts (H + 2k
+                                        floats: x, the experts, their weights) and gets its sum
+                                        back (H floats); no all-reduce, no gather
+
+    Expected bytes under uniform routing (:func:`ranks_hit`); a run's traffic counters equal
+    what its actual routes ask, to the byte (tests/mpi/test_llama.py)."""
+    from ..models.moe import MoEPlan, choose
+
+    if not m.num_experts:
+        raise PipelineError("the model has no experts")
+    if ranks < 1 or nodes < 1 or ranks % nodes:
+        raise PipelineError(f"{ranks} ranks do not fill {nodes} node(s) evenly")
+    H, k, V, p = m.hidden_size, m.num_experts_per_tok, m.vocab_size, ranks
+    per_node = p // nodes
+    sparse = sum(m.sparse(i) for i in range(m.num_hidden_layers))
+    wbytes = WEIGHT_BYTES[weights.lower()] if weights else 4.0
+    block = 256 if weights and weights.lower() in ("q4_k", "q6_k") else 32 if weights else 1
+    ep = MoEPlan.of(m, p, "ep", block)
+    hit = ranks_hit(ep.experts, k)
+    links: dict[str, dict[str, float]] = {"tp": {"inter": 0.0, "intra": 0.0}, "dp": {"inter": 0.0, "intra": 0.0}}
+    row = (H + 2 * k) * 4 + H * 4  # out and back
+    for r in range(p):  # dp: each rank's rows to the others (per row of its own)
+        for q in range(p):
+            if q != r:
+                links["dp"]["inter" if q // per_node != r // per_node else "intra"] += sparse * hit[q] * row
+    _, ring = _ring(p, batch * H * 4)
+    per_step = (2 * m.num_hidden_layers + 1) * ring + ((p - 1) * batch * V * 4 / p if p > 1 else 0)
+    crossing = nodes if nodes > 1 else 0  # ring hops that leave a node, of p
+    links["tp"]["inter"] = p * per_step * crossing / p / batch
+    links["tp"]["intra"] = p * per_step * (p - crossing) / p / batch
+    for cls in links["dp"]:
+        links["dp"][cls] /= p  # per row: each of the p ranks decodes batch / p rows
+    expert = 3 * H * m.moe_intermediate_size * wbytes
+    attention = sum(layer_params(m, i) for i in range(m.num_hidden_layers)) * wbytes - sparse * m.num_experts * (
+        expert + H * 4
+    )
+    return {
+        "ranks": p,
+        "nodes": nodes,
+        "batch": batch,
+        "experts_per_rank_ep": ep.experts,
+        "columns_per_rank_tp": MoEPlan.of(m, p, "tp", block).columns,
+        "auto": choose(m, p, block, batch),
+        "expert_weights_per_rank_bytes": round(sparse * max(ep.experts) * expert),
+        "other_weights_per_rank_bytes": {"tp": round(attention / p), "dp": round(attention)},
+        "bytes_per_token": {mode: {cls: round(v) for cls, v in d.items()} for mode, d in links.items()},
+        "dp_rows_sent_per_token": sparse * sum(hit[1:]),
+    }

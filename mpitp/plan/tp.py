@@ -57,7 +57,17 @@ def params(m: LlamaConfig) -> int:
 
     h = m.hidden_size
     emb = m.vocab_size * h * (1 if m.tie_word_embeddings else 2)
-    return m.num_hidden_layers * layer_params(m) + emb + h
+    return sum(layer_params(m, i) for i in range(m.num_hidden_layers)) + emb + h
+
+
+def qwen3(hidden, layers, heads, kv_heads, inter, vocab=151936, tied=False, experts=0, used=0, expert_inter=0):
+    """A Qwen3 (dense, or mixture of experts) shape: head_dim 128, q/k norms."""
+    from dataclasses import replace
+
+    base = replace(shape(hidden, layers, heads, kv_heads, inter, vocab, tied), head_dim=128, qk_norm=True)
+    base.architecture = "Qwen3MoeForCausalLM" if experts else "Qwen3ForCausalLM"
+    return replace(base, num_experts=experts, num_experts_per_tok=used, moe_intermediate_size=expert_inter,
+                   norm_topk_prob=bool(experts))  # fmt: skip
 
 
 PRESETS = {
@@ -69,6 +79,9 @@ PRESETS = {
     "tinyllama-1.1b": shape(2048, 22, 32, 4, 5632, 32000),
     "smollm2-135m": shape(576, 30, 9, 3, 1536, 49152, tied=True),
     "qwen2-7b": shape(3584, 28, 28, 4, 18944, 152064),
+    "qwen3-0.6b": qwen3(1024, 28, 16, 8, 3072, tied=True),
+    "qwen3-8b": qwen3(4096, 36, 32, 8, 12288),
+    "qwen3-30b-a3b": qwen3(2048, 48, 32, 4, 6144, experts=128, used=8, expert_inter=768),
 }
 
 

@@ -176,6 +176,31 @@ def test_alltoall(comm, dtype):
             comm.alltoall(np.zeros(N + 1))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int64"])
+def test_alltoallv(comm, dtype):
+    """Uneven rows to each rank, zero counts included (rank r sends (r + j) % 3 rows to rank
+    j, so some pairs send nothing): the rows of every source in rank order, as MPI's own
+    Alltoallv gives them and as NumPy assembles them; the counters hold the bytes this
+    rank handed MPI for other ranks; bad counts are a ValueError."""
+    r = comm.rank
+    counts = [(r + j) % 3 for j in range(N)]
+    block = lambda src, dst: np.arange(3 * ((src + dst) % 3)).reshape(-1, 3) + 100 * src + 10 * dst  # noqa: E731
+    x = np.concatenate([block(r, j) for j in range(N)]).astype(dtype)
+    comm.traffic.reset()
+    got, sources = comm.alltoallv(x, counts)
+    want = np.concatenate([block(q, r) for q in range(N)]).astype(dtype)
+    agree(sources == [(q + r) % 3 for q in range(N)] and np.array_equal(got, want), "alltoallv vs NumPy")
+    recv = np.empty_like(want)
+    rc = [(q + r) % 3 * 3 for q in range(N)]
+    MPI.COMM_WORLD.Alltoallv([x, ([c * 3 for c in counts], None)], [recv, (rc, None)])
+    agree(np.array_equal(got, recv), "alltoallv vs MPI's Alltoallv")
+    sent = (sum(counts) - counts[r]) * 3 * x.itemsize
+    counted = comm.traffic.by_collective.get("alltoallv", 0)
+    agree(counted == sent, f"alltoallv counted {counted} bytes, sent {sent}")
+    with pytest.raises(ValueError, match="counts"):
+        comm.alltoallv(x, counts[:-1] + [counts[-1] + 1])
+
+
 def test_zero_size_everywhere(comm):
     e = np.zeros((0, 2), np.float32)
     agree(comm.allgather(e).shape == (0, 2), "allgather of empties")

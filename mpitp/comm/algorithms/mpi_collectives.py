@@ -91,6 +91,16 @@ def alltoall(comm: MPI.Comm, send, recv, dt, direct: bool) -> Steps:
     return recv
 
 
+def alltoallv(comm: MPI.Comm, send, send_counts, recv, recv_counts, dt, direct: bool) -> Steps:
+    """``send_counts[j]`` elements of ``send`` to rank j, ``recv_counts[j]`` from rank j (packed)."""
+    sbuf, rbuf = [send, (send_counts, None), dt], [recv, (recv_counts, None), dt]
+    if direct:
+        comm.Alltoallv(sbuf, rbuf)
+    else:
+        yield comm.Ialltoallv(sbuf, rbuf)
+    return recv
+
+
 def barrier(comm: MPI.Comm, direct: bool) -> Steps:
     if direct:
         comm.Barrier()
