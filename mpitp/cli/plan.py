@@ -9,6 +9,7 @@ from ..plan import allreduce as par
 from ..plan import fsdp as pfsdp
 from ..plan import profiles
 from ..plan import tp as ptp
+from ..tp.partition import ShardingError
 from ..train.sharding import MODES
 from ..units import parse_size
 
@@ -247,10 +248,10 @@ def _train(args):
     name = Path(args.model).name if args.model not in ptp.PRESETS else args.model
     n = args.tp * args.dp
     if args.tp < 1 or args.dp < 1 or n % args.nodes:
-        raise ptp_error(f"--tp {args.tp} x --dp {args.dp} = {n} ranks do not fill --nodes {args.nodes} evenly")
+        raise ShardingError(f"--tp {args.tp} x --dp {args.dp} = {n} ranks do not fill --nodes {args.nodes} evenly")
     prof = _profile(args)
     if args.tp > cfg.num_key_value_heads:
-        raise ptp_error(
+        raise ShardingError(
             f"--tp {args.tp} exceeds the model's {cfg.num_key_value_heads} KV heads (training cuts by KV head)"
         )
     size = lambda d: ptp.DTYPE_BYTES[d.lower()] if d else None  # noqa: E731
@@ -300,24 +301,13 @@ def _train(args):
 
 
 def _print_moe(r: dict) -> None:
-    """The mixture-of-experts lines of plan infer: the cuts, and bytes per token on the links."""
-    ep, tp = r["experts_per_rank_ep"], r["columns_per_rank_tp"]
-    print(
-        f"experts over {r['ranks']} rank(s): --moe ep holds {'/'.join(map(str, ep))} whole experts a rank, "
-        f"--moe tp {'/'.join(map(str, tp))} columns of each; auto = {r['auto']} (fewer expert weights "
-        f"read by the slowest rank at batch {r['batch']}); expert weights per rank "
-        f"{_mb(r['expert_weights_per_rank_bytes'])}, the rest {_mb(r['other_weights_per_rank_bytes']['tp'])} "
-        f"(tp attention) or {_mb(r['other_weights_per_rank_bytes']['dp'])} (--dp-attention)"
-    )
-    for mode, what in (("tp", "tp attention's all-reduces"), ("dp", "--dp-attention's all-to-all")):
-        b = r["bytes_per_token"][mode]
-        print(f"per token, {what}: inter-node {_mb(b['inter'])}, intra-node {_mb(b['intra'])} (all ranks)")
-
-
-def ptp_error(msg: str):
-    from ..tp.partition import ShardingError
-
-    return ShardingError(msg)
+    w, b = r["other_weights_per_rank_bytes"], r["bytes_per_token"]
+    print(f"experts over {r['ranks']} rank(s): --moe ep {'/'.join(map(str, r['experts_per_rank_ep']))} whole "
+          f"experts a rank, --moe tp {'/'.join(map(str, r['columns_per_rank_tp']))} columns of each; auto = "
+          f"{r['auto']}; experts {_mb(r['expert_weights_per_rank_bytes'])} a rank (ep), the rest {_mb(w['tp'])} "
+          f"(tp attention) or {_mb(w['dp'])} (--dp-attention)\nper token, inter-node / intra-node (all ranks): "
+          f"tp attention's all-reduces {_mb(b['tp']['inter'])} / {_mb(b['tp']['intra'])}, --dp-attention's "
+          f"all-to-all {_mb(b['dp']['inter'])} / {_mb(b['dp']['intra'])}")  # fmt: skip
 
 
 def _fit(args):

@@ -41,14 +41,14 @@ class RMSNorm:
         self.weight[...] = self.xp.asarray(src.read(), self.weight.dtype)
 
     def __call__(self, x):
-        if _fast(x, self.weight):
+        if fast(x, self.weight):
             out = np.empty_like(x)
             decode_kernels().rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps, out.reshape(-1, x.shape[-1]))
             return out
         return rms_norm(x, self.weight, self.eps)
 
 
-def _fast(*arrays) -> bool:
+def fast(*arrays) -> bool:
     """NumPy float32, contiguous: the compiled small ops of :mod:`mpitp.kernels.decode`."""
     return all(type(a) is np.ndarray and a.dtype == np.float32 and a.flags.c_contiguous for a in arrays)
 
@@ -86,7 +86,7 @@ class Step:
         self.allowed = allowed[:, None, None]  # [B, 1, 1, T, S]
         self.masked = not bool(self.allowed.all())  # decoding without pads masks nothing
         self._cut = (allowed, s, owner, xp)
-        self.one = T == 1 and _fast(self.cos)  # a decode step: attention in one compiled call
+        self.one = T == 1 and fast(self.cos)  # a decode step: attention in one compiled call
         if self.one:
             self.cos1 = np.ascontiguousarray(self.cos[:, 0, 0])  # [B, head_dim]
             self.sin1 = np.ascontiguousarray(self.sin[:, 0, 0])
@@ -189,7 +189,7 @@ class Attention:
         """qkv [..., (nh + 2 nkv) d] with its q heads and k heads RMS-normed (Qwen3), a copy."""
         d, nh, nkv = self.head_dim, self.nh, self.nkv
         assert self.q_norm is not None and self.k_norm is not None
-        if _fast(qkv):  # as the decode loop norms them (mpitp.models.decode_step): the same bits
+        if fast(qkv):  # as the decode loop norms them (mpitp.models.decode_step): the same bits
             flat = np.array(qkv).reshape(-1, qkv.shape[-1])
             norm_heads(flat, nh, nkv, d, self.q_norm, self.k_norm)
             return flat.reshape(qkv.shape)
@@ -204,7 +204,7 @@ class Attention:
         qkv = self.qkv_proj(x)
         if self.q_norm is not None:
             qkv = self._normed(qkv)
-        if step.one and _fast(qkv) and decode_kernels().usable(cache.k[layer], cache.v[layer], self.nh // self.nkv):
+        if step.one and fast(qkv) and decode_kernels().usable(cache.k[layer], cache.v[layer], self.nh // self.nkv):
             out = np.empty((B, self.nh * d), np.float32)
             decode_kernels().attend(
                 qkv.reshape(B, -1), step.cos1, step.sin1, cache.k[layer], cache.v[layer], cache.valid,
@@ -212,7 +212,7 @@ class Attention:
             )  # fmt: skip
             return self.o_proj(out.reshape(B, 1, -1))
         nq = self.nh + self.nkv  # q and k sit side by side: one rotation for both
-        if _fast(qkv, step.cos, step.sin):
+        if fast(qkv, step.cos, step.sin):
             qk = np.empty((B, T, nq, d), np.float32)
             flat = (B * T, -1)
             decode_kernels().rotate(
@@ -225,7 +225,7 @@ class Attention:
         cache.k[layer][:, s : s + T] = k
         cache.v[layer][:, s : s + T] = v.reshape(B, T, self.nkv, d)
         S = s + T
-        if _fast(qk) and step.columns is not None:  # short rows: every row's own columns in one call
+        if fast(qk) and step.columns is not None:  # short rows: every row's own columns in one call
             kk, vv = (np.ascontiguousarray(c[layer][:, :S], np.float32) for c in (cache.k, cache.v))
             indptr, cols = step.columns
             out = np.empty((B, T, self.nh * d), np.float32)
@@ -268,7 +268,7 @@ class MLP:
     def __call__(self, x):
         gu = self.gate_up_proj(x)
         half = gu.shape[-1] // 2
-        if _fast(gu):
+        if fast(gu):
             act = np.empty((*gu.shape[:-1], half), np.float32)
             decode_kernels().swiglu(gu.reshape(-1, 2 * half), act.reshape(-1, half))
             return self.down_proj(act)

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..tp import ReplicatedLinear, partition
 from .config import LlamaConfig
-from .layers import MLP, _fast, decode_kernels
+from .layers import MLP, decode_kernels, fast
 
 MODES = ("ep", "tp")
 
@@ -172,7 +172,7 @@ class SparseMoE:
             bound = self._bound[e] = (expert.gate_up_proj.kernel(), expert.down_proj.kernel())
         (gate_up, r1), (down, r2) = bound
         M = x.shape[0]
-        if M > min(r1, r2) or not _fast(x):
+        if M > min(r1, r2) or not fast(x):
             return expert(x)
         gu = np.empty((M, expert.gate_up_proj.out_features), np.float32)
         gate_up(x, gu)
