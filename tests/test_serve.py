@@ -380,6 +380,8 @@ def slow2(servers) -> Server:
         "--kv-cache-dtype",
         "float16",
         *CROSS_BATCH_ACTIVATIONS,
+        "--tool-template",
+        "hermes",  # its own template knows no tools (test_tool_calls_and_reasoning_with_the_openai_client)
         model=slow_model(),
     )
 
@@ -617,6 +619,101 @@ def test_prefix_cache_agrees_across_ranks_with_uneven_kv_heads(servers):
     assert [r.usage.prompt_tokens for r in got] == [49] * 3  # 3 blocks looked up, a partial one computed
     assert [r.choices[0].text for r in got] == [want[p] for p in order]
     assert scrape(srv.url)[("mpitp:prefix_cache_hits_total", ())] == hits  # A was evicted by B
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+BOOK = {"type": "function", "function": {"name": "book", "description": "Book a table", "parameters": {
+    "type": "object", "properties": {"guests": {"type": "integer", "minimum": 1, "maximum": 12},
+                                     "names": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                               "maxItems": 2},
+                                     "where": {"type": "object", "properties": {"town": {"type": "string",
+                                                                                         "maxLength": 12}},
+                                               "required": ["town"], "additionalProperties": False}},
+    "required": ["guests", "names", "where"], "additionalProperties": False}}}  # fmt: skip
+
+
+def test_tool_calls_and_reasoning_with_the_openai_client(servers):
+    """The default model at TP 2 with --tool-template hermes (its own template knows no
+    tools), driven by the openai client: tool_choice "required" and a named function return
+    calls whose arguments parse and validate against their schemas (nested object, enum,
+    array, integer bounds), streamed and not, the streamed deltas joined equal to the whole
+    reply; parallel calls keep their indices; "auto" on a greeting returns content; a whole
+    loop (call, tool result, answer) round-trips; a <think> block (held there by vLLM's
+    guided_regex) comes back as reasoning_content, streamed too; bad tools are 400s naming
+    the field and the server stays healthy."""
+    jsonschema = pytest.importorskip("jsonschema")
+    c = slow2(servers).client
+    tools, schema = [WEATHER, BOOK], {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, BOOK)}
+    ask = [{"role": "user", "content": "Book a table in Paris for Ann and Bob, and tell me the weather there."}]
+    for choice in ("required", {"type": "function", "function": {"name": "book"}}):
+        whole = c.chat.completions.create(model="m", messages=ask, tools=tools, tool_choice=choice, max_tokens=120,
+                                          temperature=0)  # fmt: skip
+        assert whole.choices[0].finish_reason == "tool_calls", whole.choices[0]
+        calls = whole.choices[0].message.tool_calls
+        assert calls and (choice == "required" or all(t.function.name == "book" for t in calls))
+        for t in calls:
+            assert t.type == "function" and t.id.startswith("call_")
+            jsonschema.validate(json.loads(t.function.arguments), schema[t.function.name])
+        joined: dict = {}
+        reasons = []
+        for chunk in c.chat.completions.create(model="m", messages=ask, tools=tools, tool_choice=choice,
+                                               max_tokens=120, temperature=0, stream=True):  # fmt: skip
+            ch = chunk.choices[0]
+            reasons.append(ch.finish_reason)
+            for d in ch.delta.tool_calls or []:
+                e = joined.setdefault(d.index, {"name": "", "arguments": "", "ids": []})
+                e["name"] += d.function.name or "" if d.function else ""
+                e["arguments"] += (d.function.arguments or "") if d.function else ""
+                e["ids"] += [d.id] if d.id else []
+        assert reasons[-1] == "tool_calls" and sorted(joined) == list(range(len(calls)))  # indices 0, 1, ...
+        assert [(joined[i]["name"], json.loads(joined[i]["arguments"])) for i in sorted(joined)] == [
+            (t.function.name, json.loads(t.function.arguments)) for t in calls
+        ]
+        assert all(len(e["ids"]) == 1 for e in joined.values())  # the id and the name once
+    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hello! How are you today?"}],
+                                  tools=tools, max_tokens=24, temperature=0)  # fmt: skip
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls, r.choices[0].message
+    call = whole.choices[0].message.tool_calls[0]
+    loop = ask + [whole.choices[0].message.model_dump(exclude_none=True),
+                  {"role": "tool", "tool_call_id": call.id, "content": "Booked: table 4 at 8 pm."}]  # fmt: skip
+    r = c.chat.completions.create(model="m", messages=loop, tools=tools, tool_choice="none", max_tokens=16,
+                                  temperature=0)  # fmt: skip
+    assert isinstance(r.choices[0].message.content, str) and r.choices[0].finish_reason in ("stop", "length")
+    think = {"guided_regex": "<think>[a-z ]{3,30}</think>[A-Za-z ]{3,30}"}
+    r = c.chat.completions.create(model="m", messages=ask, tools=tools, tool_choice="none", max_tokens=40,
+                                  temperature=0, extra_body=think)  # fmt: skip
+    m = r.choices[0].message
+    assert m.reasoning_content and m.content and "<think>" not in m.content + m.reasoning_content, m
+    parts = {"reasoning_content": "", "content": ""}
+    for chunk in c.chat.completions.create(model="m", messages=ask, tools=tools, tool_choice="none", max_tokens=40,
+                                           temperature=0, extra_body=think, stream=True):  # fmt: skip
+        d = chunk.choices[0].delta
+        parts["content"] += d.content or ""
+        parts["reasoning_content"] += getattr(d, "reasoning_content", None) or (d.model_extra or {}).get(
+            "reasoning_content", ""
+        )
+    assert parts == {"reasoning_content": m.reasoning_content, "content": m.content}
+    for bad, name in [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'tool_choice'"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "'tools\\[0\\]"),
+        ({"tool_choice": "sometimes"}, "'tool_choice'"),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=name):
+            c.chat.completions.create(model="m", messages=ask, **({"tools": tools} | bad), max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="'tools'"):
+        c.completions.create(model="m", prompt="hi", max_tokens=2, extra_body={"tools": tools})
+    assert c.chat.completions.create(model="m", messages=ask, max_tokens=2).choices[0].finish_reason == "length"
 
 
 def test_parameters_not_served_are_refused_by_name(servers):

@@ -54,6 +54,26 @@ def add_parser(sub) -> None:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 503")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is cut off")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
+    p.add_argument(
+        "--tool-template",
+        default=None,
+        metavar="NAME|FILE",
+        help="a chat template that renders `tools`, for models whose own does not: hermes (ChatML with "
+        "<tool_call>, as Qwen2.5), llama3_json, or a Jinja file (default: none; such a request is a 400)",
+    )
+    p.add_argument(
+        "--tool-parser",
+        default=None,
+        choices=["hermes", "llama3", "mistral"],
+        help="how the model writes tool calls (default: read from the chat template)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        choices=["auto", "none"],
+        help="auto: a reply's <think> block becomes reasoning_content where the template knows <think> "
+        "(Qwen3, DeepSeek-R1); none: the raw text (default auto)",
+    )
     p.add_argument("--served-model-name", help="the model id clients see (default: the directory name)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     add_weights_argument(p)
@@ -77,7 +97,7 @@ def _serve(args, comm) -> int:
     from pathlib import Path
 
     from ..log import get_logger
-    from ..models import default, resolve
+    from ..models import chat, default, resolve
     from ..models.llama import LlamaForCausalLM
     from ..serve.engine import Engine
     from ..serve.http import start_http
@@ -92,6 +112,7 @@ def _serve(args, comm) -> int:
     model_dir = resolve.model_dir(args.model or None, comm)
     apply_threads(args)
     check_parallel(args, comm.size)
+    tool_template = chat.named_template(args.tool_template) if args.tool_template else None  # every rank: a clear error
     model = LlamaForCausalLM.from_pretrained(str(model_dir), comm, load_options(args))
     context = model.config.max_position_embeddings
     if args.max_model_len is not None and args.max_model_len > context:
@@ -132,6 +153,8 @@ def _serve(args, comm) -> int:
             args.request_timeout,
             args.api_key,
         )
+        service.tool_template = tool_template
+        service.tool_parser, service.reasoning_parser = args.tool_parser, args.reasoning_parser
         service.eos = tuple(model.config.eos_token_id)
         service.vocab = model.config.vocab_size
     stop = Stop()  # from here on, SIGTERM/SIGINT end the server cleanly

@@ -51,11 +51,15 @@ def _token_text(tok) -> str:
     return tok["content"] if isinstance(tok, dict) else str(tok)
 
 
-def render(template: str, messages: list[dict], add_generation_prompt: bool = True, **special) -> str:
-    """The conversation as the model's template writes it."""
+def render(
+    template: str, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None, **special
+) -> str:
+    """The conversation as the model's template writes it; ``tools`` (OpenAI's list of
+    ``{"type": "function", "function": ...}``) as transformers passes them; ``special``: the
+    special tokens and any further variables (``enable_thinking``: chat_template_kwargs)."""
     try:
-        return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
-                                          documents=None, **special)  # fmt: skip
+        return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                          tools=tools or None, documents=None, **special)  # fmt: skip
     except ChatTemplateError:
         raise
     except Exception as e:  # a template error: name it
@@ -78,3 +82,17 @@ def _compiled(template: str):
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(template)
+
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "serve" / "templates"
+
+
+def named_template(name: str) -> str:
+    """A chat template by name (``hermes``, ``llama3_json``: mpitp's own, for tools) or path."""
+    p = TEMPLATES / f"{name}.jinja"
+    if not p.exists():
+        p = Path(name)
+    if not p.is_file():
+        known = ", ".join(sorted(t.stem for t in TEMPLATES.glob("*.jinja")))
+        raise ChatTemplateError(f"no chat template {name!r}: one of {known}, or a file")
+    return p.read_text()

@@ -114,9 +114,27 @@ class Grammars:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(grammar_schema(schema))
         except ValueError as e:
             raise RequestError(f"'response_format': {e}") from None
+        return self._matcher(grammar, "response_format")
+
+    def compile_other(self, kind: str, text: str, field: str):
+        """A matcher for a Lark grammar (``kind`` "lark": tool calls, :mod:`.tools`) or a
+        regular expression ("regex": ``guided_regex``); :class:`RequestError` naming
+        ``field`` when it cannot be compiled."""
+        import llguidance
+
+        try:
+            make = llguidance.LLMatcher.grammar_from_lark if kind == "lark" else llguidance.LLMatcher.grammar_from_regex
+            grammar = make(text)
+        except ValueError as e:
+            raise RequestError(f"'{field}': {e}") from None
+        return self._matcher(grammar, field)
+
+    def _matcher(self, grammar, field: str):
+        import llguidance
+
         matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
         if matcher.is_error():
-            raise RequestError(f"'response_format': the schema cannot be compiled: {matcher.get_error()}")
+            raise RequestError(f"'{field}': the schema cannot be compiled: {matcher.get_error()}")
         return matcher
 
     def mask(self, matcher, logits: np.ndarray) -> np.ndarray:

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException
 
 from ..models import chat
 from . import logprobs as lp
-from . import metrics
+from . import metrics, tools
 from .requests import BadRequest, Service
 from .requests import Request as Choice
 
@@ -148,9 +148,26 @@ def make_app(service: Service) -> FastAPI:
                 left.discard(ev[0])
             yield ev
 
+    def chunks(r: Choice, parser, i: int, what: str, value, lps) -> list[dict]:
+        """A chat choice's chunks for one event: its text as deltas of content, reasoning
+        and tool calls (:class:`tools.Stream`), or as they come where nothing is parsed."""
+        if what == "done":
+            deltas = parser.end() if parser is not None else []
+            reason = "tool_calls" if parser is not None and parser.calls and value == "stop" else value
+            out = [{"index": i, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+            return out + [{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}]
+        deltas = parser.feed(value) if parser is not None else [{"content": value}]
+        if not deltas and lps is None:
+            return []
+        deltas = deltas or [{}]
+        return [{"index": i, "delta": d, "logprobs": lps if k == 0 else None, "finish_reason": None}
+                for k, d in enumerate(deltas)]  # fmt: skip
+
     async def stream(rs: list[Choice]):
         chat_kind = rs[0].kind == "chat"
         obj = "chat.completion.chunk" if chat_kind else "text_completion"
+        parsers = [tools.Stream(r.tools, r.reasoning, r.opened) if chat_kind and (r.tools or r.reasoning) else None
+                   for r in rs]  # fmt: skip
         finished = False
         try:
             async for i, what, value, records in events(rs):
@@ -161,8 +178,9 @@ def make_app(service: Service) -> FastAPI:
                     text, reason = value, None
                     lps = logprobs(r, records, r.job.ids if what == "echo" else None)
                 if chat_kind:
-                    delta = {"content": text} if text is not None else {}
-                    choice = {"index": i, "delta": delta, "logprobs": lps, "finish_reason": reason}
+                    for choice in chunks(r, parsers[i], i, what, value, lps):
+                        yield f"data: {json.dumps(envelope(rs[0], obj, [choice]))}\n\n"
+                    continue
                 else:
                     choice = {"index": i, "text": text or "", "logprobs": lps, "finish_reason": reason}
                 yield f"data: {json.dumps(envelope(rs[0], obj, [choice]))}\n\n"
@@ -174,6 +192,20 @@ def make_app(service: Service) -> FastAPI:
             if not finished:  # the client went away: free the rows at the next step
                 for r in rs:
                     r.cancelled = True
+
+    def reply(r: Choice, body: str, finish: str) -> tuple[dict, str]:
+        """A chat choice's message: its reasoning and its tool calls parsed out where asked."""
+        message: dict = {"role": "assistant", "content": body}
+        if r.reasoning:
+            thought, body = tools.split_reasoning(body, r.opened)
+            if thought is not None:
+                message["reasoning_content"], message["content"] = thought, body
+        if r.tools is not None and r.tools.choice != "none":
+            content, calls = tools.split(body, r.tools.family)
+            if calls:
+                message["content"], message["tool_calls"] = content or None, calls
+                finish = "tool_calls" if finish == "stop" else finish
+        return message, finish
 
     async def whole(rs: list[Choice]) -> dict:
         text: list[list[str]] = [[] for _ in rs]
@@ -191,8 +223,8 @@ def make_app(service: Service) -> FastAPI:
         for i, r in enumerate(rs):
             body, lps = "".join(text[i]), logprobs(r, records[i], ids[i])
             if r.kind == "chat":
-                message = {"role": "assistant", "content": body}
-                choices.append({"index": i, "message": message, "logprobs": lps, "finish_reason": reason[i]})
+                message, finish = reply(r, body, reason[i])
+                choices.append({"index": i, "message": message, "logprobs": lps, "finish_reason": finish})
             else:
                 choices.append({"index": i, "text": body, "logprobs": lps, "finish_reason": reason[i]})
         obj = "chat.completion" if rs[0].kind == "chat" else "text_completion"

@@ -3,13 +3,14 @@
 Three kinds of field:
 
 * served — validated here (a 400 naming the field when out of range), used by the engine;
-* known but not served (tools, logit_bias, suffix, penalties, best_of, ...) — a 400 that
+* known but not served (logit_bias, suffix, penalties, best_of, tools on completions, ...) — a 400 that
   names the field, never a silent default: a client that asks for them must know;
 * unknown — ignored with one warning line per request, as vLLM does.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -59,7 +60,13 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
-    NOT_SERVED: ClassVar[dict[str, Any]] = {**_Common.NOT_SERVED, "suffix": None, "best_of": 1}
+    NOT_SERVED: ClassVar[dict[str, Any]] = {
+        **_Common.NOT_SERVED,
+        "suffix": None,
+        "best_of": 1,
+        "tools": None,  # tools are a chat's: /v1/chat/completions
+        "tool_choice": None,
+    }
 
     @field_validator("prompt")
     @classmethod
@@ -84,12 +91,34 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None  # None: an assistant turn that only called tools
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, as the server returned them
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     @field_validator("content")
     @classmethod
     def _text(cls, v):
-        return v if isinstance(v, str) else "".join(p.text for p in v)  # content parts: text only
+        return v if v is None or isinstance(v, str) else "".join(p.text for p in v)  # content parts: text only
+
+    @model_validator(mode="after")
+    def _said_something(self):
+        if self.content is None and not self.tool_calls:
+            raise ValueError("a message needs 'content' (or, from the assistant, 'tool_calls')")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """As chat templates read it (transformers' convention): a call's ``arguments`` as
+        an object, not the JSON string OpenAI's API carries."""
+        out = self.model_dump(exclude_none=True)
+        out.setdefault("content", None)
+        for call in out.get("tool_calls") or []:
+            fn = call.get("function") or {}
+            if isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except ValueError:
+                    raise ValueError(f"tool call {fn.get('name')!r}: 'arguments' is not JSON") from None
+        return out
 
 
 class JsonSchema(BaseModel):
@@ -121,11 +150,14 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None  # checked by mpitp.serve.tools.tools_of (a 400 naming the tool)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables: {"enable_thinking": false}
+    guided_regex: str | None = None  # vLLM's extension: the reply held to a regular expression
 
     NOT_SERVED: ClassVar[dict[str, Any]] = {
         **_Common.NOT_SERVED,
-        "tools": None,
-        "tool_choice": None,
         "functions": None,
         "function_call": None,
         "audio": None,

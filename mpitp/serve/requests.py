@@ -21,6 +21,8 @@ from . import protocol
 from .grammar import Grammars
 from .jobs import Job
 from .metrics import Metrics
+from .tools import family_of, tools_of
+from .tools import grammar as tools_grammar
 
 _ids = itertools.count(1)
 
@@ -54,6 +56,9 @@ class Request:
     last_token_at: float = 0.0
     admitted: bool = False  # took a batch row (metrics: running)
     first: bool = True  # the first choice of its prompt (usage counts each prompt once)
+    tools: Any = None  # mpitp.serve.tools.Tools: the reply's calls parsed out (chat with tools)
+    reasoning: bool = False  # a <think> block split off as reasoning_content
+    opened: bool = False  # the prompt ended inside <think> (the template opened it)
 
 
 @dataclass
@@ -67,6 +72,9 @@ class Service:
     max_queue: int
     timeout: float
     api_key: str | None = None
+    tool_template: str | None = None  # --tool-template: for models whose own template knows no tools
+    tool_parser: str | None = None  # --tool-parser: a family forced (else read from the template)
+    reasoning_parser: str = "auto"  # --reasoning-parser: auto (templates that know <think>) or none
     inbox: queue.Queue = field(init=False)
     stopping: threading.Event = field(default_factory=threading.Event)
 
@@ -76,12 +84,48 @@ class Service:
         self.grammars: Grammars | None = None  # made on the first constrained request
         self.metrics = Metrics(self.name, waiting=self.inbox.qsize)
 
-    def _matcher(self, response_format):
-        if not response_format or response_format.type == "text":
+    def _matcher(self, req, tools):
+        """The grammar holding a chat reply: forced tool calls, ``response_format`` or
+        ``guided_regex`` (one of them), or None."""
+        forced = tools_grammar(tools) if tools is not None else None
+        asked = [n for n, v in (("tool_choice", forced), ("response_format", req.response_format and
+                 req.response_format.type != "text"), ("guided_regex", req.guided_regex)) if v]  # fmt: skip
+        if not asked:
             return None
+        if len(asked) > 1:
+            raise BadRequest(f"{' and '.join(map(repr, asked))} each constrain the reply: give one")
         if self.grammars is None:
             self.grammars = Grammars(self.tok, self.vocab, self.eos)
-        return self.grammars.compile(response_format.as_dict())
+        if forced:
+            return self.grammars.compile_other("lark", forced, "tools")
+        if req.guided_regex:
+            return self.grammars.compile_other("regex", req.guided_regex, "guided_regex")
+        return self.grammars.compile(req.response_format.as_dict())
+
+    def _chat_prompt(self, req) -> tuple[str, Any, bool]:
+        """(the rendered prompt, the request's Tools or None, whether to split reasoning)."""
+        template, tools = self.template, None
+        if req.tools:
+            if family_of(template) is None:
+                if self.tool_template is None:
+                    raise BadRequest(
+                        "'tools': this model's chat template renders no tools; start the server with "
+                        "--tool-template hermes (or llama3_json, or a template file)"
+                    )
+                template = self.tool_template
+            tools = tools_of(req.tools, req.tool_choice, req.parallel_tool_calls,
+                             self.tool_parser or family_of(template) or "hermes")  # fmt: skip
+        elif req.tool_choice not in (None, "none", "auto"):
+            raise BadRequest("'tool_choice': there are no 'tools' to choose from")
+        try:
+            messages = [m.for_template() for m in req.messages]
+        except ValueError as e:
+            raise BadRequest(f"'messages': {e}") from None
+        extra = {**self.special, **(req.chat_template_kwargs or {})}
+        text = chat.render(template, messages, add_generation_prompt=True,
+                           tools=tools.for_template() if tools else None, **extra)  # fmt: skip
+        reasoning = self.reasoning_parser != "none" and "<think>" in template
+        return text, tools, reasoning
 
     def make(self, body, kind: str, events=None) -> list[Request]:
         """The request's choices (``n`` per prompt, one row each; a text completion may send
@@ -91,13 +135,14 @@ class Service:
         if unknown:
             get_logger("serve").warning(f"ignoring unknown field(s) {', '.join(map(repr, unknown))} of a request")
         prompts: list[tuple[list[int], str]] = []  # (token ids, the text echo sends back)
+        tools, reasoning, opened = None, False, False
         if isinstance(req, protocol.ChatRequest):
-            messages = [m.model_dump() for m in req.messages]
-            text = chat.render(self.template, messages, add_generation_prompt=True, **self.special)
+            text, tools, reasoning = self._chat_prompt(req)
+            opened = reasoning and text.rstrip().endswith("<think>")
             prompts.append((self.tok.encode(text, add_special_tokens=False).ids, ""))  # type: ignore[attr-defined]
             max_tokens = req.max_completion_tokens or req.max_tokens or 256
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
-            matcher = self._matcher(req.response_format)
+            matcher = self._matcher(req, tools)
         else:
             for p in req.prompts:
                 if isinstance(p, str):
@@ -141,6 +186,7 @@ class Service:
                 r.matcher = None if matcher is None else matcher.deep_copy()
                 r.metrics = self.metrics
                 r.include_usage = bool((req.stream_options or {}).get("include_usage"))
+                r.tools, r.reasoning, r.opened = tools, reasoning, opened
                 out.append(r)
         return out
 
