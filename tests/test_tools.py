@@ -44,7 +44,8 @@ LOOP = [
     {"role": "system", "content": "You book rooms."},
     {"role": "user", "content": "Weather in Paris, then book for 2?"},
     {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}},
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}},
         {"id": "c2", "type": "function", "function": {"name": "book", "arguments": {"guests": 2, "names": [],
                                                                                      "where": {"town": "Paris"}}}}]},
     {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21"},
@@ -73,11 +74,10 @@ def test_templates_with_tools_give_transformers_ids(hf_tokenizer, name, thinking
     extra = {} if thinking is None else {"enable_thinking": thinking}
     tools = [WEATHER, BOOK]
     mine = chat.render(template, LOOP, tools=tools, bos_token="<|im_start|>", **extra)
-    theirs = hf_tokenizer.apply_chat_template(LOOP, tools=tools, chat_template=template, tokenize=False,
-                                              add_generation_prompt=True, bos_token="<|im_start|>", **extra)  # fmt: skip
+    kw = dict(tools=tools, chat_template=template, add_generation_prompt=True, bos_token="<|im_start|>", **extra)
+    theirs = hf_tokenizer.apply_chat_template(LOOP, tokenize=False, **kw)
     assert mine == theirs
-    ids = hf_tokenizer.apply_chat_template(LOOP, tools=tools, chat_template=template, add_generation_prompt=True,
-                                           bos_token="<|im_start|>", return_dict=True, **extra)["input_ids"]  # fmt: skip
+    ids = hf_tokenizer.apply_chat_template(LOOP, return_dict=True, **kw)["input_ids"]
     assert hf_tokenizer.encode(mine, add_special_tokens=False) == list(ids)
     assert T.family_of(template) == ("hermes" if name == "hermes" else "llama3")
     assert ("<think>" in mine) == (thinking is False and name == "hermes")
@@ -109,11 +109,13 @@ CASES = [
     ("hermes", "No call here, only a < sign and <tool", "No call here, only a < sign and <tool", []),
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>',
      '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>', []),  # malformed: text
-    ("llama3", '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "f"}}; {"name": "book", "parameters": {}}',
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "f"}}; '
+               '{"name": "book", "parameters": {}}',
      "", ["get_weather", "book"]),
     ("llama3", '<|python_tag|>{"name": "book", "parameters": {"guests": 1}}', "", ["book"]),
     ("llama3", 'Sure: {"name": "book"}', 'Sure: {"name": "book"}', []),
-    ("mistral", 'ok[TOOL_CALLS][{"name": "book", "arguments": {"guests": 3}}, {"name": "get_weather", "arguments": {}}]',
+    ("mistral", 'ok[TOOL_CALLS][{"name": "book", "arguments": {"guests": 3}}, '
+                '{"name": "get_weather", "arguments": {}}]',
      "ok", ["book", "get_weather"]),
 ]  # fmt: skip
 
@@ -163,9 +165,10 @@ def test_tool_choice_grammars_accept_only_valid_calls():
             g = T.grammar(t)
             assert g is not None and llguidance.LLMatcher.validate_grammar(T.grammar(t)) == ""
             m = llguidance.LLMatcher(llguidance.LLTokenizer(_byte_tokenizer()), g, log_level=0)
-            good = {"hermes": '<tool_call>\n{"name": "book", "arguments": {"guests": 2, "names": ["a"], "where": {"town": "x"}}}\n</tool_call>',
-                    "llama3": '{"name": "book", "parameters": {"guests": 2, "names": ["a"], "where": {"town": "x"}}}',
-                    "mistral": '[TOOL_CALLS][{"name": "book", "arguments": {"guests": 2, "names": ["a"], "where": {"town": "x"}}}]'}[family]  # fmt: skip
+            args = '{"guests": 2, "names": ["a"], "where": {"town": "x"}}'
+            good = {"hermes": f'<tool_call>\n{{"name": "book", "arguments": {args}}}\n</tool_call>',
+                    "llama3": f'{{"name": "book", "parameters": {args}}}',
+                    "mistral": f'[TOOL_CALLS][{{"name": "book", "arguments": {args}}}]'}[family]  # fmt: skip
             assert _accepts(m, good), (family, choice)
             bad = good.replace('"guests": 2', '"guests": 12')  # maximum 9
             m.reset()
