@@ -67,3 +67,23 @@ def test_sampling_options_and_batch():
 def test_missing_tokenizer(tmp_path):
     res = subprocess.run(GEN + ["--model", str(tmp_path)], capture_output=True, text=True, env=dict(os.environ))
     assert res.returncode == 2 and "no tokenizer.json" in res.stderr
+
+
+def test_tools_file_prints_the_calls_and_bad_ones_fail_on_every_rank(tmp_path):
+    """--tools renders the functions through --tool-template (hermes: the default model's
+    template knows no tools) and prints each reply's calls as the server returns them, a
+    JSON line; a model template without tools, or a tools file that is not one, fails
+    before loading with the flag named (exit 2)."""
+    import json
+
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]))
+    args = ["--prompt", "Say hello.", "--max-new-tokens", "6", "--tools", str(tools)]  # the default model
+    ok = launch.run(2, GEN + args + ["--tool-template", "hermes"], timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout.strip().splitlines()[-1]) == {"tool_calls": []}  # 6 tokens of greeting: no call
+    no = launch.run(2, GEN + args, timeout=120)
+    assert no.returncode == 2 and "--tools: this model's chat template renders no tools" in no.stderr
+    tools.write_text('[{"type": "function"}]')
+    bad = launch.run(2, GEN + args + ["--tool-template", "hermes"], timeout=120)
+    assert bad.returncode == 2 and "--tools: 'tools[0]'" in bad.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -73,6 +74,22 @@ def add_parser(sub) -> None:
         "default model, off otherwise",
     )
     p.add_argument("--system", help="a system turn before the prompt (with --chat; default: the template's own)")
+    p.add_argument(
+        "--tools",
+        metavar="FILE",
+        help="a JSON file of OpenAI tools ([{'type': 'function', 'function': {...}}]) rendered by the chat "
+        "template (implies --chat); the calls the model writes are printed as JSON after its text",
+    )
+    p.add_argument(
+        "--tool-template",
+        metavar="NAME|FILE",
+        help="with --tools, for a model whose template renders none: hermes, llama3_json, or a Jinja file",
+    )
+    p.add_argument(
+        "--chat-template-kwargs",
+        metavar="JSON",
+        help="extra chat template variables, e.g. '{\"enable_thinking\": false}' for Qwen3",
+    )
 
 
 def run(args) -> int:
@@ -84,6 +101,38 @@ def run(args) -> int:
 
     with Communicator() as comm:  # freed however the command ends
         return _generate(args, comm, LlamaForCausalLM)
+
+
+def _json_arg(text: str, flag: str):
+    from ..models.generate import GenerationError
+
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise GenerationError(f"{flag}: not JSON ({e})") from None
+
+
+def _tools(args):
+    """(the chat template to use or None for the model's, the --tools file's Tools or None)."""
+    if not args.tools:
+        return None, None
+    from ..models import chat as chat_io
+    from ..models.generate import GenerationError
+    from ..serve.protocol import RequestError
+    from ..serve.tools import family_of, tools_of
+
+    try:
+        raw = _json_arg(Path(args.tools).read_text(), "--tools")
+    except OSError as e:
+        raise GenerationError(f"--tools: {e}") from None
+    template = chat_io.named_template(args.tool_template) if args.tool_template else chat_io.load(args.model)[0]
+    family = family_of(template)
+    if family is None:
+        raise GenerationError("--tools: this model's chat template renders no tools; add --tool-template hermes")
+    try:
+        return template, tools_of(raw, None, True, family)
+    except RequestError as e:
+        raise GenerationError(f"--tools: {e}") from None
 
 
 def _generate(args, comm, LlamaForCausalLM) -> int:
@@ -119,6 +168,7 @@ def _generate(args, comm, LlamaForCausalLM) -> int:
         raise GenerationError(f"--max-batch must be at least 1, got {args.max_batch}")
     nthreads = apply_threads(args)
     check_parallel(args, comm.size)
+    template, tools = _tools(args)  # a bad tools file fails here, on every rank, before the model loads
     tok = tokenizer(Path(args.model))
     model = LlamaForCausalLM.from_pretrained(args.model, comm, load_options(args))
     from ..bench.decode import weights_bandwidth
@@ -136,7 +186,10 @@ def _generate(args, comm, LlamaForCausalLM) -> int:
         )
     prompts = list(args.prompt or []) + (prompt_io.read_prompt_file(args.prompt_file) if args.prompt_file else [])
     prompts = prompts or ["Hello"]
-    ids = prompt_io.encode(tok, prompts, args.model, bool(chat), args.system)
+    extra = _json_arg(args.chat_template_kwargs, "--chat-template-kwargs") if args.chat_template_kwargs else None
+    chat = chat or tools is not None
+    ids = prompt_io.encode(tok, prompts, args.model, bool(chat), args.system,
+                           tools.for_template() if tools else None, template, extra)  # fmt: skip
     check_prompts(model, ids, args.max_new_tokens)
     from ..models.stops import StopText
 
@@ -173,6 +226,11 @@ def _generate(args, comm, LlamaForCausalLM) -> int:
         else:  # each prompt (its last turn for a conversation), then its completion
             for p, text in zip(prompts, texts):
                 print((p if isinstance(p, str) else p[-1].get("content", "")) + ("\n" if chat else "") + text)
+        if tools is not None:
+            from ..serve.tools import split
+
+            for text in texts:  # the calls each reply wrote, as the server returns them
+                print(json.dumps({"tool_calls": split(text, tools.family)[1]}, ensure_ascii=False))
         print(
             f"\n[mpitp] {layout(comm, model)} × {nthreads} thread{'s' if nthreads > 1 else ''}: "
             f"prefill {s['prompt_tokens']} tokens in {s['prefill_s'] * 1e3:.1f} ms, "

@@ -44,16 +44,30 @@ def read_prompt_file(name: str) -> list[Prompt]:
     return out
 
 
-def encode(tok, prompts: list[Prompt], model_dir, use_chat: bool, system: str | None) -> list[list[int]]:
+def encode(
+    tok,
+    prompts: list[Prompt],
+    model_dir,
+    use_chat: bool,
+    system: str | None,
+    tools: list | None = None,
+    template: str | None = None,
+    extra: dict | None = None,
+) -> list[list[int]]:
     """Token ids of each prompt: a conversation always goes through the chat template, a
-    text only with ``use_chat`` (as a user turn, after ``system`` when given)."""
-    template, special = chat.load(model_dir)
+    text only with ``use_chat`` (as a user turn, after ``system`` when given); ``tools``
+    (OpenAI's list), ``template`` (instead of the model's) and ``extra`` template variables
+    (``enable_thinking``) as the template takes them."""
+    own, special = chat.load(model_dir)
+    template = template or own
+    special = {**special, **(extra or {})}
     ids = []
     for p in prompts:
         if isinstance(p, list) or use_chat:
             head = [{"role": "system", "content": system}] if system and not isinstance(p, list) else []
             messages = p if isinstance(p, list) else head + [{"role": "user", "content": p}]
-            ids.append(tok.encode(chat.render(template, messages, **special), add_special_tokens=False).ids)
+            text = chat.render(template, messages, tools=tools, **special)
+            ids.append(tok.encode(text, add_special_tokens=False).ids)
         else:
             ids.append(tok.encode(p).ids)
     return ids
