@@ -253,3 +253,28 @@ def test_plan_infer_counts_stage_boundaries_and_all_reduces():
          "--latency", "100us"], capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 0 and "1 Gbit/s, 100 us" in out.stdout and "stage 1: layers 16-31" in out.stdout, out
+
+
+def test_mixture_of_experts_shapes_in_the_plans():
+    """The Qwen3 presets count what transformers counts (Qwen3-30B-A3B: 30.5B parameters, all
+    128 experts of its 48 layers); plan tp holds half of them a rank at 2 ranks (auto: ep, 64
+    experts each, with K-quant blocks), streaming the k chosen of 128 a token; plan infer's
+    chance that a token reaches a rank equals a count over uniform draws, and across 2 nodes
+    data-parallel attention's all-to-all sends fewer bytes a token than tp's all-reduces."""
+    import random
+
+    from mpitp.plan import infer as pinf
+    from mpitp.plan import tp as ptp
+
+    m = ptp.PRESETS["qwen3-30b-a3b"]
+    assert abs(ptp.params(m) / 1e9 - 30.53) < 0.01 and abs(ptp.params(ptp.PRESETS["qwen3-0.6b"]) / 1e9 - 0.596) < 0.001
+    s = ptp.shard_shapes(m, 2, 256)["per_rank"]
+    assert [(r["moe"], r["experts"], r["expert_columns"]) for r in s] == [("ep", 64, 768)] * 2
+    assert abs(s[0]["weights"] / ptp.params(m) - 0.5) < 0.01 and 2.9e9 < 2 * s[0]["streamed"] < 3.5e9  # "A3B"
+    hit = pinf.ranks_hit([43, 43, 42], 8)
+    rng = random.Random(0)
+    draws = [set(rng.sample(range(128), 8)) for _ in range(20000)]
+    counted = sum(any(e >= 86 for e in d) for d in draws) / len(draws)
+    assert abs(hit[2] - counted) < 0.01
+    res = pinf.moe(m, 2, 2, 8, "q4_k")
+    assert res["auto"] == "ep" and res["bytes_per_token"]["dp"]["inter"] < res["bytes_per_token"]["tp"]["inter"]

@@ -643,6 +643,7 @@ BOOK = {"type": "function", "function": {"name": "book", "description": "Book a 
     "required": ["guests", "names", "where"], "additionalProperties": False}}}  # fmt: skip
 
 
+@pytest.mark.both_mpis  # tool calls through each mpiexec
 def test_tool_calls_and_reasoning_with_the_openai_client(servers):
     """The default model at TP 2 with --tool-template hermes (its own template knows no
     tools), driven by the openai client: tool_choice "required" and a named function return

@@ -191,6 +191,7 @@ def _tp(args):
             f"  rank {r['rank']:>2}: q {r['q_heads'][0]:>3}-{r['q_heads'][1] - 1:<3} kv {r['kv_heads'][0]:>2}-"
             f"{r['kv_heads'][1] - 1:<2} inter {r['intermediate']:>6} vocab {r['vocab_rows']:>7}  "
             f"{_mb(r['weights'] * nb):>12} {_mb(r['streamed'] * nb):>12}"
+            + (f"  experts: {r['experts']} x {r['expert_columns']} columns ({r['moe']})" if "moe" in r else "")
         )
     print(
         f"  a decode step streams {ptp.balance(m, args.tp):.3f}x an even share on its critical path (each all-reduce"

@@ -132,21 +132,30 @@ def shard_shapes(m: LlamaConfig, p: int, block: int = 1) -> dict:
     inter = partition.mlp(m.intermediate_size, p, block)
     vocab_padded, vocab_rows = partition.vocab(m.vocab_size, p)
     d, h = m.head_dim, m.hidden_size
+    moe = None
+    if m.num_experts:  # a mixture of experts: its layers' experts cut as --moe auto cuts them
+        from ..models.moe import MoEPlan, choose
+
+        moe = MoEPlan.of(m, p, choose(m, p, block), block)
+    sparse = sum(m.sparse(i) for i in range(m.num_hidden_layers))
     ranks = []
     for r in range(p):
         q, q0, kv, kv0 = att.rank(r)
-        layer = (2 * q + 2 * kv) * d * h + 3 * h * inter[r] + 2 * h
-        ranks.append(
-            {
-                "rank": r,
-                "q_heads": [q0, q0 + q],
-                "kv_heads": [kv0, kv0 + kv],
-                "intermediate": inter[r],
-                "vocab_rows": vocab_rows[r],
-                "weights": m.num_hidden_layers * layer + vocab_rows[r] * h * (1 if m.tie_word_embeddings else 2) + h,
-                "streamed": m.num_hidden_layers * layer + vocab_rows[r] * h + h,
-            }
-        )
+        attention = (2 * q + 2 * kv) * d * h + 2 * h
+        dense = (m.num_hidden_layers - sparse) * 3 * h * inter[r]
+        held, active = 0, 0.0  # experts' weights held on the rank, and read a token (uniform routing)
+        if moe is not None:
+            cols = moe.columns[r] * (moe.experts[r] if moe.mode == "ep" else m.num_experts)
+            held = sparse * (3 * h * cols + m.num_experts * h)
+            active = sparse * (3 * h * cols * m.num_experts_per_tok / m.num_experts + m.num_experts * h)
+        layers = m.num_hidden_layers * attention + dense
+        row = {"rank": r, "q_heads": [q0, q0 + q], "kv_heads": [kv0, kv0 + kv], "intermediate": inter[r],
+               "vocab_rows": vocab_rows[r],
+               "weights": layers + held + vocab_rows[r] * h * (1 if m.tie_word_embeddings else 2) + h,
+               "streamed": round(layers + active + vocab_rows[r] * h + h)}  # fmt: skip
+        if moe is not None:
+            row |= {"moe": moe.mode, "experts": moe.experts[r], "expert_columns": moe.columns[r]}
+        ranks.append(row)
     q, kv, i0 = att.q[0] * d, att.kv[0] * d, inter[0]
     return {
         "q_proj": [h, q],
