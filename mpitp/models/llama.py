@@ -307,13 +307,23 @@ class LlamaForCausalLM:
         """Bytes of weights one decode step reads on this rank: all but the embedding table
         (one row of it is looked up), unless the head shares it."""
         table = self.is_first and not (self.is_last and self.lm_head.tied)  # held, and only looked up
-        return self.weight_bytes() - (self._held(self.embed_tokens)[0].nbytes if table else 0)
+        unread = self._unread(lambda w: w.nbytes)
+        return self.weight_bytes() - (self._held(self.embed_tokens)[0].nbytes if table else 0) - unread
 
     def multiply_adds(self) -> int:
         """Multiply-adds of one decode step's matmuls on this rank, per token: one per
         weight of every linear layer and of the LM head (whatever format holds it)."""
         mods = [m for _, m in self.named_modules() if m is not self.embed_tokens and hasattr(m, "weights")]
-        return sum(math.prod(self._held(m)[0].shape) for m in mods)
+        return sum(math.prod(self._held(m)[0].shape) for m in mods) - self._unread(lambda w: math.prod(w.shape))
+
+    def _unread(self, size) -> int:
+        """Of the experts this rank holds, what a token does not reach on average: all but k
+        of every E (uniform routing), measured by ``size`` of each expert weight."""
+        c = self.config
+        if not c.num_experts:
+            return 0
+        held = sum(size(self._held(m)[0]) for name, m in self.named_modules() if ".experts." in name)
+        return round(held * (1 - c.num_experts_per_tok / c.num_experts))
 
     def weight_formats(self) -> dict[str, int]:
         """How this rank holds its matmul weights: format -> bytes (float32, Q4_1, Q8_0, ...)."""
