@@ -105,7 +105,26 @@ def _sources(model, path: Path):
                 yield f, name, SafetensorsSource(h, name, dtype=np.float32)
 
 
+def _give_back_memory(start: bool) -> None:
+    """glibc only: at the start of a load, keep freed large arrays out of the heap (a fixed
+    mmap threshold: glibc's grows with every big free, and the load's transient planar
+    blocks, ~1.6x the weights of a K-quant file, then stayed in the process); at the end,
+    trim the heap. A 12-layer Qwen3-30B-A3B Q4_K_M at 2 ranks: 6.1 -> 3.3 GB resident a
+    rank after loading (its weights 2.7 GB, the rest the file's mapped pages)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        if start:
+            libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+        else:
+            libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
 def load_weights(model, path: Path) -> dict:
+    _give_back_memory(True)
     wmap = weight_map(model)
     experts = model.expert_shapes() if hasattr(model, "expert_shapes") else {}  # every rank checks all
     seen: set[str] = set()
@@ -140,6 +159,7 @@ def load_weights(model, path: Path) -> dict:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"{path}: missing tensors {shown}{hint}")
     model.finish_load()
+    _give_back_memory(False)
     return {"tensors": len(seen), "bytes_read": bytes_read}
 
 
