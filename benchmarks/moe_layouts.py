@@ -74,9 +74,8 @@ def main() -> int:
 
     nodes = comm.topology.num_nodes
     plan = infer.moe(config, p, nodes, args.batch)
-    say(
-        f"# {args.model}: {p} ranks on {nodes} node(s), batch {args.batch} in all, {args.steps} steps x {args.rounds} rounds"
-    )
+    runs = f"{args.steps} steps x {args.rounds} rounds"
+    say(f"# {args.model}: {p} ranks on {nodes} node(s), batch {args.batch} in all, {runs}")
     base = None
     for name in layouts:
         tok = args.batch / statistics.median(times[name])
@@ -85,8 +84,8 @@ def main() -> int:
         say(f"{name:<38} {tok:8.1f} tok/s ({', '.join(f'{args.batch / t:.1f}' for t in times[name])}) "
             f"{tok / base:.2f}x; sent {per_tok / 1e6:.3f} MB a token, all ranks")  # fmt: skip
     b = plan["bytes_per_token"]
-    say(f"plan infer (uniform routing): tp {sum(b['tp'].values()) / 1e6:.3f} MB, dp {sum(b['dp'].values()) / 1e6:.3f} MB "
-        "a token, all ranks")  # fmt: skip
+    tp, dp = (sum(b[k].values()) / 1e6 for k in ("tp", "dp"))
+    say(f"plan infer (uniform routing): tp {tp:.3f} MB, dp {dp:.3f} MB a token, all ranks")
     comm.free()
     return 0
 
