@@ -18,8 +18,8 @@ def tile(mods: list, activations: Activations) -> None:
     if activations.int8:
         digits, outliers = activations.digits, activations.outliers
 
-        def tiled(w):
-            return repack(w, digits, outliers) if w.kind in ("q4", "q8") else w
+        def tiled(w):  # planar q4/q8 blocks into tiles; tiles (a module tiled as it loaded) stay
+            return repack(w, digits, outliers) if w.layout == "planar" and w.kind in ("q4", "q8") else w
 
         done: dict[int, object] = {}
         for m in mods:

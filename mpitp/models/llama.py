@@ -127,6 +127,7 @@ class LlamaForCausalLM:
         self.last_stats: dict = {}
         self._decode: DecodeLayers | None = None
         self._decode_built = False
+        self._ready: set[int] = set()  # modules the loader made ready as their last tensor came
 
     @classmethod
     def from_pretrained(cls, path, comm=None, options: LoadOptions | None = None, **overrides) -> LlamaForCausalLM:
@@ -250,11 +251,25 @@ class LlamaForCausalLM:
                 for part, shard in unpack.get(leaf, [(leaf, None)]):
                     yield f"{parent}.{part}.{param}".lstrip("."), mod, param, shard
 
+    def module_loaded(self, m) -> None:
+        """The loader's call once module ``m`` has all its tensors: its block pieces joined
+        and, for int8 activations, tiled now (:meth:`finish_load` does the rest, and skips
+        what is done here)."""
+        if hasattr(m, "finish"):
+            m.finish()
+        self._ready.add(id(m))
+        if self.weights != "float32" and getattr(m, "qweight", None) is not None:
+            from ..kernels import prepare
+
+            prepare.tile([m], self.activations)
+
     def finish_load(self) -> None:
-        """After the loader: block weights joined per module (:meth:`LinearBase.finish`)."""
+        """After the loader: block weights joined per module (:meth:`LinearBase.finish`), but
+        for the modules :meth:`module_loaded` made ready already."""
         for _, m in self.named_modules():
-            if hasattr(m, "finish"):
+            if hasattr(m, "finish") and id(m) not in self._ready:
                 m.finish()
+        self._ready = set()
         self._decode_built = False
         why = {m.fallback for _, m in self.named_modules() if getattr(m, "fallback", "")}
         if why:

@@ -132,6 +132,13 @@ def load_weights(model, path: Path) -> dict:
     c = getattr(model, "expert_comm", model.comm)
     loud = c is None or c.rank == 0  # rank 0's progress: a bar on a terminal, else lines
     bar = Progress(len(wmap), f"loading {path.name}", "tensor", enabled=loud, leave=False, seconds=10.0, after=10.0)
+    # tensors each module still awaits: a module whose last one arrives is made ready at once
+    # (its block pieces joined and tiled), so the load holds one layer's planar blocks, not
+    # the model's (K-quant blocks arrive ~1.6x the size of their tiles)
+    awaits: dict[int, int] = {}
+    for obj, _, _ in wmap.values():
+        awaits[id(obj)] = awaits.get(id(obj), 0) + 1
+    ready = getattr(model, "module_loaded", None)
     for f, name, src in _sources(model, path):
         if name in experts:
             if tuple(src.shape) != experts[name]:
@@ -149,6 +156,10 @@ def load_weights(model, path: Path) -> dict:
             raise CheckpointError(f"{f}: tensor {name} cannot be read ({e})") from None
         bytes_read += src.bytes_read
         bar.update(name in wmap)
+        if name in wmap and name not in seen:
+            awaits[id(obj)] -= 1
+            if awaits[id(obj)] == 0 and ready is not None:
+                ready(obj)
         seen.add(name)
     bar.close()
     missing = sorted((set(wmap) | set(experts)) - seen)
