@@ -717,6 +717,47 @@ def test_tool_calls_and_reasoning_with_the_openai_client(servers):
     assert c.chat.completions.create(model="m", messages=ask, max_tokens=2).choices[0].finish_reason == "length"
 
 
+def test_data_parallel_attention_serves_what_tensor_parallelism_serves(servers):
+    """--dp-attention on a mixture of experts (the qwen3_moe GGUF of llama.cpp's converter,
+    float32): each of 2 ranks serves its own requests (2 rows a rank), the experts reached by
+    all-to-all; 6 concurrent greedy requests get the texts the same model serves with
+    tensor parallelism, streamed too; what needs the logits on rank 0 is a 400 naming why;
+    the servers end cleanly (the module's stop checks their exit codes)."""
+    model = str(FIX.parent / "gguf" / "qwen3_moe-f32.gguf")
+    dp = servers(2, "--dp-attention", "--max-batch", "2", model=model).client
+    tp = servers(2, "--max-batch", "6", model=model).client
+    prompts = ["the quick brown fox", "experts are cut", "tokens go to the experts", "the router chooses",
+               "over ranks", "the lazy dog jumps"]  # fmt: skip
+
+    def texts(c) -> dict:
+        out: dict = {}
+
+        def ask(i):
+            out[i] = c.completions.create(model="m", prompt=prompts[i], max_tokens=12, temperature=0).choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        return out
+
+    got, want = texts(dp), texts(tp)
+    assert sorted(got) == list(range(len(prompts))) and got == want
+    msg = [{"role": "user", "content": prompts[0]}]
+    streamed = "".join(
+        ch.choices[0].delta.content or ""
+        for ch in dp.chat.completions.create(model="m", messages=msg, max_tokens=8, temperature=0, stream=True)
+        if ch.choices
+    )
+    assert (
+        streamed
+        == tp.chat.completions.create(model="m", messages=msg, max_tokens=8, temperature=0).choices[0].message.content
+    )
+    with pytest.raises(openai.BadRequestError, match="not served with --dp-attention"):
+        dp.completions.create(model="m", prompt="x", max_tokens=2, logprobs=1)
+
+
 def test_parameters_not_served_are_refused_by_name(servers):
     srv = servers(1, *FLAGS)
     c, msg = srv.client, [{"role": "user", "content": "hi"}]

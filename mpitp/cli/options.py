@@ -19,6 +19,7 @@ def load_options(args, **override) -> LoadOptions:
         stage_inside_node=getattr(args, "tp", None) is not None,
         kv_cache_dtype=args.kv_cache_dtype,
         moe=getattr(args, "moe", "auto"),
+        dp_attention=getattr(args, "dp_attention", False),
     )
     return LoadOptions(**(fields | override))
 
@@ -110,6 +111,8 @@ def layout(comm, model) -> str:
     """ "TP=2" or "PP=2 × TP=2", for the [mpitp] line."""
     from ..models.pipeline import describe
 
+    if getattr(model, "dp_attention", False):
+        return f"attention DP={comm.size}, experts EP={comm.size}"
     return describe(comm.size, getattr(model, "stage", None))
 
 

@@ -74,6 +74,14 @@ def add_parser(sub) -> None:
         help="auto: a reply's <think> block becomes reasoning_content where the template knows <think> "
         "(Qwen3, DeepSeek-R1); none: the raw text (default auto)",
     )
+    p.add_argument(
+        "--dp-attention",
+        action="store_true",
+        help="a mixture-of-experts model: each rank serves its own requests (attention, dense layers and the "
+        "head whole on every rank, --max-batch rows a rank), the experts cut ep and reached by all-to-all "
+        "(DeepSeek's and SGLang's layout; fewer bytes between nodes than tensor parallelism's all-reduces); "
+        "log-probabilities and constrained output are refused in this mode",
+    )
     p.add_argument("--served-model-name", help="the model id clients see (default: the directory name)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     add_weights_argument(p)
@@ -137,7 +145,9 @@ def _serve(args, comm) -> int:
         )
     engine = engines[0]
     pacing = None
-    if args.prefill_pacing == "auto" and stages == 1:  # timed before the HTTP side takes requests
+    if (
+        args.prefill_pacing == "auto" and stages == 1 and not args.dp_attention
+    ):  # timed before the HTTP side takes requests
         from ..serve.scheduler import calibrate
 
         pacing = calibrate(model, comm.rank == 0, comm, engine.max_len)
@@ -153,7 +163,7 @@ def _serve(args, comm) -> int:
             args.request_timeout,
             args.api_key,
         )
-        service.tool_template = tool_template
+        service.tool_template, service.dp = tool_template, args.dp_attention
         service.tool_parser, service.reasoning_parser = args.tool_parser, args.reasoning_parser
         service.eos = tuple(model.config.eos_token_id)
         service.vocab = model.config.vocab_size
@@ -177,7 +187,12 @@ def _serve(args, comm) -> int:
             f"of 16 tokens, {engine.prefix.capacity * engine.prefix.block_bytes / 2**20:.0f} MiB"
         )
         get_logger("serve").info(f"prefill pacing: {pacing.describe() if pacing else 'off'}")
-    serve_loop(engines, service, stop, pacing if comm.rank == 0 else None)
+    if args.dp_attention:
+        from ..serve.dp import run_dp
+
+        run_dp(engine, service, stop)
+    else:
+        serve_loop(engines, service, stop, pacing if comm.rank == 0 else None)
     if server is not None:
         server.shutdown()
     get_logger("serve").info("stopped")

@@ -251,6 +251,14 @@ class LlamaForCausalLM:
                 for part, shard in unpack.get(leaf, [(leaf, None)]):
                     yield f"{parent}.{part}.{param}".lstrip("."), mod, param, shard
 
+    def idle_step(self) -> None:
+        """Data-parallel attention: this rank's part in a forward the other ranks run while it
+        has no rows (every MoE layer's all-to-all, in order, with none of its own)."""
+        empty = self.xp.zeros((0, self.config.hidden_size), self.dtype)
+        for L in self.layers:
+            if isinstance(L.mlp, SparseMoE):
+                L.mlp(empty)
+
     def module_loaded(self, m) -> None:
         """The loader's call once module ``m`` has all its tensors: its block pieces joined
         and, for int8 activations, tiled now (:meth:`finish_load` does the rest, and skips

@@ -75,6 +75,7 @@ class Service:
     tool_template: str | None = None  # --tool-template: for models whose own template knows no tools
     tool_parser: str | None = None  # --tool-parser: a family forced (else read from the template)
     reasoning_parser: str = "auto"  # --reasoning-parser: auto (templates that know <think>) or none
+    dp: bool = False  # --dp-attention: each rank samples its own rows; what needs the logits on rank 0 is refused
     inbox: queue.Queue = field(init=False)
     stopping: threading.Event = field(default_factory=threading.Event)
 
@@ -157,6 +158,11 @@ class Service:
             max_tokens = req.max_tokens or 16
             logprobs = req.logprobs
             matcher = None
+        if self.dp and (logprobs is not None or matcher is not None or any(e for _, e in prompts)):
+            raise BadRequest(
+                "log-probabilities, echo and constrained output (response_format, guided_regex, a forced tool "
+                "call) are not served with --dp-attention: each rank samples its own requests"
+            )
         for ids, _ in prompts:
             if len(ids) + max_tokens > self.context:
                 raise BadRequest(
