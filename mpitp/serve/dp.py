@@ -27,7 +27,7 @@ import time
 from ..log import get_logger
 from .engine import Engine
 from .requests import Service
-from .scheduler import Stop, _emit, _finish
+from .scheduler import Stop, emit, finish
 
 
 def run_dp(e: Engine, service: Service | None, stop: Stop | None = None) -> None:
@@ -65,7 +65,7 @@ def run_dp(e: Engine, service: Service | None, stop: Stop | None = None) -> None
         e.cancel(cancels)
         for j in cancels if rank0 else ():
             r, _ = requests.pop(j), where.pop(j)
-            _finish(r, "length" if time.monotonic() > r.deadline else "cancelled")
+            finish(r, "length" if time.monotonic() > r.deadline else "cancelled")
         for job in assigned.get(comm.rank, []):
             e.add(job)
         if comm.allreduce_object(int(bool(e.waiting)), op="max"):  # someone prefills: all take part
@@ -88,7 +88,7 @@ def run_dp(e: Engine, service: Service | None, stop: Stop | None = None) -> None
                 service.stopping.set()
                 get_logger("serve").info(f"{stop.why}: ending {len(requests)} request(s) in flight with what they have")
             for j in list(requests):
-                _finish(requests.pop(j), "abort")
+                finish(requests.pop(j), "abort")
             return
 
 
@@ -115,10 +115,10 @@ def _sample(e: Engine, results: dict, service: Service | None, requests: dict, w
         for picks in everyone:
             for job, token in picks:
                 r = requests.get(job)
-                if r is not None and _emit(r, token) is not None:
+                if r is not None and emit(r, token) is not None:
                     ended.add(job)
                     requests.pop(job, None), where.pop(job, None)
     ended = e.exchange(ended, True)
-    for row, (job, token) in mine.items():
+    for row, (_, token) in mine.items():
         e.took(row, token)
     e.cancel([job for job, _ in mine.values() if job in ended])

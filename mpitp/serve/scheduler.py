@@ -99,7 +99,7 @@ def run(
         e.cancel(cancels)  # (an engine's results are all sampled before it runs again)
         for j in cancels if rank0 else ():
             r, _ = requests.pop(j), home.pop(j)
-            _finish(r, "length" if time.monotonic() > r.deadline else "cancelled")
+            finish(r, "length" if time.monotonic() > r.deadline else "cancelled")
         for job in jobs:
             e.add(job)
         ran, t = bool(e.waiting), time.perf_counter()
@@ -132,7 +132,7 @@ def run(
             if rank0:
                 get_logger("serve").info(f"{stop.why}: ending {len(requests)} request(s) in flight with what they have")
             for j in list(requests):
-                _finish(requests.pop(j), "abort")
+                finish(requests.pop(j), "abort")
             return
 
 
@@ -149,7 +149,7 @@ def _sample(e: Engine, fresh: dict[int, Out], out: Next | None, service: Service
                 continue  # no result for it in this call (the fresh rows alone: see run)
             r = requests[slot.job.id]
             token, record = _pick(e, service, row, r, fresh[row] if row in fresh else out[row])  # type: ignore[index]
-            picks[row] = (token, _emit(r, token, record))
+            picks[row] = (token, emit(r, token, record))
     picks = e.exchange(picks, True)
     for row, (token, _) in picks.items():
         e.took(row, token)
@@ -177,7 +177,7 @@ def _pick(engine: Engine, service: Service | None, row: int, r: Request, result:
     return token, None if k is None else lp.record(lg, token, k)
 
 
-def _emit(r: Request, token: int, record=None) -> str | None:
+def emit(r: Request, token: int, record=None) -> str | None:
     """Rank 0: one new token of ``r`` (and its log-probability record): stream its text;
     the finish reason once it ends. Records travel with the next text sent."""
     if r.made == 0 and r.echo:
@@ -186,7 +186,7 @@ def _emit(r: Request, token: int, record=None) -> str | None:
     if r.metrics is not None:
         r.metrics.token(r)
     if token in r.job.stop_ids:
-        _finish(r, "stop")
+        finish(r, "stop")
         return "stop"
     if record is not None:
         r.pending.append(record)
@@ -195,15 +195,15 @@ def _emit(r: Request, token: int, record=None) -> str | None:
         r.events.put((r.index, "delta", piece, r.pending))
         r.pending = []
     if r.stops.stopped:
-        _finish(r, "stop")
+        finish(r, "stop")
         return "stop"
     if r.made >= r.job.max_tokens:
-        _finish(r, "length")
+        finish(r, "length")
         return "length"
     return None
 
 
-def _finish(r: Request, reason: str) -> None:
+def finish(r: Request, reason: str) -> None:
     rest = "" if r.stops.stopped else r.stops.flush()
     if rest or r.pending:
         r.events.put((r.index, "delta", rest, r.pending))
