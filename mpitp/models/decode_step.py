@@ -32,7 +32,7 @@ from .layers import norm_heads
 class DecodeLayers:
     """Built from a loaded model (:meth:`of`); ``loop(h, step, cache)`` runs every layer."""
 
-    def __init__(self, model, layers: list[tuple], rows: int, plans: list | None = None):
+    def __init__(self, model, layers: list[tuple], rows: int, plans: list | None = None, extra: list | None = None):
         c = model.config
         attn = model.layers[0].self_attn
         self.hidden, self.eps = c.hidden_size, float(c.rms_norm_eps)  # the type warm() compiles for
@@ -55,7 +55,7 @@ class DecodeLayers:
             # the fused attention half's heads record (mpitp.kernels.fused.attention_half)
             self.heads = (self.core, self.nh, self.nkv, self.head_dim, self.scale, self.threads > 1)
         self.none = np.zeros(1, np.float32)  # a bias that is not there
-        self.extra: list = [(None, None)] * len(layers)  # per layer: (q/k norms or None, a MoE block or None)
+        self.extra: list = extra or [(None, None)] * len(layers)  # per layer: (q/k norms or None, a MoE block or None)
 
     @classmethod
     def of(cls, model) -> DecodeLayers | None:
@@ -91,9 +91,7 @@ class DecodeLayers:
                     (down, None) if moe is not None else (down, mlp.down_proj.bias),
                 )
             )
-        loop = cls(model, layers, min(rows), plans)
-        loop.extra = extra
-        return loop
+        return cls(model, layers, min(rows), plans, extra)
 
     def fits(self, batch: int, step, cache) -> bool:
         k = cache.k[0]

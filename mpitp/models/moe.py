@@ -156,8 +156,8 @@ class SparseMoE:
         out[:, H : H + k] = np.where(mine, top[order], -1)
         out[:, H + k :] = w[order]
         got, sources = self.comm.alltoallv(out, counts)
-        experts = got[:, H : H + k].astype(np.int64)
-        y = self._held_experts(np.ascontiguousarray(got[:, :H]), np.where(experts >= 0, experts, -1), got[:, H + k :])
+        experts = got[:, H : H + k].astype(np.int64)  # -1 where another rank holds it
+        y = self._held_experts(got[:, :H], experts, got[:, H + k :])
         back, _ = self.comm.alltoallv(y, sources)  # each row's sum to the rank it came from, in its order
         total = np.zeros_like(x)
         np.add.at(total, order, back)

@@ -13,7 +13,7 @@ its own :class:`.engine.Engine` (its own rows and KV cache) in lockstep with the
                           and broadcasts that
                 decode    if any rank has a row to feed: one step each (or an idle pass),
                           sampled the same way
-                rank 0 gathers every rank's load for the next assignments
+                every rank learns every rank's load (the next assignments; busy or idle)
 
 Requests that need rank 0 to see the logits (log-probabilities, a grammar: response_format,
 guided_regex, a forced tool call) are refused with a 400 in this mode.
@@ -21,13 +21,12 @@ guided_regex, a forced tool call) are refused with a 400 in this mode.
 
 from __future__ import annotations
 
-import queue
 import time
 
 from ..log import get_logger
 from .engine import Engine
 from .requests import Service
-from .scheduler import Stop, emit, finish
+from .scheduler import Stop, emit, finish, take_request
 
 
 def run_dp(e: Engine, service: Service | None, stop: Stop | None = None) -> None:
@@ -47,14 +46,9 @@ def run_dp(e: Engine, service: Service | None, stop: Stop | None = None) -> None
             cancels = [j for j, r in requests.items() if r.cancelled or now > r.deadline]
             assigned: dict[int, list] = {}
             while sum(load) < e.B * comm.size:
-                try:
-                    wait = 0.05 if not busy and not assigned and not stop.is_set() else 0.0
-                    req = service.inbox.get(timeout=wait) if wait else service.inbox.get_nowait()
-                except queue.Empty:
+                req = take_request(service, 0.05 if not busy and not assigned and not stop.is_set() else 0.0)
+                if req is None:
                     break
-                if req.cancelled:
-                    service.metrics.finished(req, "cancelled")
-                    continue
                 r = min(range(comm.size), key=lambda q: (load[q] >= e.B, load[q]))  # the least loaded rank
                 load[r] += 1
                 assigned.setdefault(r, []).append(req.job)
@@ -70,7 +64,7 @@ def run_dp(e: Engine, service: Service | None, stop: Stop | None = None) -> None
             e.add(job)
         if comm.allreduce_object(int(bool(e.waiting)), op="max"):  # someone prefills: all take part
             fresh = e.prefill() if e.waiting else _idle(e)
-            _sample(e, {row: out for row, out in fresh.items()}, service, requests, where)
+            _sample(e, fresh, service, requests, where)
         fed = any(s is not None and s.last >= 0 for s in e.slots)
         if comm.allreduce_object(int(fed), op="max"):
             out = e.step() if fed else None
@@ -78,11 +72,8 @@ def run_dp(e: Engine, service: Service | None, stop: Stop | None = None) -> None
                 _idle(e)
             rows = {r: out[r] for r, s in enumerate(e.slots[: e.running]) if out is not None and s and s.last >= 0}
             _sample(e, rows, service, requests, where)
-        state = comm.gather_object(e.running + len(e.waiting))
-        if rank0:
-            load = list(state)
-            busy = any(load)
-        busy = e.exchange(busy, True) if not shutdown else busy
+        load = comm.allgather_object(e.running + len(e.waiting))  # every rank's: the assignments, and
+        busy = any(load)  # whether the next control message is due within a step
         if shutdown:
             if service is not None:
                 service.stopping.set()

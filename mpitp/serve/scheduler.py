@@ -82,14 +82,9 @@ def run(
             cancels = [j for j, r in requests.items() if home[j] == v and (r.cancelled or now > r.deadline)]
             jobs: list[Job] = []
             while len(jobs) < e.free:
-                try:
-                    wait = 0.05 if not busy and not jobs and not stop.is_set() else 0.0
-                    req = service.inbox.get(timeout=wait) if wait else service.inbox.get_nowait()
-                except queue.Empty:
+                req = take_request(service, 0.05 if not busy and not jobs and not stop.is_set() else 0.0)
+                if req is None:
                     break
-                if req.cancelled:
-                    service.metrics.finished(req, "cancelled")
-                    continue
                 jobs.append(req.job)
                 requests[req.job.id], home[req.job.id] = req, v
                 service.metrics.admitted(req)
@@ -134,6 +129,19 @@ def run(
             for j in list(requests):
                 finish(requests.pop(j), "abort")
             return
+
+
+def take_request(service: Service, wait: float) -> Request | None:
+    """Rank 0: the next queued request still wanted (cancelled ones counted and dropped), or
+    None once the inbox is empty, after waiting up to ``wait`` seconds for one."""
+    while True:
+        try:
+            req = service.inbox.get(timeout=wait) if wait else service.inbox.get_nowait()
+        except queue.Empty:
+            return None
+        if not req.cancelled:
+            return req
+        service.metrics.finished(req, "cancelled")
 
 
 def _sample(e: Engine, fresh: dict[int, Out], out: Next | None, service: Service | None, requests, home) -> None:
