@@ -274,12 +274,13 @@ def test_each_instruction_set_compiles_to_its_instructions(cpu_name, isa, instru
     if isa not in ("vnni", "avx512"):
         assert "vpdpbusd" not in asm
     assert ("zmm" in asm) == (isa == "avx512")
-    # software prefetch of the weights in the kernels bound by reading them (few rows of x)
-    # only: each of a (tile, block)'s 3 cache lines of q6k in the 1-row kernel, into L1 and
-    # (further on) into L2; none at 8 rows
-    one, eight = (jit.assembly([("q6k", isa, r, 1)], cpu_name, "") for r in (1, 8))
-    fewer = [(a.count("prefetcht0"), a.count("prefetcht1")) for a in (one, eight)]
-    assert min(fewer[0]) >= 3 and fewer[1] == (0, 0), fewer
+    # software prefetch of the weights in the decode kernels: each of a (tile, block)'s 3
+    # cache lines of q6k in the 1-row kernel, into L1 and (further on) into L2, and in
+    # int8o's 8-row one; none in the 8 rows of a prefill chunk (two dense digits)
+    specs = [("q6k", isa, 1, 1), ("q6k", isa, 8, 2, 32, True), ("q6k", isa, 8, 2)]
+    one, sparse, prefill = (jit.assembly([s], cpu_name, "") for s in specs)
+    fewer = [(a.count("prefetcht0"), a.count("prefetcht1")) for a in (one, sparse, prefill)]
+    assert min(fewer[0]) >= 3 and min(fewer[1]) >= 3 and fewer[2] == (0, 0), fewer
 
 
 def test_amx_kernels_compile_to_tile_instructions():

@@ -98,11 +98,13 @@ def _xgroups(e: Body, row: str) -> list[str]:
 
 
 # Software prefetch of the weights' stream in the kernels for up to PREFETCH_ROWS rows of
-# x, where a step is bound by reading the weights: each cache line of each tile's block
-# PREFETCH bytes ahead into L1 (prefetcht0), and FAR bytes ahead into L2 (prefetcht1): on an
-# Intel Xeon the hardware prefetchers alone left a core at ~8.5 GB/s, and the two took a
-# batch-1 step of the 1B Q4_K_M 28% faster (docs/measurements.md). With 8 rows and more
-# the kernels are bound by the multiply-adds, and the extra instructions cost.
+# x: each cache line of each tile's block PREFETCH bytes ahead into L1 (prefetcht0), and FAR
+# bytes ahead into L2 (prefetcht1): on an Intel Xeon the hardware prefetchers alone left a
+# core at ~8.5 GB/s, and the two took a batch-1 step of the 1B Q4_K_M 28% faster
+# (docs/measurements.md). int8o's decode kernels (``sparse``) prefetch at 8 and 16 rows too:
+# there the multiply-adds wait on the weights as well (Zen 5, 128 experts' 8-row matmuls:
+# Q4_K 23.6 -> 15.6 ms, Q6_K 20.8 -> 9.8 ms, Q4_K on avx2 39.0 -> 26.8 ms). Prefill's
+# kernels (8 or 16 rows, dense digits) reread a span of weights from the cache: none there.
 PREFETCH, FAR, PREFETCH_ROWS = 2048, 6144, 4
 # int8o's kernels for up to this many rows of x loop over the blocks in segments (frame()),
 # with more a branch per block: the same sums in the same order either way
@@ -157,7 +159,7 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
         e.do(f"{tb} = add i64 %tnb{sfx}, %b")  # (tile, block) index
     for g in range(8):
         e.do(f"%xo{g} = add i64 %xb, {4 * g}" if g else "%xo0 = add i64 %xb, 0")
-    if R <= PREFETCH_ROWS:
+    if R <= PREFETCH_ROWS or sparse:
         prefetch(e, fmt)
     mins: list[tuple[str, int]] = []  # (minimum vector, which per-16 sum of x: 0/1; -1 per 32)
     if fmt in ("q4k", "q6k"):
