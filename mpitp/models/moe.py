@@ -23,12 +23,15 @@ sigmoid gate replicated; its partial sums ride the same all-reduce.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ..tp import ReplicatedLinear, partition
 from .config import LlamaConfig
 from .layers import MLP, decode_kernels, fast
+
+SMALL = 16  # rows up to which a step's experts run in one compiled call (the kernels' decode rows)
 
 MODES = ("ep", "tp")
 
@@ -111,6 +114,7 @@ class SparseMoE:
         self.owner = np.repeat(np.arange(len(plan.experts)), plan.experts) if plan.mode == "ep" else None
         self.last_routes: tuple | None = None  # (experts [N, k], probabilities [N, E]) of the last call, for tests
         self._bound: dict = {}  # expert -> its weights' bound kernels (made at its first call after loading)
+        self._group: Any = None  # the held experts in one compiled call, False where they cannot be (_grouped)
         self.log: list | None = None  # a list: every call's routes appended (tests compare two models')
 
     def __call__(self, x):
@@ -135,6 +139,9 @@ class SparseMoE:
     def _held_experts(self, x, top, w):
         """Σ over this rank's experts e and the rows routed to e of w · e(x): [N, H]."""
         y = self.xp.zeros_like(x)
+        if x.shape[0] <= SMALL and fast(x) and (group := self._grouped()) is not None:
+            group(x, top, w, y)  # the loop below in one compiled call (decode steps)
+            return y
         for e in self.xp.unique(top).tolist():  # the experts some row chose, each once
             expert = self.experts.get(e)
             if expert is None:  # another rank's (ep)
@@ -157,11 +164,24 @@ class SparseMoE:
         out[:, H + k :] = w[order]
         got, sources = self.comm.alltoallv(out, counts)
         experts = got[:, H : H + k].astype(np.int64)  # -1 where another rank holds it
-        y = self._held_experts(got[:, :H], experts, got[:, H + k :])
+        y = self._held_experts(np.ascontiguousarray(got[:, :H]), experts, got[:, H + k :])
         back, _ = self.comm.alltoallv(y, sources)  # each row's sum to the rank it came from, in its order
         total = np.zeros_like(x)
         np.add.at(total, order, back)
         return total
+
+    def _grouped(self):
+        """The held experts bound for one compiled call (:class:`mpitp.kernels.experts.Grouped`),
+        made at the first decode step after loading; False where they are not int8 tiles."""
+        if self._group is None:
+            held = {e: (ex.gate_up_proj.qweight, ex.down_proj.qweight) for e, ex in self.experts.items()}
+            group = None
+            if self.xp is np and all(w is not None for p in held.values() for w in p):
+                from ..kernels.experts import Grouped
+
+                group = Grouped.of(held, self.gate.out_features)
+            self._group = group or False
+        return self._group or None
 
     def _expert(self, e: int, expert: MLP, x):
         """``expert(x)``; for a few rows of NumPy float32, through the weights' bound kernels

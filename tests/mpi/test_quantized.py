@@ -324,6 +324,37 @@ def test_int8o_on_a_mixture_of_experts_keeps_the_rule_and_counts_router_flips(tp
     )
     print(why)
     agree(kl.mean() <= 5e-3 and kl.max() <= 3e-2 and not flips.any() and not far, why)
+    _grouped_experts_equal_the_loop(m, moe)
+
+
+def _grouped_experts_equal_the_loop(m, moe):
+    """A decode step's experts in one compiled call (mpitp.kernels.experts) give the bits of
+    the per-expert loop, at 1-16 rows, an outlier in x included (int8o's second digit)."""
+    from mpitp.kernels.experts import Grouped
+    from mpitp.kernels.weights.tiles import TiledWeight
+    from mpitp.models.moe import route
+
+    rng = np.random.default_rng(7)
+    for L in m.layers:
+        block = L.mlp
+        if not hasattr(block, "experts"):
+            continue
+        group = block._grouped()
+        weights = [lin.qweight for ex in block.experts.values() for lin in (ex.gate_up_proj, ex.down_proj)]
+        if not all(isinstance(w, TiledWeight) for w in weights):  # tp at 3, 4 ranks: 64 columns cut
+            agree(group is None, f"--moe {moe}: experts not all in tiles, yet bound for one call")  # off 32-blocks
+            continue
+        agree(isinstance(group, Grouped), f"--moe {moe}: the experts were not bound for one call ({group})")
+        for rows in (1, 3, 8, 16):
+            x = rng.standard_normal((rows, block.gate.in_features)).astype(np.float32)
+            x[0, 3] = 40.0  # an outlier of its block
+            top, w, _ = route(block.gate(x), block.k, block.renormalize)
+            w = w.astype(np.float32)
+            one = block._held_experts(x, top, w)
+            block._group = False  # the per-expert loop
+            loop = block._held_experts(x, top, w)
+            block._group = group
+            agree(np.array_equal(one, loop), f"--moe {moe}, {rows} rows: |grouped - loop| = {np.abs(one - loop).max()}")
 
 
 LLAMA_CPP_FILES = sorted((FIX / "gguf").glob("*.gguf"))  # made by llama.cpp's converter and quantizer

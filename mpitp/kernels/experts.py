@@ -1,0 +1,127 @@
+"""A mixture of experts' held experts for a decode step's rows, in one compiled call.
+
+At batch 8 a rank of Qwen3-30B-A3B runs ~26 of its experts a layer, most for one row. Each
+expert through Python was three bound kernel calls, a SwiGLU, a gather and a scatter: ~30 µs
+of dispatch for ~70 µs of weights. Here one numba function walks the experts and calls the
+same kernels by address (:mod:`.calls`), as :class:`.int8.Bound`'s fused call does::
+
+    for e in the chosen experts, ascending, that this rank holds:
+        rows = the rows routed to e, ascending            xe = x[rows]          [m, H]
+        gu   = xe @ gate_up_eᵀ   (x quantized by the IR quantizer, then the kernel for m rows)
+        act  = silu(gu[:, :I]) · gu[:, I:]                 (.decode.swiglu)      [m, I]
+        out  = act @ down_eᵀ                                                     [m, H]
+        y[rows] += out · w[rows, slot]
+
+The same kernels on the same rows in the same order as the Python loop
+(:meth:`mpitp.models.moe.SparseMoE._held_experts`), so the same bits. It serves a layer
+whose experts are all int8 tiles of one format each (gate_up's and down's), one thread, and
+at most :data:`.int8.SMALL` rows; anything else takes the Python loop.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .calls import kernel_at, quantizer_at
+from .decode import swiglu
+from .int8 import SMALL, Bound
+from .weights.tiles import TiledWeight
+
+EXACT = dict(cache=True, nogil=True, boundscheck=False)  # no fastmath: out · w, then + y, as NumPy rounds
+
+
+class Grouped:
+    """The experts of one MoE layer on this rank, bound for :func:`run` (see the module)."""
+
+    def __init__(self, held: dict[int, tuple[TiledWeight, TiledWeight]], num_experts: int):
+        self.slot = np.full(num_experts, -1, np.int64)  # expert -> its row in the pointer tables
+        self.slot[list(held)] = np.arange(len(held))
+        self.gate_up = _Side([p[0] for p in held.values()])
+        self.down = _Side([p[1] for p in held.values()])
+
+    @classmethod
+    def of(cls, held: dict[int, tuple], num_experts: int) -> Grouped | None:
+        """For each held expert's (gate_up, down) weights, a Grouped, or None where the
+        compiled call cannot take them (not int8 tiles of an IR-quantized x, formats or
+        shapes that differ between experts, padded tiles, threads)."""
+        if not held or not all(isinstance(w, TiledWeight) for p in held.values() for w in p):
+            return None
+        first = next(iter(held.values()))
+        if any(_key(a) != _key(b) for p in held.values() for a, b in zip(p, first)):
+            return None
+        sides = [Bound(w) for w in first]
+        if any(b.fused is None or b.threads != 1 or b.pad is not None for b in sides):
+            return None
+        return cls(held, num_experts)
+
+    def __call__(self, x, top, w, y) -> None:
+        """``y += Σ`` over the held experts of the rows routed to them (x, y [N, H], N at
+        most SMALL; top, w [N, k]; an expert -1: another rank's)."""
+        g, d = self.gate_up, self.down
+        run(x, top, w, y, self.slot, g.ptrs, g.kernels, g.fixed, g.xe, g.out, d.ptrs, d.kernels, d.fixed, d.xe, d.out)
+
+
+def _ptr(a) -> int:
+    return 0 if a is None else a.ctypes.data
+
+
+def _key(w: TiledWeight) -> tuple:
+    return (w.fmt, w.shape, w.digits, w.group, w.outliers, w.xs_group, w.qs.shape, w.d.shape)
+
+
+class _Side:
+    """One of the two matmuls of every held expert: each expert's weight pointers, the
+    kernel of each row count, the quantizer and its buffers (shared by the experts)."""
+
+    def __init__(self, weights: list[TiledWeight]):
+        b = Bound(weights[0])  # its kernels and quantizer (every expert's are the same: _key)
+        N, K = b.w.shape
+        self.ptrs = np.array([[_ptr(w.qs), _ptr(w.d), _ptr(w.m)] for w in weights], np.int64)
+        self.kernels = np.array(b.at_rows, np.int64)  # by rows of x, 1..SMALL
+        self.buffers = (b.xq, b.xd, b.xs)  # kept alive: the kernels write and read them by address
+        self.xe = np.empty((SMALL, K), np.float32)  # the expert's rows of its input, gathered
+        self.out = np.empty((SMALL, N), np.float32)
+        assert b.fused is not None
+        self.fixed = np.array([*b.fused[:5], b.T, b.nb], np.int64)  # quantizer, halves, xq, xd, xs, T, nb
+
+
+@njit(**EXACT)
+def _matmul(xe, m, ptrs, s, kernels, fixed, out):
+    """out[:m] = xe[:m] @ W_sᵀ: x quantized into the side's buffers, then the kernel."""
+    q, halves, xq, xd, xs, T, nb = fixed[0], fixed[1], fixed[2], fixed[3], fixed[4], fixed[5], fixed[6]
+    quantizer_at(q, xe.ctypes.data, xq, xd, xs, m, xe.shape[1], halves)
+    kernel_at(kernels[m], ptrs[s, 0], ptrs[s, 1], ptrs[s, 2], xq, xd, xs, out.ctypes.data, T, nb, m, out.shape[1])
+
+
+@njit(**EXACT)
+def run(x, top, w, y, slot, gptrs, gkern, gfixed, gxe, gout, dptrs, dkern, dfixed, dxe, dout):
+    N, k = top.shape
+    E = slot.shape[0]
+    chosen = np.zeros(E, np.bool_)
+    for r in range(N):
+        for j in range(k):
+            e = top[r, j]
+            if e >= 0:
+                chosen[e] = True
+    rows = np.empty(N, np.int64)
+    slots = np.empty(N, np.int64)
+    for e in range(E):
+        s = slot[e]
+        if not chosen[e] or s < 0:  # no row chose it, or another rank holds it
+            continue
+        m = 0
+        for r in range(N):
+            for j in range(k):
+                if top[r, j] == e:
+                    rows[m], slots[m] = r, j
+                    m += 1
+        for i in range(m):
+            gxe[i, :] = x[rows[i], :]
+        _matmul(gxe, m, gptrs, s, gkern, gfixed, gout)
+        swiglu(gout[:m], dxe[:m])
+        _matmul(dxe, m, dptrs, s, dkern, dfixed, dout)
+        for i in range(m):
+            r, wt = rows[i], w[rows[i], slots[i]]
+            for c in range(y.shape[1]):
+                y[r, c] += dout[i, c] * wt
