@@ -14,14 +14,20 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import time
 
-import numpy as np
+# one BLAS thread a rank (as mpitp's launcher gives every rank): the one-machine cluster's
+# exec passes the caller's environment, and OpenBLAS's own threads on the 2 cores the ranks
+# share made a step of 8 rows ~6x slower
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import mpitp
-from mpitp.models.llama import LlamaForCausalLM
-from mpitp.models.loader import LoadOptions
+import numpy as np  # noqa: E402
+
+import mpitp  # noqa: E402
+from mpitp.models.llama import LlamaForCausalLM  # noqa: E402
+from mpitp.models.loader import LoadOptions  # noqa: E402
 
 
 def steps(model, rows: int, n: int, comm, seed: int) -> tuple[float, int]:
