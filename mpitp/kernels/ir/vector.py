@@ -229,6 +229,7 @@ def _block_isum(e: Body, fmt: str, isa: str, u: list[str], w: list[str], xs: lis
     for: all 8, or a half for a scale per 16)."""
     isum: str | None = None
     p16: str | None = None
+    pending: str | None = None  # q6k on avx2: one group's int16 pair sums, awaiting the next
     B, I = e.B, e.I
     for g in groups:
         s = xs[g]
@@ -242,6 +243,15 @@ def _block_isum(e: Body, fmt: str, isa: str, u: list[str], w: list[str], xs: lis
         elif isa == "avx2" and fmt in ("q4", "q4k"):  # 8 pair sums of ≤ 2·15·127 fit int16: one widening
             p = e(f"call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {u[g]}, <32 x i8> {s})")
             p16 = p if p16 is None else e(f"add <16 x i16> {p16}, {p}")
+        elif isa == "avx2" and fmt == "q6k":  # 2 pair sums of ≤ 2·63·127 fit int16: a widening per two groups
+            p = e(f"call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {u[g]}, <32 x i8> {s})")
+            if pending is None:
+                pending = p
+                continue
+            both = e(f"add <16 x i16> {pending}, {p}")
+            pending = None
+            part = e(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {both}, <16 x i16> {splat('i16', 16, 1)})")
+            isum = part if isum is None else e(f"add <8 x i32> {isum}, {part}")
         else:
             if isa == "avx2":
                 part = _isum(e, isa, u[g], s)
@@ -249,6 +259,9 @@ def _block_isum(e: Body, fmt: str, isa: str, u: list[str], w: list[str], xs: lis
                 signed = fmt == "q8"
                 part = _pairs(e, w[g] if signed else u[g], s, "sext" if signed else "zext")
             isum = part if isum is None else e(f"add <8 x i32> {isum}, {part}")
+    if pending is not None:  # an odd group left
+        part = e(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {pending}, <16 x i16> {splat('i16', 16, 1)})")
+        isum = part if isum is None else e(f"add <8 x i32> {isum}, {part}")
     if p16 is not None:
         isum = e(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {p16}, <16 x i16> {splat('i16', 16, 1)})")
     assert isum is not None
