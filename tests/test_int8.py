@@ -300,6 +300,24 @@ def test_amx_kernels_compile_to_tile_instructions():
         jit.assembly([("q4", "amx", 4, 1)], "sapphirerapids", "")  # 4 rows of x fill no tile
 
 
+@pytest.mark.parametrize("isa", [i for i in RUNNABLE if i != "amx"])
+@pytest.mark.parametrize("t", ["Q4_1", "Q4_K", "Q6_K"])
+def test_a_prefills_last_chunk_takes_a_smaller_kernel_with_the_same_bits(isa, t):
+    """Prefill's last chunk of fewer rows runs the kernel of the next row count up (1, 2, 4,
+    8: int8.prefill_kernels) instead of the full chunk's: every row of M = 17..32 rows has
+    the bits it has in a prefill of 32 rows (full chunks only), int8o's two digits."""
+    rng = np.random.default_rng(11)
+    n, k = 40, 512
+    bw = _weight(rng, t, n, k) if t == "Q4_1" else formats.from_ggml(k_blocks(rng, t, n, k), t)
+    tw = tiles.repack(bw, 2, True)
+    x = rng.standard_normal((32, k)).astype(np.float32)
+    full = int8.matmul(x, tw, isa)
+    tails = int8.prefill_kernels(tw.fmt, 2, isa, tw.group, k)
+    assert len(set(tails[1:].tolist())) > 1, tails  # the tails' kernels are not all the full chunk's
+    for m in range(17, 33):
+        assert np.array_equal(int8.matmul(x[:m], tw, isa), full[:m]), m
+
+
 @pytest.mark.skipif("amx" not in RUNNABLE, reason="no AMX on this CPU")
 @pytest.mark.parametrize("t,R,m", [("Q4_1", 8, 8), ("Q4_K", 8, 5), ("Q6_K", 8, 8)])
 def test_amx_int8o_bodies_give_the_vector_kernels_bits(monkeypatch, t, R, m):

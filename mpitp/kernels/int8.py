@@ -28,6 +28,7 @@ apart in float32): it flipped with the kernels' summation order, by machine and 
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import numba
@@ -89,6 +90,27 @@ def prefill_kernel(kind: str, digits: int, isa: str, group: int, K: int = 0):
     if isa == "amx":
         return jit.functions([(kind, "amx", chunk(isa, digits, K), digits, group)])[0]
     return kernels(kind, digits, isa, group, False)[chunk(isa)]
+
+
+def prefill_kernels(kind: str, digits: int, isa: str, group: int, K: int = 0) -> np.ndarray:
+    """Addresses of the kernels prefill calls by the rows of a chunk (index 0..chunk): a full
+    chunk's (:func:`prefill_kernel`), and for a last chunk of fewer rows the kernel of the
+    next row count up where that is smaller (1, 2, 4, 8): a kernel computes all its R rows,
+    and a MoE prompt's experts take ~30 rows each, so padding every tail to 16 (avx2) had
+    multiplied ~8 rows an expert for nothing; now ~2. AMX: its one kernel for every count."""
+    return _prefill_kernels(kind, digits, isa, group, isa == "amx" and digits == 2 and K > AMX_WIDE_K)
+
+
+@lru_cache(maxsize=None)
+def _prefill_kernels(kind: str, digits: int, isa: str, group: int, wide_k: bool) -> np.ndarray:
+    K = AMX_WIDE_K + 1 if wide_k else 0  # amx: its chunk, as prefill_kernel picks it
+    rows = chunk(isa, digits, K)
+    out = np.full(rows + 1, address(prefill_kernel(kind, digits, isa, group, K)), np.int64)
+    if isa != "amx":
+        k = kernels(kind, digits, isa, group, False)
+        for m in range(1, rows):
+            out[m] = address(k[rows_for(m)])
+    return out
 
 
 def _bound_quantizer(w: TiledWeight, isa: str | None, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray):
@@ -222,7 +244,6 @@ def matmul(x2: np.ndarray, w: TiledWeight, isa: str | None = None) -> np.ndarray
     isa = isa or cpu.isa()
     rows = chunk(isa, D, K)
     # int8o's prefill multiplies two full digits, as int8x2 (the module's docstring says why)
-    k = prefill_kernel(w.fmt, D, isa, w.group, K)
     P = -(-M // rows) * rows * D
     xq = lined((P, K), np.int8)
     xd = np.zeros((P, nb), np.float32)
@@ -240,7 +261,7 @@ def matmul(x2: np.ndarray, w: TiledWeight, isa: str | None = None) -> np.ndarray
     wp = (_ptr(w.qs), _ptr(w.d), _ptr(w.m))
     xp = (_ptr(xq), _ptr(xd), _ptr(xs))
     parallel.run_spans(
-        address(k),
+        prefill_kernels(w.fmt, D, isa, w.group, K),
         n,
         span,
         rows,
@@ -267,8 +288,8 @@ def warm(kind: str, digits: int = 1, group: int = 32, outliers: bool = False) ->
         _quantized.compile((numba.int64, x, x) + (numba.int64,) * 10)
     if outliers:
         outlier_quantizer()
-    for K in (AMX_WIDE_K, AMX_WIDE_K + 1):  # both of amx's chunks
-        prefill_kernel(kind, digits, cpu.isa(), group, K)
+    for K in (AMX_WIDE_K, AMX_WIDE_K + 1):  # both of amx's chunks, and the tails' kernels
+        prefill_kernels(kind, digits, cpu.isa(), group, K)
     if digits == 2:
         two_digit_quantizer()
         return

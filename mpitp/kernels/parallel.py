@@ -20,6 +20,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numba
+import numpy as np
 
 from ..errors import MpitpError
 from .calls import kernel_at
@@ -100,30 +101,32 @@ def _drivers():
     from numba import njit, prange
 
     @njit(parallel=True, nogil=True, cache=True)
-    def spans(fn, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr, xsr):
+    def spans(fns, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr, xsr):
         for s in prange((T + span - 1) // span):
-            _span(fn, s * span, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr, xsr)
+            _span(fns, s * span, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr, xsr)
 
     return tile_ranges, spans
 
 
 @numba.njit(nogil=True, cache=True)
-def _span(fn, t0, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr, xsr):
-    """Tiles t0 .. t0+span-1 of W, every ``rows`` rows of x in turn (prefill's unit of work)."""
+def _span(fns, t0, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr, xsr):
+    """Tiles t0 .. t0+span-1 of W, every ``rows`` rows of x in turn (prefill's unit of work);
+    ``fns[r]``: the kernel for a chunk of r rows (the last chunk may take a smaller one)."""
     cnt = min(span, T - t0)
     mj = m + t0 * sm if sm else m
     for r0 in range(0, M, rows):
         yo = y + (r0 * ldy + t0 * 8) * 4
-        kernel_at(fn, qs + t0 * sq, d + t0 * sd, mj, xq + r0 * xqr, xd + r0 * xdr, xs + r0 * xsr, yo, cnt, nb,
-                  min(rows, M - r0), ldy)  # fmt: skip
+        r = min(rows, M - r0)
+        kernel_at(fns[r], qs + t0 * sq, d + t0 * sd, mj, xq + r0 * xqr, xd + r0 * xdr, xs + r0 * xsr, yo, cnt, nb,
+                  r, ldy)  # fmt: skip
 
 
 @numba.njit(nogil=True, cache=True)
-def _serial_spans(fn, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr, xsr):
+def _serial_spans(fns, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr, xsr):
     """Prefill's spans in order on the calling thread, compiled (a Python loop costs ~8 µs
     a kernel call, ~0.25 s of a 476-token prefill on the 1B shape)."""
     for t0 in range(0, T, span):
-        _span(fn, t0, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr, xsr)
+        _span(fns, t0, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr, xsr)
 
 
 def use(n: int) -> None:
@@ -138,23 +141,25 @@ def run_tiles(fn: int, n: int, wp, tile_bytes, xp, y: int, T: int, nb: int, M: i
     _drivers()[0](fn, n, *wp, *xp, y, T, nb, M, ldy, *tile_bytes)
 
 
-def run_spans(fn: int, n: int, span: int, rows: int, wp, tile_bytes, xp, x_row_bytes, y, T, nb, M, ldy) -> None:
+def run_spans(fns, n: int, span: int, rows: int, wp, tile_bytes, xp, x_row_bytes, y, T, nb, M, ldy) -> None:
     """Prefill: spans of ``span`` tiles over the threads, each span taking every ``rows``
-    rows of x in turn (``x_row_bytes``: bytes of xq, xd and xs a row of x advances); one
-    thread runs them in order, without the parallel pool."""
+    rows of x in turn (``x_row_bytes``: bytes of xq, xd and xs a row of x advances;
+    ``fns``: int64 kernel addresses by the rows of a chunk, 0..rows); one thread runs them
+    in order, without the parallel pool."""
     if n == 1:
-        _serial_spans(fn, span, rows, *wp, *xp, y, T, nb, M, ldy, *tile_bytes, *x_row_bytes)
+        _serial_spans(fns, span, rows, *wp, *xp, y, T, nb, M, ldy, *tile_bytes, *x_row_bytes)
         return
     numba.set_num_threads(n)
-    _drivers()[1](fn, span, rows, *wp, *xp, y, T, nb, M, ldy, *tile_bytes, *x_row_bytes)
+    _drivers()[1](fns, span, rows, *wp, *xp, y, T, nb, M, ldy, *tile_bytes, *x_row_bytes)
 
 
 def warm(fn: int, threads: int) -> None:
     """Compile the drivers now (at load), not inside the first forward: they run the
     kernel at address ``fn`` on zero tiles."""
-    _serial_spans(fn, 1, 16, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 8, 0, 0, 0, 0, 0, 0)
+    fns = np.full(17, fn, np.int64)
+    _serial_spans(fns, 1, 16, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 8, 0, 0, 0, 0, 0, 0)
     if threads == 1:
         return
     tiles, spans = _drivers()
     tiles(fn, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 8, 0, 0, 0)
-    spans(fn, 1, 16, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 8, 0, 0, 0, 0, 0, 0)
+    spans(fns, 1, 16, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 8, 0, 0, 0, 0, 0, 0)
