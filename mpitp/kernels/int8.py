@@ -28,7 +28,7 @@ apart in float32): it flipped with the kernels' summation order, by machine and 
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import numba
@@ -97,11 +97,13 @@ def prefill_kernels(kind: str, digits: int, isa: str, group: int, K: int = 0) ->
     chunk's (:func:`prefill_kernel`), and for a last chunk of fewer rows the kernel of the
     next row count up where that is smaller (1, 2, 4, 8): a kernel computes all its R rows,
     and a MoE prompt's experts take ~30 rows each, so padding every tail to 16 (avx2) had
-    multiplied ~8 rows an expert for nothing; now ~2. AMX: its one kernel for every count."""
+    multiplied ~8 rows an expert for nothing. ``[0]`` nonzero: a tail that would still pad 2
+    rows or more goes in powers of two (14 = 8 + 4 + 2: :func:`.parallel._span`). AMX: its one
+    kernel for every count, no split."""
     return _prefill_kernels(kind, digits, isa, group, isa == "amx" and digits == 2 and K > AMX_WIDE_K)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _prefill_kernels(kind: str, digits: int, isa: str, group: int, wide_k: bool) -> np.ndarray:
     K = AMX_WIDE_K + 1 if wide_k else 0  # amx: its chunk, as prefill_kernel picks it
     rows = chunk(isa, digits, K)
@@ -110,6 +112,9 @@ def _prefill_kernels(kind: str, digits: int, isa: str, group: int, wide_k: bool)
         k = kernels(kind, digits, isa, group, False)
         for m in range(1, rows):
             out[m] = address(k[rows_for(m)])
+        out[0] = 1  # a tail may go in powers of two (parallel._span)
+    else:
+        out[0] = 0
     return out
 
 

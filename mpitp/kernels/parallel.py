@@ -111,14 +111,23 @@ def _drivers():
 @numba.njit(nogil=True, cache=True)
 def _span(fns, t0, span, rows, qs, d, m, xq, xd, xs, y, T, nb, M, ldy, sq, sd, sm, xqr, xdr, xsr):
     """Tiles t0 .. t0+span-1 of W, every ``rows`` rows of x in turn (prefill's unit of work);
-    ``fns[r]``: the kernel for a chunk of r rows (the last chunk may take a smaller one)."""
+    ``fns[r]``: the kernel for a chunk of r rows (the last chunk may take a smaller one, and
+    with ``fns[0]`` nonzero go in powers of two: :func:`.int8.prefill_kernels`)."""
     cnt = min(span, T - t0)
     mj = m + t0 * sm if sm else m
-    for r0 in range(0, M, rows):
+    r0 = 0
+    while r0 < M:
         yo = y + (r0 * ldy + t0 * 8) * 4
         r = min(rows, M - r0)
+        if fns[0] and r < rows:  # a tail: powers of two while its kernel would pad 2 rows or more
+            R = 1
+            while R < r:
+                R *= 2
+            if R - r >= 2:
+                r = R // 2
         kernel_at(fns[r], qs + t0 * sq, d + t0 * sd, mj, xq + r0 * xqr, xd + r0 * xdr, xs + r0 * xsr, yo, cnt, nb,
                   r, ldy)  # fmt: skip
+        r0 += r
 
 
 @numba.njit(nogil=True, cache=True)
@@ -157,6 +166,7 @@ def warm(fn: int, threads: int) -> None:
     """Compile the drivers now (at load), not inside the first forward: they run the
     kernel at address ``fn`` on zero tiles."""
     fns = np.full(17, fn, np.int64)
+    fns[0] = 0
     _serial_spans(fns, 1, 16, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 8, 0, 0, 0, 0, 0, 0)
     if threads == 1:
         return
