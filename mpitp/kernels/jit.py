@@ -46,13 +46,29 @@ def address(a) -> int:
 
 
 def target(isa: str) -> tuple[str, str, str]:
-    """(triple, cpu, features) the kernels of ``isa`` are compiled for on this host."""
+    """(triple, cpu, features) the kernels of ``isa`` are compiled for on this host.
+
+    avx2's without AVX-512 and AVX-VNNI whatever the host has: an AVX2 CPU (AMD Zen 3) has 16
+    vector registers, where AVX-512's EVEX encoding gives LLVM 32 for 256-bit code too. Forced
+    on an AVX-512 host (``MPITP_ISA=avx2``), the kernels had kept 16 rows' accumulators in
+    registers that a Zen 3 spills (the 16-row Q6_K prefill kernel: ~140 stack operands a
+    block there, ~4 here), so what the host measured was not what an AVX2 CPU runs."""
     import llvmlite.binding as llvm
 
     triple = llvm.get_process_triple()
     if cpu.FACTS[isa].baseline and triple.startswith("x86_64"):
         return triple, "x86-64", ""
-    return triple, llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
+    features = llvm.get_host_cpu_features().flatten()
+    if isa == "avx2":
+        features = ",".join(_without_avx512(f) for f in features.split(","))
+    return triple, llvm.get_host_cpu_name(), features
+
+
+def _without_avx512(feature: str) -> str:
+    """A host feature, turned off where it is AVX-512's, AVX10's or AVX-VNNI's."""
+    name = feature[1:]
+    off = name.startswith(("avx512", "avx10", "evex512", "avxvnni", "amx"))
+    return f"-{name}" if off and feature.startswith("+") else feature
 
 
 def target_machine(isa: str, cpu: str | None = None, features: str | None = None):
