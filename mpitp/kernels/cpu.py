@@ -30,7 +30,7 @@ class Facts:
 
     vector: str  # the vector kernels it decodes with (amx decodes with avx512's)
     narrow: str  # those for fewer than WIDE_ROWS rows of x (avx512: vnni's 8 lanes, one weight stream)
-    prefill_rows: int  # rows of x a prefill kernel call takes (avx512: 8, 16 rows of 16 lanes spill)
+    prefill_rows: int  # rows of x a prefill kernel call takes (avx512, avx2: 8; 16 rows spill)
     tiles_from: int | None  # rows of x from which AMX's tile kernels take a call (decode too)
     baseline: bool  # compiled for the baseline x86-64 (SSE2), not for the host CPU
     f16c: bool  # float16 widened by vcvtph2ps (else integer moves); a float16 KV cache's core
@@ -41,7 +41,7 @@ FACTS = {
     "amx": Facts("avx512", "vnni", 16, 8, False, True),
     "avx512": Facts("avx512", "vnni", 8, None, False, True),
     "vnni": Facts("vnni", "vnni", 16, None, False, True),
-    "avx2": Facts("avx2", "avx2", 16, None, False, True),
+    "avx2": Facts("avx2", "avx2", 8, None, False, True),  # 16 rows' accumulators spill its 16 registers
     "portable": Facts("portable", "portable", 16, None, True, False),
 }
 # Linux's arch_prctl: ask for the AMX tile data state (XFEATURE_XTILEDATA), which a process
