@@ -25,7 +25,7 @@ from numba import njit
 
 from .calls import kernel_at, quantizer_at
 from .decode import swiglu
-from .int8 import SMALL, Bound
+from .int8 import SMALL, Bound, pointer
 from .weights.tiles import TiledWeight
 
 EXACT = dict(cache=True, nogil=True, boundscheck=False)  # no fastmath: out · w, then + y, as NumPy rounds
@@ -33,6 +33,8 @@ EXACT = dict(cache=True, nogil=True, boundscheck=False)  # no fastmath: out · w
 
 class Grouped:
     """The experts of one MoE layer on this rank, bound for :func:`run` (see the module)."""
+
+    ROWS = SMALL  # the most rows of x a call takes (the kernels' decode row counts)
 
     def __init__(self, held: dict[int, tuple[TiledWeight, TiledWeight]], num_experts: int):
         self.slot = np.full(num_experts, -1, np.int64)  # expert -> its row in the pointer tables
@@ -62,10 +64,6 @@ class Grouped:
         run(x, top, w, y, self.slot, g.ptrs, g.kernels, g.fixed, g.xe, g.out, d.ptrs, d.kernels, d.fixed, d.xe, d.out)
 
 
-def _ptr(a) -> int:
-    return 0 if a is None else a.ctypes.data
-
-
 def _key(w: TiledWeight) -> tuple:
     return (w.fmt, w.shape, w.digits, w.group, w.outliers, w.xs_group, w.qs.shape, w.d.shape)
 
@@ -77,7 +75,7 @@ class _Side:
     def __init__(self, weights: list[TiledWeight]):
         b = Bound(weights[0])  # its kernels and quantizer (every expert's are the same: _key)
         N, K = b.w.shape
-        self.ptrs = np.array([[_ptr(w.qs), _ptr(w.d), _ptr(w.m)] for w in weights], np.int64)
+        self.ptrs = np.array([[pointer(w.qs), pointer(w.d), pointer(w.m)] for w in weights], np.int64)
         self.kernels = np.array(b.at_rows, np.int64)  # by rows of x, 1..SMALL
         self.buffers = (b.xq, b.xd, b.xs)  # kept alive: the kernels write and read them by address
         self.xe = np.empty((SMALL, K), np.float32)  # the expert's rows of its input, gathered

@@ -46,7 +46,8 @@ SMALL = KERNEL_ROWS[-1]
 SPAN = 64  # tiles (of 8 rows) per column span in prefill: 512 rows
 
 
-def _ptr(a) -> int:
+def pointer(a) -> int:
+    """Where an array's data starts (0 for None: a weight without minimums)."""
     return 0 if a is None else a.ctypes.data
 
 
@@ -167,8 +168,8 @@ class Bound:
         self.xd = np.zeros((P, self.nb), np.float32)
         self.xs = np.zeros((P, K // w.xs_group), np.float32)
         self.quantize = _bound_quantizer(w, isa, self.xq, self.xd, self.xs)
-        self.wp = (_ptr(w.qs), _ptr(w.d), _ptr(w.m))
-        self.xp = (_ptr(self.xq), _ptr(self.xd), _ptr(self.xs))
+        self.wp = (pointer(w.qs), pointer(w.d), pointer(w.m))
+        self.xp = (pointer(self.xq), pointer(self.xd), pointer(self.xs))
         self.pad = np.empty((SMALL, self.T * ROWS), np.float32) if self.T * ROWS != N else None
         self.threads = parallel.threads()
         if self.T * self.nb < self.threads * parallel.MIN_WORK:
@@ -266,8 +267,8 @@ def matmul(x2: np.ndarray, w: TiledWeight, isa: str | None = None) -> np.ndarray
     if n > 1 and T * nb < n * parallel.MIN_WORK:
         n = 1
     span = SPAN if n == 1 else min(SPAN, -(-T // n))  # every thread a span at least
-    wp = (_ptr(w.qs), _ptr(w.d), _ptr(w.m))
-    xp = (_ptr(xq), _ptr(xd), _ptr(xs))
+    wp = (pointer(w.qs), pointer(w.d), pointer(w.m))
+    xp = (pointer(xq), pointer(xd), pointer(xs))
     parallel.run_spans(
         prefill_kernels(w.fmt, D, isa, w.group, K),
         n,

@@ -31,8 +31,6 @@ from ..tp import ReplicatedLinear, partition
 from .config import LlamaConfig
 from .layers import MLP, decode_kernels, fast
 
-SMALL = 16  # rows up to which a step's experts run in one compiled call (the kernels' decode rows)
-
 MODES = ("ep", "tp")
 
 
@@ -139,9 +137,10 @@ class SparseMoE:
     def _held_experts(self, x, top, w):
         """Σ over this rank's experts e and the rows routed to e of w · e(x): [N, H]."""
         y = self.xp.zeros_like(x)
-        if x.shape[0] <= SMALL and fast(x) and (group := self._grouped()) is not None:
-            group(x, top, w, y)  # the loop below in one compiled call (decode steps)
-            return y
+        if type(x) is np.ndarray and x.dtype == np.float32 and (group := self._grouped()) is not None:
+            if x.shape[0] <= group.ROWS:  # the loop below in one compiled call (decode steps); it
+                group(x, top, w, y)  # gathers each expert's rows itself, so x may be a view
+                return y
         for e in self.xp.unique(top).tolist():  # the experts some row chose, each once
             expert = self.experts.get(e)
             if expert is None:  # another rank's (ep)
@@ -164,7 +163,7 @@ class SparseMoE:
         out[:, H + k :] = w[order]
         got, sources = self.comm.alltoallv(out, counts)
         experts = got[:, H : H + k].astype(np.int64)  # -1 where another rank holds it
-        y = self._held_experts(np.ascontiguousarray(got[:, :H]), experts, got[:, H + k :])
+        y = self._held_experts(got[:, :H], experts, got[:, H + k :])
         back, _ = self.comm.alltoallv(y, sources)  # each row's sum to the rank it came from, in its order
         total = np.zeros_like(x)
         np.add.at(total, order, back)
