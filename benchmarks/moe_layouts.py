@@ -1,9 +1,12 @@
 """Decode steps of a mixture of experts in its two layouts across ranks (and nodes), in one
 run: tp attention with the experts cut ep (two all-reduces a layer) against data-parallel
 attention (each rank decodes its own rows; each MoE layer reaches the experts by
-all-to-all). Prints tokens/s of each (the same rows in all: ``--batch`` in all, batch / p a
-rank under dp), rounds alternated, and the bytes each rank sent a token by the traffic
-counters beside ``mpitp plan infer``'s expectation under uniform routing.
+all-to-all). tp is run twice: greedy (each rank's argmax of its shard of the vocabulary,
+as greedy rows take their tokens) and with the logits all-gathered (as sampled rows need
+them: V·4 bytes a row). Prints tokens/s of each (the same rows in all: ``--batch`` in all,
+batch / p a rank under dp), rounds alternated, and the bytes each rank sent a token by the
+traffic counters beside ``mpitp plan infer``'s expectation under uniform routing (which
+counts the logits' all-gather).
 
     bin/mpitp-minicluster up --nodes 2 --link 1gbit
     bin/mpitp-minicluster exec -n 2 -ppn 1 -- python benchmarks/moe_layouts.py \\
@@ -30,15 +33,16 @@ from mpitp.models.llama import LlamaForCausalLM  # noqa: E402
 from mpitp.models.loader import LoadOptions  # noqa: E402
 
 
-def steps(model, rows: int, n: int, comm, seed: int) -> tuple[float, int]:
-    """Seconds a decode step of ``rows`` rows (the slowest rank's), and the bytes this rank sent."""
+def steps(model, rows: int, n: int, comm, seed: int, greedy: bool) -> tuple[float, int]:
+    """Seconds a decode step of ``rows`` rows (the slowest rank's), and the bytes this rank sent
+    (``greedy``: the next tokens, as greedy rows take them; else the logits, as sampled ones)."""
     cache = model.new_cache(max(rows, 1), 64 + n)
     cache.valid[:] = True
     rng = np.random.default_rng(seed + comm.rank)
     ids = rng.integers(0, 1000, (rows, 1))
 
     def one():
-        model.forward(ids, np.full((rows, 1), cache.length), cache, last_only=True)
+        model.forward(ids, np.full((rows, 1), cache.length), cache, last_only=True, greedy=greedy)
 
     for _ in range(3):
         one()
@@ -62,15 +66,19 @@ def main() -> int:
     p, say = comm.size, (print if comm.rank == 0 else lambda *a, **k: None)
     if args.batch % p:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the {p} ranks")
-    layouts = {"tp attention, experts ep": False, "dp attention, experts by all-to-all": True}
+    layouts = {  # (dp attention, greedy)
+        "tp attention, experts ep, greedy": (False, True),
+        "tp attention, experts ep, logits": (False, False),
+        "dp attention, experts by all-to-all": (True, True),
+    }
     times: dict[str, list[float]] = {n: [] for n in layouts}
     sent: dict[str, int] = {}
     config = None
     for r in range(args.rounds):  # alternated; one model loaded at a time (loading peaks at ~3x its weights)
-        for name, dp in layouts.items():
+        for name, (dp, greedy) in layouts.items():
             model = LlamaForCausalLM.from_pretrained(args.model, comm, LoadOptions(moe="ep", dp_attention=dp))
             rows = args.batch // p if dp else args.batch
-            t, b = steps(model, rows, args.steps, comm, r)
+            t, b = steps(model, rows, args.steps, comm, r, greedy)
             times[name].append(comm.allreduce_object(t, op="max"))
             sent[name] = comm.allreduce_object(b, op="max") // args.steps
             config = model.config
@@ -90,8 +98,9 @@ def main() -> int:
         say(f"{name:<38} {tok:8.1f} tok/s ({', '.join(f'{args.batch / t:.1f}' for t in times[name])}) "
             f"{tok / base:.2f}x; sent {per_tok / 1e6:.3f} MB a token, all ranks")  # fmt: skip
     b = plan["bytes_per_token"]
-    tp, dp = (sum(b[k].values()) / 1e6 for k in ("tp", "dp"))
-    say(f"plan infer (uniform routing): tp {tp:.3f} MB, dp {dp:.3f} MB a token, all ranks")
+    tp, greedy, dp = (sum(b[k].values()) / 1e6 for k in ("tp", "tp_greedy", "dp"))
+    say(f"plan infer (uniform routing): tp {greedy:.3f} MB greedy, {tp:.3f} MB with the logits, "
+        f"dp {dp:.3f} MB a token, all ranks")  # fmt: skip
     comm.free()
     return 0
 

@@ -277,4 +277,7 @@ def test_mixture_of_experts_shapes_in_the_plans():
     counted = sum(any(e >= 86 for e in d) for d in draws) / len(draws)
     assert abs(hit[2] - counted) < 0.01
     res = pinf.moe(m, 2, 2, 8, "q4_k")
-    assert res["auto"] == "ep" and res["bytes_per_token"]["dp"]["inter"] < res["bytes_per_token"]["tp"]["inter"]
+    b = res["bytes_per_token"]
+    assert res["auto"] == "ep" and b["dp"]["inter"] < b["tp_greedy"]["inter"] < b["tp"]["inter"]
+    # a token's, both ranks: each its half of the row's logits (V·4/2 bytes) against a 16-byte pair
+    assert abs(b["tp"]["inter"] - b["tp_greedy"]["inter"] - 2 * (m.vocab_size * 4 / 2 - 16)) <= 1

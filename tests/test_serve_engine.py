@@ -20,8 +20,8 @@ def decode(engine: Engine, row: int, first_logits, n: int) -> list[int]:
     out = [int(np.argmax(first_logits))]
     engine.took(row, out[0])
     for _ in range(n - 1):
-        logits = engine.step()[row].logits
-        out.append(int(np.argmax(logits)))
+        r = engine.step()[row]  # a greedy row's token, its logits' argmax taken where they are
+        out.append(r.token if r.token >= 0 else int(np.argmax(r.logits)))
         engine.took(row, out[-1])
     return out
 

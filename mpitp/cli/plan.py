@@ -307,8 +307,9 @@ def _print_moe(r: dict) -> None:
           f"experts a rank, --moe tp {'/'.join(map(str, r['columns_per_rank_tp']))} columns of each; auto = "
           f"{r['auto']}; experts {_mb(r['expert_weights_per_rank_bytes'])} a rank (ep), the rest {_mb(w['tp'])} "
           f"(tp attention) or {_mb(w['dp'])} (--dp-attention)\nper token, inter-node / intra-node (all ranks): "
-          f"tp attention's all-reduces {_mb(b['tp']['inter'])} / {_mb(b['tp']['intra'])}, --dp-attention's "
-          f"all-to-all {_mb(b['dp']['inter'])} / {_mb(b['dp']['intra'])}")  # fmt: skip
+          f"tp attention's all-reduces {_mb(b['tp']['inter'])} / {_mb(b['tp']['intra'])} with the logits "
+          f"gathered (sampled rows), {_mb(b['tp_greedy']['inter'])} / {_mb(b['tp_greedy']['intra'])} greedy; "
+          f"--dp-attention's all-to-all {_mb(b['dp']['inter'])} / {_mb(b['dp']['intra'])}")  # fmt: skip
 
 
 def _fit(args):

@@ -1,10 +1,11 @@
 """Sampling and the decode loop: prefill once, then one token at a time.
 
 Prompts of different lengths are left-padded onto one timeline; pads are masked out of
-attention and positions count only real tokens. Every rank holds the same logits (bytes
-all-gathered from the same shards), so greedy decoding picks the same token everywhere
-with no message; a sampled token is drawn on rank 0 and broadcast, so every rank continues
-with the same ids whatever its random generator does.
+attention and positions count only real tokens. Greedy decoding takes each rank's argmax
+of its shard of the vocabulary and all-gathers those (value, token) pairs, so every rank
+picks the same token with no logits gathered; otherwise every rank holds the same logits
+(bytes all-gathered from the same shards), and a sampled token is drawn on rank 0 and
+broadcast, so every rank continues with the same ids whatever its random generator does.
 """
 
 from __future__ import annotations
@@ -141,9 +142,16 @@ def generate(
     rng = np.random.default_rng(seed)
     out = [list(p) for p in prompts]
     done = np.zeros(B, bool)
+    # greedy, nothing done to the logits: each rank's argmax of its shard of the vocabulary,
+    # the logits never gathered (the same token as the gathered logits' argmax)
+    argmax = temperature <= 0 and repetition_penalty == 1.0
+
+    def forward(ids, positions):
+        out = model.forward(xp.asarray(ids), xp.asarray(positions), cache, last_only=True, greedy=argmax)
+        return out if out is None or argmax else out[:, -1]
+
     t0 = time.perf_counter()
-    logits = model.forward(xp.asarray(ids), xp.asarray(positions), cache, last_only=True)
-    logits = None if logits is None else logits[:, -1]
+    logits = forward(ids, positions)
     prefill = time.perf_counter() - t0
     next_pos = positions[:, -1] + 1
     new = 0
@@ -151,7 +159,9 @@ def generate(
     stage = getattr(model, "stage", None)  # pipeline stages: the logits are the last stage's
     for step in range(max_new_tokens):
         tok = None
-        if logits is not None:
+        if logits is not None and argmax:
+            tok = np.asarray(logits, np.int64)
+        elif logits is not None:
             host = logits.get() if hasattr(logits, "get") else np.asarray(logits)
             host = penalize_repeats(host, out, repetition_penalty)
             tok = sample(host, rng, temperature, top_k, top_p, min_p).astype(np.int64)
@@ -170,8 +180,7 @@ def generate(
         if done.all() or step == max_new_tokens - 1:
             break
         cache.valid[:, cache.length] = True
-        logits = model.forward(xp.asarray(tok[:, None]), xp.asarray(next_pos[:, None]), cache, last_only=True)
-        logits = None if logits is None else logits[:, -1]
+        logits = forward(tok[:, None], next_pos[:, None])
         next_pos = next_pos + 1
     decode = time.perf_counter() - t1
     model.last_stats = {

@@ -152,10 +152,12 @@ class LlamaForCausalLM:
                 "this model (does the tokenizer belong to it?)"
             )
 
-    def forward(self, ids, positions, cache: KVCache, last_only: bool = False, keep=None):
+    def forward(self, ids, positions, cache: KVCache, last_only: bool = False, keep=None, greedy: bool = False):
         """Logits [B, T, vocab] for ``ids`` [B, T] appended to ``cache`` at ``cache.length``
         (``last_only``: just the last position's, [B, 1, vocab], as decoding needs; ``keep``:
-        the positions listed, [B, len(keep), vocab])."""
+        the positions listed, [B, len(keep), vocab]; ``greedy``: instead of logits, the last
+        position's most likely token [B] on the host, the head's shards never gathered:
+        :meth:`~mpitp.tp.embedding.ParallelLMHead.greedy`). None on a stage before the last."""
         if self.is_first:
             h = self.embed_tokens(ids)
         else:  # the previous stage's hidden states
@@ -171,6 +173,8 @@ class LlamaForCausalLM:
         if not self.is_last:  # on to the next stage; the logits come from the last
             self.stage.send(h)
             return None
+        if greedy:
+            return self.lm_head.greedy(self.norm(h[:, -1:]))[:, 0]  # as last_only computes them
         if last_only:
             h = h[:, -1:]
         elif keep is not None:

@@ -144,7 +144,9 @@ def moe(m: LlamaConfig, ranks: int, nodes: int, batch: int, weights: str | None 
 
         tp attention (--moe ep or tp)   2 all-reduces a layer (attention's, the experts' sum) of
                                         B·H·4 bytes (ring: 2(p-1)/p of it sent a rank), the
-                                        embedding's one more, the head's all-gather (V·4 (p-1)/p)
+                                        embedding's one more, the head's all-gather (V·4 (p-1)/p
+                                        a row; greedy rows, "tp_greedy": a (value, token) pair,
+                                        16 bytes, to each other rank)
         dp attention (--dp-attention)   B/p rows a rank; each MoE layer sends each row once to
                                         every other rank holding one of its experts (H + 2k
                                         floats: x, the experts, their weights) and gets its sum
@@ -165,17 +167,18 @@ def moe(m: LlamaConfig, ranks: int, nodes: int, batch: int, weights: str | None 
     block = 256 if weights and weights.lower() in ("q4_k", "q6_k") else 32 if weights else 1
     ep = MoEPlan.of(m, p, "ep", block)
     hit = ranks_hit(ep.experts, k)
-    links: dict[str, dict[str, float]] = {"tp": {"inter": 0.0, "intra": 0.0}, "dp": {"inter": 0.0, "intra": 0.0}}
+    links: dict[str, dict[str, float]] = {k: {"inter": 0.0, "intra": 0.0} for k in ("tp", "tp_greedy", "dp")}
     row = (H + 2 * k) * 4 + H * 4  # out and back
     for r in range(p):  # dp: each rank's rows to the others (per row of its own)
         for q in range(p):
             if q != r:
                 links["dp"]["inter" if q // per_node != r // per_node else "intra"] += sparse * hit[q] * row
     _, ring = _ring(p, batch * H * 4)
-    per_step = (2 * m.num_hidden_layers + 1) * ring + ((p - 1) * batch * V * 4 / p if p > 1 else 0)
     crossing = nodes if nodes > 1 else 0  # ring hops that leave a node, of p
-    links["tp"]["inter"] = p * per_step * crossing / p / batch
-    links["tp"]["intra"] = p * per_step * (p - crossing) / p / batch
+    for mode, head in (("tp", V * 4 / p), ("tp_greedy", 16)):
+        per_step = (2 * m.num_hidden_layers + 1) * ring + ((p - 1) * batch * head if p > 1 else 0)
+        links[mode]["inter"] = p * per_step * crossing / p / batch
+        links[mode]["intra"] = p * per_step * (p - crossing) / p / batch
     for cls in links["dp"]:
         links["dp"][cls] /= p  # per row: each of the p ranks decodes batch / p rows
     expert = 3 * H * m.moe_intermediate_size * wbytes

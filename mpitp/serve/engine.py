@@ -241,11 +241,18 @@ class Engine:
         pos = np.array([[s.pos if f and s else 0] for s, f in zip(rows, feed)], np.int64)
         c.valid[:k, c.length] = feed  # a row without a token must not see this column later
         view = kv_rows.Rows(c, k)
+        wants = np.array([s is not None and s.job.wants_logits for s in rows], bool)
+        # every fed row greedy, none wanting its logits: the argmax of each rank's shard of
+        # the vocabulary, the logits never gathered (the token rank 0's pick would give)
+        greedy = all(s.job.temperature <= 0 for s, f in zip(rows, feed) if f and s)
+        argmax = self.stage is None and greedy and not wants.any()
         with np.errstate(invalid="ignore", divide="ignore"):  # rows with nothing to attend to
-            logits = m.forward(m.xp.asarray(toks), m.xp.asarray(pos), view, last_only=True)
-            wants = np.array([s is not None and s.job.wants_logits for s in rows], bool)
-            sample = {r: r for r, f in enumerate(feed) if f and not wants[r]}
-            nxt = self._results(None if logits is None else logits[:, -1], wants, sample)
+            out = m.forward(m.xp.asarray(toks), m.xp.asarray(pos), view, last_only=True, greedy=argmax)
+            if argmax:
+                nxt = Next(lambda: (out, None), np.zeros(k, bool))
+            else:
+                sample = {r: r for r, f in enumerate(feed) if f and not wants[r]}
+                nxt = self._results(None if out is None else out[:, -1], wants, sample)
         c.length = view.length
         for s, f in zip(rows, feed):
             if f and s is not None:

@@ -110,13 +110,48 @@ class ParallelLMHead(VocabParallelEmbedding):
         else:
             super().finish()
 
-    def __call__(self, h):
+    def _shard(self, h):
+        """This rank's logits [..., per_rank] (its block of the vocabulary, padding included)."""
         if self.qweight is not None:
             from ..kernels.matmul import matmul
 
-            logits = matmul(h, self.qweight)
-        else:
-            logits = h @ self._wt
+            return matmul(h, self.qweight)
+        return h @ self._wt
+
+    def __call__(self, h):
+        logits = self._shard(h)
         if self.tp_size > 1:
             logits = gather_last_dim(self.comm, logits, self.sizes)
         return logits[..., : self.vocab_size]
+
+    def greedy(self, h) -> np.ndarray:
+        """The most likely token of each row of ``h`` [..., hidden] (int64 [...], on the
+        host), as ``self(h).argmax(-1)`` picks it, without gathering the logits: each rank
+        takes the argmax of its own block of the vocabulary, and one all-gather of the
+        (value, token) pairs, 16 bytes a row a rank, picks the largest; ranks hold the
+        vocabulary in order, so the first rank with it has the lowest token of a tie (and
+        of NaNs), as argmax::
+
+            rank 0  logits[:, 0 : V/p]    -> (max, token) ┐
+            rank 1  logits[:, V/p : 2V/p] -> (max, token) ┼ all-gather -> the first rank's max
+            ...                                            ┘
+
+        Across nodes this replaces V·4 bytes a row (151936 tokens: 608 kB) by 16 a rank."""
+        logits = self._shard(h)
+        real = max(0, min(self.end, self.vocab_size) - self.start)  # the rest is padding
+        pairs = np.zeros((1, *logits.shape[:-1], 2))
+        pairs[..., 0] = -np.inf
+        if real:
+            mine = logits[..., :real]
+            at = self.xp.argmax(mine, axis=-1)
+            best = self.xp.take_along_axis(mine, at[..., None], axis=-1)[..., 0]
+            pairs[0, ..., 0] = _host(best)
+            pairs[0, ..., 1] = _host(at) + self.start
+        if self.tp_size > 1:
+            pairs = self.comm.allgather(pairs)  # [p, ..., 2]
+        first = np.argmax(pairs[..., 0], axis=0)  # NaN counts as the largest, as in argmax
+        return np.take_along_axis(pairs[..., 1], first[None], axis=0)[0].astype(np.int64)
+
+
+def _host(a) -> np.ndarray:
+    return a.get() if hasattr(a, "get") else np.asarray(a)

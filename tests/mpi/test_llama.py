@@ -190,8 +190,10 @@ def test_broken_experts_fail_on_every_rank(tp, moe):
 
 
 def test_decoding_agrees_on_every_rank(tp):
-    """Greedy decoding sends no token message (every rank has the same logits); sampling
-    draws on rank 0 and broadcasts, even when the ranks' generators would disagree."""
+    """Greedy decoding sends no token message and gathers no logits (each rank's argmax of
+    its shard of the vocabulary, one all-gather of a (value, token) pair a step: 16 bytes);
+    sampling gathers the logits, draws on rank 0 and broadcasts, even when the ranks'
+    generators would disagree."""
     model = LlamaForCausalLM.from_pretrained(FIX / "mha", comm=tp)
     prompt = [[5, 17, 42]]
     greedy = model.generate(prompt, max_new_tokens=6, stop_tokens=[])
@@ -199,9 +201,15 @@ def test_decoding_agrees_on_every_rank(tp):
     again = model.generate(prompt, max_new_tokens=6, stop_tokens=[])
     agree(greedy == again and same_on_all_ranks(np.array(greedy)), "greedy tokens differ between ranks or runs")
     agree(tp.traffic.calls.get("broadcast", 0) == 0, "greedy decoding broadcast tokens")
+    gathered = tp.traffic.by_collective.get("allgather", 0)
+    agree(gathered == (6 * 16 if N > 1 else 0), f"greedy decoding all-gathered {gathered} bytes, want 6 x 16")
+    tp.traffic.reset()
     sampled = model.generate(prompt, max_new_tokens=6, stop_tokens=[], temperature=1.0, seed=1000 + tp.rank)
     agree(same_on_all_ranks(np.array(sampled)), "sampled tokens differ between ranks")
     agree(tp.traffic.calls.get("broadcast", 0) == (6 if N > 1 else 0), f"broadcasts {dict(tp.traffic.calls)}")
+    logits = 6 * model.lm_head.per_rank * 4  # each step's row of this rank's shard
+    gathered = tp.traffic.by_collective.get("allgather", 0)
+    agree(gathered == (logits if N > 1 else 0), f"sampling all-gathered {gathered} bytes, want {logits}")
 
 
 @pytest.mark.parametrize("name", ["mha", "tied", "llama3_rope"])

@@ -145,6 +145,31 @@ def test_vocab_parallel_embedding_and_head(comm, vocab):
     agree(head.weight is emb.weight, "tied head shares the embedding shard")
 
 
+@pytest.mark.parametrize("vocab", [50, 64 * N, 64 * N + 1])
+def test_greedy_head_is_the_argmax_of_the_gathered_logits(comm, vocab):
+    """Each rank's argmax of its shard, one all-gather of (value, token): the token argmax of
+    the whole logits picks, ties (across the shards' borders too) to the lowest token, NaN
+    first, never a padding row's (its logit 0 above rows all below 0)."""
+    E = (np.abs(rng.standard_normal((vocab, 6))) + 0.1).astype(np.float32)
+    E[0] *= 10
+    E[vocab - 1] = E[0]  # a tie between the first and the last shard, the largest rows
+    E[vocab // 2] = E[vocab // 3]
+    head = ParallelLMHead(vocab, 6, comm=comm)
+    head.weight_loader("weight", ArraySource("head", E))
+    h = rng.standard_normal((5, 1, 6)).astype(np.float32)
+    h[1, 0] = -np.abs(h[1, 0])  # every logit below 0: the padding's 0 must not win
+    h[2, 0] = E[0] * 3  # the tie of tokens 0 and vocab - 1 is the maximum
+    h[3, 0] = np.nan
+    h[4, 0] = E[vocab // 3] * 3
+    full = h @ E.T
+    want = full[:, 0].argmax(-1)
+    got = head.greedy(h)
+    agree(got.shape == (5, 1) and got.dtype == np.int64, f"one token a row: {got.shape} {got.dtype}")
+    agree(np.array_equal(got[:, 0], want), f"vocab={vocab}: {got[:, 0].tolist()} != {want.tolist()}")
+    agree(np.array_equal(got[:, 0], head(h)[:, 0].argmax(-1)), "the argmax of the head's own gathered logits")
+    agree(want[2] == 0 and want[3] == 0 and full[1].max() < 0, "the test's ties, NaN and negative row hold")
+
+
 def test_shape_mismatch_names_the_tensor(comm):
     col = ColumnParallelLinear(10, 4 * N, comm=comm)
     with pytest.raises(ShardingError, match=r"w_bad: checkpoint shape \(5, 10\)"):
