@@ -246,6 +246,11 @@ def test_plan_infer_counts_stage_boundaries_and_all_reduces():
     assert tp4["messages_per_step"]["inter"] == 2 * (6 * ars + 3) and tp4["messages_per_step"]["intra"] == 2 * (
         6 * ars + 3
     )
+    greedy = infer.plan(m, 1, 4, 2, 3, 4096, prof, greedy=True)  # the head: a 16-byte pair a row, not its logits
+    logits = infer.plan(m, 1, 4, 2, 3, 4096, prof)
+    head = sum(logits["bytes_per_step"].values()) - sum(greedy["bytes_per_step"].values())
+    assert head == 4 * 3 * 3 * (m.vocab_size * 4 / 4 - 16)  # 4 ranks, 3 messages of 3 rows each
+    assert greedy["messages_per_step"] == logits["messages_per_step"]
     x = infer.crossover(m, 2, 1, 2, 1, prof)
     assert x is not None and x >= 0
     out = subprocess.run(

@@ -120,6 +120,11 @@ def add_parser(sub) -> None:
     )
     inf.add_argument("--link", default=None, help="inter-node bandwidth: 1gbit, 10gbit, 25gbit, or bytes/s")
     inf.add_argument("--latency", default=None, help="inter-node latency per message: 100us, 2ms, or seconds")
+    inf.add_argument(
+        "--greedy",
+        action="store_true",
+        help="greedy rows: the head all-gathers a (value, token) pair a row, not the row's logits",
+    )
     common(inf)
     fit = ps.add_parser("fit", help="fit the 'local' profile by ping-pong (run under mpiexec -n 2)")
     fit.add_argument("--json", action="store_true")
@@ -358,7 +363,7 @@ def _infer(args):
         prof = replace(prof, name=prof.name + " (inter-node link given)", inter=inter)
     m = ptp.load_model(args.model)
     nodes = args.nodes or args.pp
-    res = pinf.plan(m, args.pp, args.tp, nodes, args.batch, args.context, prof, args.weights)
+    res = pinf.plan(m, args.pp, args.tp, nodes, args.batch, args.context, prof, args.weights, args.greedy)
     res["crossover_latency_s"] = pinf.crossover(m, args.pp, args.tp, nodes, args.batch, prof) if args.pp > 1 else None
     if m.num_experts:
         res["moe"] = pinf.moe(m, args.pp * args.tp, nodes, args.batch, args.weights)

@@ -7,7 +7,8 @@ each; activations float32)::
     inside a stage of n layers     2n all-reduces of B·H·4 bytes over its T ranks (ring:
                                    2(T-1) messages of B·H·4/T each), the first stage's
                                    embedding one more, the last stage's head an all-gather
-                                   of its vocabulary rows (B·V·4/T a rank, T-1 messages)
+                                   of its vocabulary rows (B·V·4/T a rank, T-1 messages; with
+                                   ``greedy``, of a (value, token) pair a row: B·16)
     each stage boundary            each tp rank sends ⌈B·H/T⌉·4 bytes to its counterpart
     the tokens back                the last stage broadcasts B int64 over the P stages
 
@@ -46,6 +47,7 @@ def plan(
     context: int,
     prof: Profile,
     weights: str | None = None,
+    greedy: bool = False,
 ) -> dict:
     world = P * T
     if nodes < 1 or world % nodes:
@@ -67,12 +69,13 @@ def plan(
         crossing = sum(node(ranks[j]) != node(ranks[(j + 1) % T]) for j in range(T))  # ring hops between nodes
         ars = 2 * (l1 - l0) + (1 if s == 0 else 0)
         msgs, sent = _ring(T, batch * H * 4)
-        gmsgs, gsent = (T - 1, (T - 1) * batch * V * 4 / T) if s == P - 1 and T > 1 else (0, 0.0)
+        row = 16 if greedy else V * 4 / T  # what the head sends a row: a pair, or its logits
+        gmsgs, gsent = (T - 1, (T - 1) * batch * row) if s == P - 1 and T > 1 else (0, 0.0)
         for cls, senders in (("inter", crossing), ("intra", T - crossing)):  # each rank sends to its successor
             links[cls][0] += senders * (ars * msgs + gmsgs)
             links[cls][1] += senders * (ars * sent + gsent)
         t = ars * (2 * (T - 1) * link.time(batch * H * 4 / T) if T > 1 else 0.0)
-        t += (T - 1) * link.time(batch * V * 4 / T) if gmsgs else 0.0
+        t += (T - 1) * link.time(batch * row) if gmsgs else 0.0
         time_s += t
         held = (l1 - l0) * per_layer / T * wbytes
         held += (V * H / T * wbytes if s == 0 else 0) + (V * H / T * wbytes + H * 4 if s == P - 1 else 0)
