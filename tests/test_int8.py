@@ -541,3 +541,44 @@ def test_threads_per_rank_are_checked(monkeypatch):
 
     with pytest.raises(SettingsError, match="MPITP_THREADS"):
         current()
+
+
+def test_grouped_experts_of_two_widths_give_their_own_kernels_bits():
+    """--moe tp turns an uneven cut from expert to expert (MoEPlan.cut: 512 or 256 of 768
+    columns over 2 ranks), so one rank's experts differ in width: the one compiled call over
+    them (mpitp.kernels.experts) gives the bits of each expert's own bound kernels, SwiGLU and
+    weighted sum, expert by expert in ascending order, an outlier in x included."""
+    from mpitp.kernels.decode import swiglu
+    from mpitp.kernels.experts import Grouped
+
+    rng = np.random.default_rng(11)
+    H, widths, k = 256, [512, 256, 512, 256, 256], 3
+
+    def tiled(t, n, kk):  # int8o's tiles of a K-quant weight (the Qwen3 MoE file's formats)
+        return tiles.repack(formats.from_ggml(k_blocks(rng, t, n, kk), t), 2, True)
+
+    held = {e: (tiled("Q4_K", 2 * i, H), tiled("Q6_K", H, i)) for e, i in enumerate(widths)}
+    held.pop(1)  # an expert this rank does not hold
+    group = Grouped.of(held, len(widths))
+    assert group is not None, "experts of two widths were not bound for one call"
+    for rows in (1, 3, 16):
+        x = rng.standard_normal((rows, H)).astype(np.float32)
+        x[0, 3] = 40.0
+        top = np.array([rng.choice(len(widths), k, replace=False) for _ in range(rows)])
+        w = rng.random((rows, k)).astype(np.float32)
+        y = np.zeros((rows, H), np.float32)
+        group(x, top, w, y)
+        want = np.zeros_like(y)
+        for e in np.unique(top):
+            if e not in held:
+                continue
+            r, slot = np.nonzero(top == e)
+            gu_w, dn_w = held[e]
+            gu = np.empty((r.size, gu_w.shape[0]), np.float32)
+            int8.Bound(gu_w)(np.ascontiguousarray(x[r]), gu)
+            act = np.empty((r.size, gu.shape[1] // 2), np.float32)
+            swiglu(gu, act)
+            out = np.empty((r.size, H), np.float32)
+            int8.Bound(dn_w)(act, out)
+            want[r] += out * w[r, slot][:, None]
+        assert np.array_equal(y, want), f"{rows} rows: |grouped - own kernels| = {np.abs(y - want).max()}"

@@ -262,8 +262,9 @@ def test_plan_infer_counts_stage_boundaries_and_all_reduces():
 
 def test_mixture_of_experts_shapes_in_the_plans():
     """The Qwen3 presets count what transformers counts (Qwen3-30B-A3B: 30.5B parameters, all
-    128 experts of its 48 layers); plan tp holds half of them a rank at 2 ranks (auto: ep, 64
-    experts each, with K-quant blocks), streaming the k chosen of 128 a token; plan infer's
+    128 experts of its 48 layers); plan tp holds half of them a rank at 2 ranks (auto: tp, every
+    expert's 768 columns cut in K-quant super-blocks, 512 + 256 turned from expert to expert:
+    384 a rank on average), streaming the k chosen of 128 a token; plan infer's
     chance that a token reaches a rank equals a count over uniform draws, and across 2 nodes
     data-parallel attention's all-to-all sends fewer bytes a token than tp's all-reduces."""
     import random
@@ -274,7 +275,13 @@ def test_mixture_of_experts_shapes_in_the_plans():
     m = ptp.PRESETS["qwen3-30b-a3b"]
     assert abs(ptp.params(m) / 1e9 - 30.53) < 0.01 and abs(ptp.params(ptp.PRESETS["qwen3-0.6b"]) / 1e9 - 0.596) < 0.001
     s = ptp.shard_shapes(m, 2, 256)["per_rank"]
-    assert [(r["moe"], r["experts"], r["expert_columns"]) for r in s] == [("ep", 64, 768)] * 2
+    assert [(r["moe"], r["experts"], r["expert_columns"]) for r in s] == [("tp", 128, 384)] * 2
+    from mpitp.models.moe import MoEPlan, expected_reads
+
+    cut = MoEPlan.of(m, 2, "tp", 256)
+    assert (cut.cut(0), cut.cut(1), cut.cut(2)) == ([512, 256], [256, 512], [512, 256])
+    # the slowest rank's columns a token: ~4.4 experts' under tp, turned; ~5 under ep (imbalance)
+    assert 4.2 * 768 < expected_reads(m, 2, "tp", 256) < 4.6 * 768 < 4.8 * 768 < expected_reads(m, 2, "ep", 256)
     assert abs(s[0]["weights"] / ptp.params(m) - 0.5) < 0.01 and 2.9e9 < 2 * s[0]["streamed"] < 3.5e9  # "A3B"
     hit = pinf.ranks_hit([43, 43, 42], 8)
     rng = random.Random(0)
@@ -283,6 +290,6 @@ def test_mixture_of_experts_shapes_in_the_plans():
     assert abs(hit[2] - counted) < 0.01
     res = pinf.moe(m, 2, 2, 8, "q4_k")
     b = res["bytes_per_token"]
-    assert res["auto"] == "ep" and b["dp"]["inter"] < b["tp_greedy"]["inter"] < b["tp"]["inter"]
+    assert res["auto"] == "tp" and b["dp"]["inter"] < b["tp_greedy"]["inter"] < b["tp"]["inter"]
     # a token's, both ranks: each its half of the row's logits (V·4/2 bytes) against a 16-byte pair
     assert abs(b["tp"]["inter"] - b["tp_greedy"]["inter"] - 2 * (m.vocab_size * 4 / 2 - 16)) <= 1

@@ -196,7 +196,7 @@ def _tp(args):
             f"  rank {r['rank']:>2}: q {r['q_heads'][0]:>3}-{r['q_heads'][1] - 1:<3} kv {r['kv_heads'][0]:>2}-"
             f"{r['kv_heads'][1] - 1:<2} inter {r['intermediate']:>6} vocab {r['vocab_rows']:>7}  "
             f"{_mb(r['weights'] * nb):>12} {_mb(r['streamed'] * nb):>12}"
-            + (f"  experts: {r['experts']} x {r['expert_columns']} columns ({r['moe']})" if "moe" in r else "")
+            + (f"  experts: {r['experts']} x {r['expert_columns']:g} columns ({r['moe']})" if "moe" in r else "")
         )
     print(
         f"  a decode step streams {ptp.balance(m, args.tp):.3f}x an even share on its critical path (each all-reduce"
@@ -309,7 +309,8 @@ def _train(args):
 def _print_moe(r: dict) -> None:
     w, b = r["other_weights_per_rank_bytes"], r["bytes_per_token"]
     print(f"experts over {r['ranks']} rank(s): --moe ep {'/'.join(map(str, r['experts_per_rank_ep']))} whole "
-          f"experts a rank, --moe tp {'/'.join(map(str, r['columns_per_rank_tp']))} columns of each; auto = "
+          f"experts a rank, --moe tp {'/'.join(map(str, r['columns_per_rank_tp']))} columns of each"
+          f"{' (turned from expert to expert)' if len(set(r['columns_per_rank_tp'])) > 1 else ''}; auto = "
           f"{r['auto']}; experts {_mb(r['expert_weights_per_rank_bytes'])} a rank (ep), the rest {_mb(w['tp'])} "
           f"(tp attention) or {_mb(w['dp'])} (--dp-attention)\nper token, inter-node / intra-node (all ranks): "
           f"tp attention's all-reduces {_mb(b['tp']['inter'])} / {_mb(b['tp']['intra'])} with the logits "

@@ -26,7 +26,7 @@ from numba import njit
 from .calls import kernel_at, quantizer_at
 from .decode import swiglu
 from .int8 import SMALL, Bound, pointer
-from .weights.tiles import TiledWeight
+from .weights.tiles import ROWS, TiledWeight
 
 EXACT = dict(cache=True, nogil=True, boundscheck=False)  # no fastmath: out · w, then + y, as NumPy rounds
 
@@ -45,15 +45,18 @@ class Grouped:
     @classmethod
     def of(cls, held: dict[int, tuple], num_experts: int) -> Grouped | None:
         """For each held expert's (gate_up, down) weights, a Grouped, or None where the
-        compiled call cannot take them (not int8 tiles of an IR-quantized x, formats or
-        shapes that differ between experts, padded tiles, threads)."""
+        compiled call cannot take them (not int8 tiles of an IR-quantized x, formats that
+        differ between experts, padded tiles, threads). Shapes may differ (--moe tp turns
+        an uneven cut from expert to expert: 512 or 256 of 768 columns)."""
         if not held or not all(isinstance(w, TiledWeight) for p in held.values() for w in p):
             return None
         first = next(iter(held.values()))
         if any(_key(a) != _key(b) for p in held.values() for a, b in zip(p, first)):
             return None
-        sides = [Bound(w) for w in first]
-        if any(b.fused is None or b.threads != 1 or b.pad is not None for b in sides):
+        if any(w.qs.shape[0] * ROWS != w.shape[0] for p in held.values() for w in p):
+            return None  # padded tiles
+        biggest = [max((p[i] for p in held.values()), key=lambda w: w.qs.size) for i in (0, 1)]
+        if any(b.fused is None or b.threads != 1 for b in map(Bound, biggest)):  # threads: the most work's
             return None
         return cls(held, num_experts)
 
@@ -65,31 +68,36 @@ class Grouped:
 
 
 def _key(w: TiledWeight) -> tuple:
-    return (w.fmt, w.shape, w.digits, w.group, w.outliers, w.xs_group, w.qs.shape, w.d.shape)
+    """What every held expert's weight on one side must share (its shape may differ)."""
+    return (w.fmt, w.digits, w.group, w.outliers, w.xs_group)
 
 
 class _Side:
-    """One of the two matmuls of every held expert: each expert's weight pointers, the
-    kernel of each row count, the quantizer and its buffers (shared by the experts)."""
+    """One of the two matmuls of every held expert: each expert's weight pointers and shape
+    (``fixed``: the quantizer and its buffers, then T, nb, N, K a row), the kernel of each
+    row count, the buffers shared by the experts (sized for the widest; each expert's rows
+    laid out at its own width)."""
 
     def __init__(self, weights: list[TiledWeight]):
-        b = Bound(weights[0])  # its kernels and quantizer (every expert's are the same: _key)
-        N, K = b.w.shape
+        widest = max(weights, key=lambda w: w.shape[1])
+        b = Bound(widest)  # its kernels, quantizer and buffers (every expert's format is the same: _key)
         self.ptrs = np.array([[pointer(w.qs), pointer(w.d), pointer(w.m)] for w in weights], np.int64)
         self.kernels = np.array(b.at_rows, np.int64)  # by rows of x, 1..SMALL
         self.buffers = (b.xq, b.xd, b.xs)  # kept alive: the kernels write and read them by address
-        self.xe = np.empty((SMALL, K), np.float32)  # the expert's rows of its input, gathered
-        self.out = np.empty((SMALL, N), np.float32)
+        self.xe = np.empty(SMALL * widest.shape[1], np.float32)  # the expert's rows of its input, gathered
+        self.out = np.empty(SMALL * max(w.shape[0] for w in weights), np.float32)
         assert b.fused is not None
-        self.fixed = np.array([*b.fused[:5], b.T, b.nb], np.int64)  # quantizer, halves, xq, xd, xs, T, nb
+        q = b.fused[:5]  # quantizer, halves, xq, xd, xs
+        self.fixed = np.array([[*q, w.qs.shape[0], w.shape[1] // 32, *w.shape] for w in weights], np.int64)
 
 
 @njit(**EXACT)
 def _matmul(xe, m, ptrs, s, kernels, fixed, out):
-    """out[:m] = xe[:m] @ W_sᵀ: x quantized into the side's buffers, then the kernel."""
-    q, halves, xq, xd, xs, T, nb = fixed[0], fixed[1], fixed[2], fixed[3], fixed[4], fixed[5], fixed[6]
-    quantizer_at(q, xe.ctypes.data, xq, xd, xs, m, xe.shape[1], halves)
-    kernel_at(kernels[m], ptrs[s, 0], ptrs[s, 1], ptrs[s, 2], xq, xd, xs, out.ctypes.data, T, nb, m, out.shape[1])
+    """out[:m] = xe[:m] @ W_sᵀ (xe [m, K], out [m, N] of expert s's shape): x quantized into
+    the side's buffers, then the kernel."""
+    q, halves, xq, xd, xs, T, nb, N, K = fixed[s]
+    quantizer_at(q, xe.ctypes.data, xq, xd, xs, m, K, halves)
+    kernel_at(kernels[m], ptrs[s, 0], ptrs[s, 1], ptrs[s, 2], xq, xd, xs, out.ctypes.data, T, nb, m, N)
 
 
 @njit(**EXACT)
@@ -104,6 +112,7 @@ def run(x, top, w, y, slot, gptrs, gkern, gfixed, gxe, gout, dptrs, dkern, dfixe
                 chosen[e] = True
     rows = np.empty(N, np.int64)
     slots = np.empty(N, np.int64)
+    H = x.shape[1]
     for e in range(E):
         s = slot[e]
         if not chosen[e] or s < 0:  # no row chose it, or another rank holds it
@@ -114,12 +123,15 @@ def run(x, top, w, y, slot, gptrs, gkern, gfixed, gxe, gout, dptrs, dkern, dfixe
                 if top[r, j] == e:
                     rows[m], slots[m] = r, j
                     m += 1
+        I2, inter = gfixed[s, 7], dfixed[s, 8]  # its gate_up's outputs, its down's inputs
+        xe, gu = gxe[: m * H].reshape(m, H), gout[: m * I2].reshape(m, I2)
+        act, out = dxe[: m * inter].reshape(m, inter), dout[: m * H].reshape(m, H)
         for i in range(m):
-            gxe[i, :] = x[rows[i], :]
-        _matmul(gxe, m, gptrs, s, gkern, gfixed, gout)
-        swiglu(gout[:m], dxe[:m])
-        _matmul(dxe, m, dptrs, s, dkern, dfixed, dout)
+            xe[i, :] = x[rows[i], :]
+        _matmul(xe, m, gptrs, s, gkern, gfixed, gu)
+        swiglu(gu, act)
+        _matmul(act, m, dptrs, s, dkern, dfixed, out)
         for i in range(m):
             r, wt = rows[i], w[rows[i], slots[i]]
             for c in range(y.shape[1]):
-                y[r, c] += dout[i, c] * wt
+                y[r, c] += out[i, c] * wt

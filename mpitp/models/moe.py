@@ -37,8 +37,9 @@ MODES = ("ep", "tp")
 @dataclass(frozen=True)
 class MoEPlan:
     """How a model's experts are cut over ``p`` ranks: ``mode`` ep or tp; ``experts``: whole
-    experts per rank (ep; every expert on every rank under tp); ``columns``: each expert's
-    intermediate columns per rank (tp; whole under ep); ``shared``: the shared expert's."""
+    experts per rank (ep; every expert on every rank under tp); ``columns``: expert 0's
+    intermediate columns per rank (tp; whole under ep; expert e's: :meth:`cut`);
+    ``shared``: the shared expert's."""
 
     mode: str
     experts: list[int]
@@ -53,6 +54,19 @@ class MoEPlan:
         if mode == "ep":
             return cls("ep", partition.experts(c.num_experts, p), [c.moe_intermediate_size] * p, shared)
         return cls("tp", [c.num_experts] * p, partition.mlp(c.moe_intermediate_size, p, block), shared)
+
+    def cut(self, e: int) -> list[int]:
+        """Expert ``e``'s intermediate columns per rank: ``columns`` turned by e. Where whole
+        blocks cannot split evenly (768 columns in super-blocks of 256 over 2 ranks: 512 +
+        256), each rank takes the bigger share of every p-th expert instead of all of them,
+        so the ranks hold and read alike (a token's 8 experts: ~4 whole experts' columns a
+        rank, not 5.3 on one)::
+
+            expert   0    1    2    3          rank 0: 512  256  512  256
+                                               rank 1: 256  512  256  512
+        """
+        p = len(self.columns)
+        return [self.columns[(r + e) % p] for r in range(p)] if self.mode == "tp" else self.columns
 
     def held(self, r: int) -> range:
         """The experts rank ``r`` holds (all of them under tp)."""
@@ -97,9 +111,10 @@ class SparseMoE:
         self.gate = Router(H, cfg.num_experts, bias=False, comm=None, dtype=dtype, xp=xp)
         r = comm.rank if comm is not None else 0
         cut = comm if plan.mode == "tp" else None  # ep: each expert whole on its rank
-        sizes = plan.columns if plan.mode == "tp" else None
         # each expert a SwiGLU MLP: whole on this rank (ep), or its columns of it (tp), unreduced
-        self.experts = {e: MLP(H, inter, cut, dtype, xp, sizes, reduce=False) for e in plan.held(r)}
+        self.experts = {
+            e: MLP(H, inter, cut, dtype, xp, plan.cut(e) if cut else None, reduce=False) for e in plan.held(r)
+        }
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: Router | None = None
         if cfg.shared_expert_intermediate_size:
@@ -249,20 +264,21 @@ def expected_reads(c: LlamaConfig, p: int, mode: str, block: int = 1, batch: int
     """Expert weights (in columns of one expert's 3·hidden) the slowest rank reads in one
     step of ``batch`` tokens, averaged over uniform routings (a fixed seed: the same on every
     rank): under ep, the distinct chosen experts it holds times their whole width; under tp,
-    every distinct chosen expert times its widest rank's columns."""
+    its columns of every distinct chosen expert (:meth:`MoEPlan.cut`)."""
     plan = MoEPlan.of(c, p, mode, block)
     E, k = c.num_experts, c.num_experts_per_tok
     rng = np.random.default_rng(0)
     owner = np.repeat(np.arange(p), plan.experts) if mode == "ep" else None
+    cuts = np.array([plan.cut(e) for e in range(E)]) if owner is None else None  # [E, p] columns
     total = 0.0
     for _ in range(samples):
         chosen = np.zeros(E, bool)
         for _ in range(batch):
             chosen[rng.choice(E, k, replace=False)] = True
-        if owner is None:
-            total += chosen.sum() * max(plan.columns)
-        else:
+        if owner is not None:
             total += np.bincount(owner[chosen], minlength=p).max() * c.moe_intermediate_size
+        elif cuts is not None:
+            total += cuts[chosen].sum(axis=0).max()
     return total / samples
 
 

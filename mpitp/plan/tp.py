@@ -145,7 +145,7 @@ def shard_shapes(m: LlamaConfig, p: int, block: int = 1) -> dict:
         dense = (m.num_hidden_layers - sparse) * 3 * h * inter[r]
         held, active = 0, 0.0  # experts' weights held on the rank, and read a token (uniform routing)
         if moe is not None:
-            cols = moe.columns[r] * (moe.experts[r] if moe.mode == "ep" else m.num_experts)
+            cols = moe.columns[r] * moe.experts[r] if moe.mode == "ep" else sum(moe.cut(e)[r] for e in moe.held(r))
             held = sparse * (3 * h * cols + m.num_experts * h)
             active = sparse * (3 * h * cols * m.num_experts_per_tok / m.num_experts + m.num_experts * h)
         layers = m.num_hidden_layers * attention + dense
@@ -154,7 +154,9 @@ def shard_shapes(m: LlamaConfig, p: int, block: int = 1) -> dict:
                "weights": layers + held + vocab_rows[r] * h * (1 if m.tie_word_embeddings else 2) + h,
                "streamed": round(layers + active + vocab_rows[r] * h + h)}  # fmt: skip
         if moe is not None:
-            row |= {"moe": moe.mode, "experts": moe.experts[r], "expert_columns": moe.columns[r]}
+            mean = cols / moe.experts[r]  # tp: each expert's (turned from expert to expert: MoEPlan.cut)
+            mean = int(mean) if mean.is_integer() else mean
+            row |= {"moe": moe.mode, "experts": moe.experts[r], "expert_columns": mean}
         ranks.append(row)
     q, kv, i0 = att.q[0] * d, att.kv[0] * d, inter[0]
     return {
