@@ -1,6 +1,6 @@
 """Decode steps of a mixture of experts in its two layouts across ranks (and nodes), in one
-run: tp attention with the experts cut ep (two all-reduces a layer) against data-parallel
-attention (each rank decodes its own rows; each MoE layer reaches the experts by
+run: tp attention with the experts cut as --moe auto cuts them (two all-reduces a layer)
+against data-parallel attention (each rank decodes its own rows; each MoE layer reaches the experts by
 all-to-all). tp is run twice: greedy (each rank's argmax of its shard of the vocabulary,
 as greedy rows take their tokens) and with the logits all-gathered (as sampled rows need
 them: V·4 bytes a row). Prints tokens/s of each (the same rows in all: ``--batch`` in all,
@@ -67,8 +67,8 @@ def main() -> int:
     if args.batch % p:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the {p} ranks")
     layouts = {  # (dp attention, greedy)
-        "tp attention, experts ep, greedy": (False, True),
-        "tp attention, experts ep, logits": (False, False),
+        "tp attention, experts auto, greedy": (False, True),
+        "tp attention, experts auto, logits": (False, False),
         "dp attention, experts by all-to-all": (True, True),
     }
     times: dict[str, list[float]] = {n: [] for n in layouts}
@@ -76,7 +76,8 @@ def main() -> int:
     config = None
     for r in range(args.rounds):  # alternated; one model loaded at a time (loading peaks at ~3x its weights)
         for name, (dp, greedy) in layouts.items():
-            model = LlamaForCausalLM.from_pretrained(args.model, comm, LoadOptions(moe="ep", dp_attention=dp))
+            moe = "ep" if dp else "auto"  # dp reaches whole experts; tp attention takes --moe's default
+            model = LlamaForCausalLM.from_pretrained(args.model, comm, LoadOptions(moe=moe, dp_attention=dp))
             rows = args.batch // p if dp else args.batch
             t, b = steps(model, rows, args.steps, comm, r, greedy)
             times[name].append(comm.allreduce_object(t, op="max"))

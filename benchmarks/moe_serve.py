@@ -1,5 +1,5 @@
 """mpitp serve of a mixture of experts across the one-machine cluster's nodes, two layouts in one
-run: tensor-parallel attention (experts ep) against --dp-attention (each rank its own
+run: tensor-parallel attention (experts as --moe auto cuts them) against --dp-attention (each rank its own
 requests, experts by all-to-all). Each layout's server is started across the nodes in turn
 (``bin/mpitp-minicluster exec``), driven by N concurrent greedy clients (the official openai
 client, plain completions, each client's prompts new), rounds alternated; prints output
@@ -59,7 +59,7 @@ def main() -> int:
     args = ap.parse_args()
     per_rank = max(1, args.clients // args.ranks)
     layouts = {
-        "tp attention, experts ep": ["--moe", "ep", "--max-batch", str(args.clients)],
+        "tp attention, experts auto": ["--max-batch", str(args.clients)],
         "dp attention, experts by all-to-all": ["--dp-attention", "--max-batch", str(per_rank)],
     }
     rates: dict[str, list[float]] = {k: [] for k in layouts}

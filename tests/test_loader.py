@@ -219,8 +219,8 @@ def test_expert_cuts_and_the_auto_choice():
     """ep over more ranks than experts is refused with the numbers; ep cuts any count over
     any ranks (128 over 3: 43, 43, 42); tp cuts each expert's columns in whole blocks; auto
     takes the cut whose slowest rank reads fewer expert weights a step: on Qwen3-30B-A3B's
-    shape at 2 ranks, ep where K-quant super-blocks leave tp a 512/256 column split, tp where
-    blocks of 32 split it evenly."""
+    shape at 2 ranks tp, both where blocks of 32 split it evenly and where K-quant
+    super-blocks leave a 512/256 column split (turned from expert to expert: MoEPlan.cut)."""
     import dataclasses
 
     from mpitp.models.moe import MoEPlan, choose
@@ -232,4 +232,4 @@ def test_expert_cuts_and_the_auto_choice():
     assert MoEPlan.of(big, 3, "ep").experts == [43, 43, 42]
     assert list(MoEPlan.of(big, 3, "ep").held(2)) == list(range(86, 128))
     assert MoEPlan.of(big, 2, "tp", 256).columns == [512, 256]
-    assert (choose(big, 2, 256), choose(big, 2, 32), choose(big, 1), choose(c, 6)) == ("ep", "tp", "ep", "tp")
+    assert (choose(big, 2, 256), choose(big, 2, 32), choose(big, 1), choose(c, 6)) == ("tp", "tp", "ep", "tp")

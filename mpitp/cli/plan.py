@@ -120,11 +120,7 @@ def add_parser(sub) -> None:
     )
     inf.add_argument("--link", default=None, help="inter-node bandwidth: 1gbit, 10gbit, 25gbit, or bytes/s")
     inf.add_argument("--latency", default=None, help="inter-node latency per message: 100us, 2ms, or seconds")
-    inf.add_argument(
-        "--greedy",
-        action="store_true",
-        help="greedy rows: the head all-gathers a (value, token) pair a row, not the row's logits",
-    )
+    inf.add_argument("--greedy", action="store_true", help="greedy rows: the head gathers a (value, token) pair a row")
     common(inf)
     fit = ps.add_parser("fit", help="fit the 'local' profile by ping-pong (run under mpiexec -n 2)")
     fit.add_argument("--json", action="store_true")
@@ -307,15 +303,15 @@ def _train(args):
 
 
 def _print_moe(r: dict) -> None:
-    w, b = r["other_weights_per_rank_bytes"], r["bytes_per_token"]
+    w, b, cols = r["other_weights_per_rank_bytes"], r["bytes_per_token"], r["columns_per_rank_tp"]
+    turned = " (turned from expert to expert)" if len(set(cols)) > 1 else ""
     print(f"experts over {r['ranks']} rank(s): --moe ep {'/'.join(map(str, r['experts_per_rank_ep']))} whole "
-          f"experts a rank, --moe tp {'/'.join(map(str, r['columns_per_rank_tp']))} columns of each"
-          f"{' (turned from expert to expert)' if len(set(r['columns_per_rank_tp'])) > 1 else ''}; auto = "
+          f"experts a rank, --moe tp {'/'.join(map(str, r['columns_per_rank_tp']))} columns of each{turned}; auto = "
           f"{r['auto']}; experts {_mb(r['expert_weights_per_rank_bytes'])} a rank (ep), the rest {_mb(w['tp'])} "
           f"(tp attention) or {_mb(w['dp'])} (--dp-attention)\nper token, inter-node / intra-node (all ranks): "
-          f"tp attention's all-reduces {_mb(b['tp']['inter'])} / {_mb(b['tp']['intra'])} with the logits "
-          f"gathered (sampled rows), {_mb(b['tp_greedy']['inter'])} / {_mb(b['tp_greedy']['intra'])} greedy; "
-          f"--dp-attention's all-to-all {_mb(b['dp']['inter'])} / {_mb(b['dp']['intra'])}")  # fmt: skip
+          f"tp attention's all-reduces {_mb(b['tp']['inter'])} / {_mb(b['tp']['intra'])} with the logits gathered "
+          f"(sampled rows), {_mb(b['tp_greedy']['inter'])} / {_mb(b['tp_greedy']['intra'])} greedy; --dp-attention's "
+          f"all-to-all {_mb(b['dp']['inter'])} / {_mb(b['dp']['intra'])}")  # fmt: skip
 
 
 def _fit(args):
