@@ -50,6 +50,7 @@ from .frame import any_outlier, frame
 DECLARE = """
 declare void @llvm.prefetch.p0(ptr, i32, i32, i32)
 declare <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8>, <32 x i8>)
+declare <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8>, <32 x i8>)
 declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)
 declare <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32>, <32 x i8>, <32 x i8>)
 declare <8 x float> @llvm.fmuladd.v8f32(<8 x float>, <8 x float>, <8 x float>)
@@ -233,7 +234,9 @@ def _block_isum(e: Body, fmt: str, isa: str, u: list[str], w: list[str], xs: lis
     B, I = e.B, e.I
     for g in groups:
         s = xs[g]
-        if fmt == "q8" and isa != "portable":  # x takes the sign of w, which became |w|
+        if fmt == "q8" and isa == "avx2":  # x takes the sign of w, which became |w|: vpsignb
+            s = e(f"call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> {s}, <32 x i8> {w[g]})")
+        elif fmt == "q8" and isa != "portable":
             nx = e(f"sub {B} zeroinitializer, {s}")
             neg = e(f"icmp slt {B} {w[g]}, zeroinitializer")
             s = e(f"select <{4 * e.V} x i1> {neg}, {B} {nx}, {B} {s}")
