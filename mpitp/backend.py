@@ -151,6 +151,11 @@ def empty(shape: tuple, dtype: np.dtype, like: Any) -> Any:
     return np.empty(shape, dtype)
 
 
+def to_host(a: Any) -> np.ndarray:
+    """``a`` as a host (NumPy) array: a device array copied, a host one as it is."""
+    return device_ops(a).to_host(a) if is_device(a) else np.asarray(a)
+
+
 def synchronize(a: Any) -> None:
     if is_device(a):
         device_ops(a).synchronize(a)

@@ -306,7 +306,7 @@ def _print_moe(r: dict) -> None:
     w, b, cols = r["other_weights_per_rank_bytes"], r["bytes_per_token"], r["columns_per_rank_tp"]
     turned = " (turned from expert to expert)" if len(set(cols)) > 1 else ""
     print(f"experts over {r['ranks']} rank(s): --moe ep {'/'.join(map(str, r['experts_per_rank_ep']))} whole "
-          f"experts a rank, --moe tp {'/'.join(map(str, r['columns_per_rank_tp']))} columns of each{turned}; auto = "
+          f"experts a rank, --moe tp {'/'.join(map(str, cols))} columns of each{turned}; auto = "
           f"{r['auto']}; experts {_mb(r['expert_weights_per_rank_bytes'])} a rank (ep), the rest {_mb(w['tp'])} "
           f"(tp attention) or {_mb(w['dp'])} (--dp-attention)\nper token, inter-node / intra-node (all ranks): "
           f"tp attention's all-reduces {_mb(b['tp']['inter'])} / {_mb(b['tp']['intra'])} with the logits gathered "

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from ..backend import to_host
 from ..errors import MpitpError
 
 
@@ -162,7 +163,7 @@ def generate(
         if logits is not None and argmax:
             tok = np.asarray(logits, np.int64)
         elif logits is not None:
-            host = logits.get() if hasattr(logits, "get") else np.asarray(logits)
+            host = to_host(logits)
             host = penalize_repeats(host, out, repetition_penalty)
             tok = sample(host, rng, temperature, top_k, top_p, min_p).astype(np.int64)
             if comm is not None and comm.size > 1 and temperature > 0:

@@ -33,6 +33,7 @@ from functools import partial
 import numpy as np
 from mpi4py import MPI
 
+from ..backend import to_host
 from ..models.generate import sample
 from ..tp import partition
 from . import rows as kv_rows
@@ -267,11 +268,11 @@ class Engine:
         tokens and only the ``wants`` positions' logits (:meth:`.results.HandBack.send`)."""
         n, st = len(wants), self.stage
         if st is None:
-            host = _host(logits)
+            host = to_host(logits)
             return Next(lambda: (np.full(n, -1, np.int64), host), np.ones(n, bool))
         tokens, sent = None, None
         if st.index == st.count - 1 and st.tp.rank == 0:
-            host = _host(logits)
+            host = to_host(logits)
             tokens = np.full(n, -1, np.int64)
             for i, r in sample.items():
                 tokens[i] = self.pick(r, host[i])
@@ -332,10 +333,6 @@ class Engine:
         if len(cols) != len(tokens):  # every fed token holds one column; anything else: keep nothing
             return
         self.prefix.store(tokens, lambda layer, lo, hi: (c.k[layer][row, cols[lo:hi]], c.v[layer][row, cols[lo:hi]]))
-
-
-def _host(a):
-    return a.get() if hasattr(a, "get") else np.asarray(a)
 
 
 def world_rank() -> int:

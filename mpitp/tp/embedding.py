@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..backend import to_host
 from ..kernels.weights import formats
 from . import partition
 from .linear import ShardingError, gather_last_dim
@@ -145,13 +146,9 @@ class ParallelLMHead(VocabParallelEmbedding):
             mine = logits[..., :real]
             at = self.xp.argmax(mine, axis=-1)
             best = self.xp.take_along_axis(mine, at[..., None], axis=-1)[..., 0]
-            pairs[0, ..., 0] = _host(best)
-            pairs[0, ..., 1] = _host(at) + self.start
+            pairs[0, ..., 0] = to_host(best)
+            pairs[0, ..., 1] = to_host(at) + self.start
         if self.tp_size > 1:
             pairs = self.comm.allgather(pairs)  # [p, ..., 2]
         first = np.argmax(pairs[..., 0], axis=0)  # NaN counts as the largest, as in argmax
         return np.take_along_axis(pairs[..., 1], first[None], axis=0)[0].astype(np.int64)
-
-
-def _host(a) -> np.ndarray:
-    return a.get() if hasattr(a, "get") else np.asarray(a)
