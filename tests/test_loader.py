@@ -233,3 +233,53 @@ def test_expert_cuts_and_the_auto_choice():
     assert list(MoEPlan.of(big, 3, "ep").held(2)) == list(range(86, 128))
     assert MoEPlan.of(big, 2, "tp", 256).columns == [512, 256]
     assert (choose(big, 2, 256), choose(big, 2, 32), choose(big, 1), choose(c, 6)) == ("tp", "tp", "ep", "tp")
+
+
+BUILT_ARRAYS = """
+import sys
+import numpy as np
+from mpitp.models import loader
+from mpitp.models.llama import LlamaForCausalLM
+
+where = []
+def load_weights(model, path, _real=loader.load_weights):  # called once the model is built
+    big = [m._wt for _, m in model.named_modules() if getattr(m, "_wt", None) is not None and m._wt.nbytes >= 256 << 10]
+    heap = [[int(r, 16) for r in l.split()[0].split("-")] for l in open("/proc/self/maps") if "[heap]" in l]
+    where.append((len(big), sum(any(lo <= a.ctypes.data < hi for lo, hi in heap) for a in big)))
+    return _real(model, path)
+loader.load_weights = load_weights
+x = np.ones(20 << 20, np.uint8)
+del x  # a big free, as imports and an earlier load make: glibc's mmap threshold grows to 20 MiB
+LlamaForCausalLM.from_pretrained(sys.argv[1])
+print(*where[0])
+"""
+
+
+def test_the_arrays_a_model_is_built_with_lie_outside_the_heap(tmp_path):
+    """A model is built with zero-filled arrays that its block weights replace, never written:
+    calloc's fresh pages, no memory until touched. Once glibc's mmap threshold had grown (a
+    big free), they came from the heap instead; freed there, a later build's calloc cleared
+    the reused chunks page by page: after a --moe tp load of the 12-layer Qwen3-30B-A3B
+    file, a --dp-attention load in the same process peaked at 11.6 GB of anonymous memory a
+    rank against 4.0 alone, and benchmarks/moe_layouts.py ran out of memory. The loader fixes
+    the threshold before it builds the model: its big arrays are their own mappings."""
+    import subprocess
+    import sys
+
+    from mpitp.bench import shapes
+    from mpitp.models.gguf_import import convert
+
+    small = dict(arch="qwen3moe", hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, ffn=512, experts=5,
+                 used=2, expert_ffn=256, rope_theta=1e6, vocab=49216)  # fmt: skip
+    shapes.SHAPES["tiny-moe-2"] = small
+    try:
+        shapes.write("tiny-moe-2", "q4_k_m", tmp_path / "tiny.gguf", say=lambda *a: None)
+    finally:
+        del shapes.SHAPES["tiny-moe-2"]
+    d = convert(tmp_path / "tiny.gguf", tmp_path / "tiny")
+    out = subprocess.run([sys.executable, "-c", BUILT_ARRAYS, str(d)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    big, in_heap = map(int, out.stdout.split()[-2:])
+    # every expert's gate_up and down at least; a chunk the imports freed into the heap may still
+    # serve one (glibc looks in its free lists before it maps): 1 of 26 here, 24 of 26 before
+    assert big >= 2 * 5 * 2 and in_heap <= big // 8, (big, in_heap)

@@ -106,11 +106,15 @@ def _sources(model, path: Path):
 
 
 def _give_back_memory(start: bool) -> None:
-    """glibc only: at the start of a load, keep freed large arrays out of the heap (a fixed
-    mmap threshold: glibc's grows with every big free, and the load's transient planar
-    blocks, ~1.6x the weights of a K-quant file, then stayed in the process); at the end,
-    trim the heap. A 12-layer Qwen3-30B-A3B Q4_K_M at 2 ranks: 6.1 -> 3.3 GB resident a
-    rank after loading (its weights 2.7 GB, the rest the file's mapped pages)."""
+    """glibc only: before the model is built, keep its large arrays out of the heap (a fixed
+    mmap threshold: glibc's grows with every big free). The model is built with zero-filled
+    arrays that its block weights replace unwritten: in their own mappings they are untouched
+    pages; in the heap, freed, the next load's calloc cleared the reused chunks page by page (a
+    --dp-attention load after a --moe tp one in one process peaked at 11.6 GB of anonymous
+    memory a rank, 4.0 alone), and the load's transient planar blocks (~1.6x the weights of a
+    K-quant file) stayed in the process. After the load, trim the heap. A 12-layer
+    Qwen3-30B-A3B Q4_K_M at 2 ranks: 2.6 GB of anonymous memory a rank after loading (its
+    weights), 3.7 at the peak."""
     try:
         import ctypes
 
@@ -124,7 +128,6 @@ def _give_back_memory(start: bool) -> None:
 
 
 def load_weights(model, path: Path) -> dict:
-    _give_back_memory(True)
     wmap = weight_map(model)
     experts = model.expert_shapes() if hasattr(model, "expert_shapes") else {}  # every rank checks all
     seen: set[str] = set()
@@ -275,6 +278,7 @@ def load_pretrained(cls, path, comm=None, options: LoadOptions | None = None):
         stage = build(comm, pp, cfg, stage_inside_node)
         comm = stage.tp
     block = _mlp_block(path, weights)
+    _give_back_memory(True)  # before the model's arrays exist
     model = cls(
         cfg,
         comm=comm,
