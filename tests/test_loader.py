@@ -184,6 +184,19 @@ def test_gguf_tensor_table_equals_gguf_readers(tmp_path):
             read_tensors(tmp_path / "cut.gguf")
 
 
+def _tiny_moe(tmp_path, monkeypatch) -> Path:
+    """A small shape of ``mpitp bench decode --shape qwen3-30b-a3b``'s kind, Q4_K_M: written
+    to tmp_path/tiny.gguf and imported; the imported model's directory."""
+    from mpitp.bench import shapes
+    from mpitp.models.gguf_import import convert
+
+    small = dict(arch="qwen3moe", hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, ffn=512, experts=5,
+                 used=2, expert_ffn=256, rope_theta=1e6, vocab=49216)  # fmt: skip
+    monkeypatch.setitem(shapes.SHAPES, "tiny-moe", small)
+    shapes.write("tiny-moe", "q4_k_m", tmp_path / "tiny.gguf", say=lambda *a: None)
+    return convert(tmp_path / "tiny.gguf", tmp_path / "tiny")
+
+
 def test_bench_shape_writes_a_mixture_of_experts_file_mpitp_reads(tmp_path, monkeypatch):
     """``mpitp bench decode --shape qwen3-30b-a3b`` writes llama.cpp's qwen3moe layout (stacked
     ffn_*_exps, a float32 router, q/k norms, the vocabulary padded with unused tokens); here a
@@ -191,16 +204,10 @@ def test_bench_shape_writes_a_mixture_of_experts_file_mpitp_reads(tmp_path, monk
     and every expert's rows equal the gguf package's dequantization of the stacked tensor."""
     import gguf
 
-    from mpitp.bench import shapes
-    from mpitp.models.gguf_import import convert
     from mpitp.models.llama import LlamaForCausalLM
 
-    small = dict(arch="qwen3moe", hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, ffn=512, experts=5,
-                 used=2, expert_ffn=256, rope_theta=1e6, vocab=49216)  # fmt: skip
-    monkeypatch.setitem(shapes.SHAPES, "tiny-moe", small)
     f = tmp_path / "tiny.gguf"
-    shapes.write("tiny-moe", "q4_k_m", f, say=lambda *a: None)
-    d = convert(f, tmp_path / "tiny")
+    d = _tiny_moe(tmp_path, monkeypatch)
     m = LlamaForCausalLM.from_pretrained(d, activations="float32")
     c = m.config
     assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.vocab_size) == (5, 2, 256, 49216)
@@ -241,23 +248,25 @@ import numpy as np
 from mpitp.models import loader
 from mpitp.models.llama import LlamaForCausalLM
 
+def in_heap(a):
+    heap = [[int(r, 16) for r in l.split()[0].split("-")] for l in open("/proc/self/maps") if "[heap]" in l]
+    return int(any(lo <= a.ctypes.data < hi for lo, hi in heap))
+
 where = []
 def load_weights(model, path, _real=loader.load_weights):  # called once the model is built
     big = [m._wt for _, m in model.named_modules() if getattr(m, "_wt", None) is not None and m._wt.nbytes >= 256 << 10]
-    heap = [[int(r, 16) for r in l.split()[0].split("-")] for l in open("/proc/self/maps") if "[heap]" in l]
-    where.append((len(big), sum(any(lo <= a.ctypes.data < hi for lo, hi in heap) for a in big)))
+    where.append((len(big), sum(map(in_heap, big))))
     return _real(model, path)
 loader.load_weights = load_weights
 x = np.ones(20 << 20, np.uint8)
 del x  # a big free, as imports and an earlier load make: glibc's mmap threshold grows to 20 MiB
 m = LlamaForCausalLM.from_pretrained(sys.argv[1])
-heap = [[int(r, 16) for r in l.split()[0].split("-")] for l in open("/proc/self/maps") if "[heap]" in l]
 t = np.empty(4 << 20, np.uint8)  # a forward's temporary, after the load
-print(*where[0], int(any(lo <= t.ctypes.data < hi for lo, hi in heap)))
+print(*where[0], in_heap(t))
 """
 
 
-def test_a_models_arrays_are_mapped_and_later_temporaries_come_from_the_heap(tmp_path):
+def test_a_models_arrays_are_mapped_and_later_temporaries_come_from_the_heap(tmp_path, monkeypatch):
     """A model is built with zero-filled arrays that its block weights replace, never written:
     calloc's fresh pages, no memory until touched. Once glibc's mmap threshold had grown (a
     big free), they came from the heap instead; freed there, a later build's calloc cleared
@@ -271,17 +280,7 @@ def test_a_models_arrays_are_mapped_and_later_temporaries_come_from_the_heap(tmp
     import subprocess
     import sys
 
-    from mpitp.bench import shapes
-    from mpitp.models.gguf_import import convert
-
-    small = dict(arch="qwen3moe", hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, ffn=512, experts=5,
-                 used=2, expert_ffn=256, rope_theta=1e6, vocab=49216)  # fmt: skip
-    shapes.SHAPES["tiny-moe-2"] = small
-    try:
-        shapes.write("tiny-moe-2", "q4_k_m", tmp_path / "tiny.gguf", say=lambda *a: None)
-    finally:
-        del shapes.SHAPES["tiny-moe-2"]
-    d = convert(tmp_path / "tiny.gguf", tmp_path / "tiny")
+    d = _tiny_moe(tmp_path, monkeypatch)
     out = subprocess.run([sys.executable, "-c", BUILT_ARRAYS, str(d)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     big, in_heap, temporary_in_heap = map(int, out.stdout.split()[-3:])
