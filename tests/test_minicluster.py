@@ -85,6 +85,12 @@ def test_layout_is_the_real_one(cluster):
     assert "2 node(s) (shared-memory), 4 rank(s)" in res.stdout and "node 1: ranks 2, 3" in res.stdout, res.stdout
     status = tool("status")
     assert status.returncode == 0 and "mtp-n2" in status.stdout and "1gbit" in status.stdout
+    # each node's bucket, as the kernel holds it: 100 us of the link, so a message costs its
+    # wire time (a 64 KiB all-reduce ~0.5 ms at 1 Gbit/s) instead of leaving in a burst
+    for node in ("mtp-n1", "mtp-n2"):
+        q = subprocess.run(["ip", "netns", "exec", node, "tc", "-j", "qdisc", "show", "dev", "eth0"], capture_output=True)
+        (tbf,) = [d for d in json.loads(q.stdout) if d["kind"] == "tbf"]
+        assert tbf["options"]["rate"] == 125_000_000 and 12_000 <= tbf["options"]["burst"] <= 12_500, tbf  # its units
 
 
 ACROSS = ["test_collectives.py", "test_allreduce.py", "test_hierarchical.py", "test_traffic.py"]
