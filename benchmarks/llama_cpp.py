@@ -86,10 +86,10 @@ def wait_ready(url: str, proc, seconds: float = 300) -> None:
     raise RuntimeError(f"{url} not ready after {seconds} s")
 
 
-def load(port: int | str, clients: int, max_tokens: int, chat: bool = True) -> float:
+def load(port: int | str, clients: int, max_tokens: int, chat: bool = True, temperature: float = 0.0) -> float:
     """Output tokens/s of ``clients`` concurrent clients, each asking all 8 prompts in turn,
-    greedy (``port`` on this machine, or a server's base URL; ``chat``: chat completions,
-    else plain completions)."""
+    greedy unless ``temperature`` (``port`` on this machine, or a server's base URL;
+    ``chat``: chat completions, else plain completions)."""
     import openai
 
     url = port if isinstance(port, str) else f"http://127.0.0.1:{port}"
@@ -98,9 +98,9 @@ def load(port: int | str, clients: int, max_tokens: int, chat: bool = True) -> f
     def ask(p: str, n: int) -> int:
         if chat:
             messages = [{"role": "user", "content": p}]
-            r = client.chat.completions.create(model="m", messages=messages, max_tokens=n, temperature=0)
+            r = client.chat.completions.create(model="m", messages=messages, max_tokens=n, temperature=temperature)
         else:
-            r = client.completions.create(model="m", prompt=p, max_tokens=n, temperature=0)
+            r = client.completions.create(model="m", prompt=p, max_tokens=n, temperature=temperature)
         return r.usage.completion_tokens
 
     ask("hi", 4)  # warm

@@ -1,8 +1,8 @@
 """mpitp serve of a mixture of experts across the one-machine cluster's nodes, two layouts in one
 run: tensor-parallel attention (experts as --moe auto cuts them) against --dp-attention (each rank its own
 requests, experts by all-to-all). Each layout's server is started across the nodes in turn
-(``bin/mpitp-minicluster exec``), driven by N concurrent greedy clients (the official openai
-client, plain completions, each client's prompts new), rounds alternated; prints output
+(``bin/mpitp-minicluster exec``), driven by N concurrent clients (the official openai client,
+plain completions, each client's prompts new; greedy, or sampled with --temperature), rounds alternated; prints output
 tokens/s and the bytes that crossed each node's link a generated token (the minicluster's
 counters).
 
@@ -55,6 +55,13 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="the clients' temperature (default 0: greedy rows, whose tokens tp takes from each rank's "
+        "argmax; above 0 rows are sampled and tp gathers their logits, as for the OpenAI API's default of 1)",
+    )
     ap.add_argument("--host", default="10.213.0.11", help="rank 0's node address (the minicluster's first)")
     args = ap.parse_args()
     per_rank = max(1, args.clients // args.ranks)
@@ -71,9 +78,9 @@ def main() -> int:
             url = f"http://{args.host}:{port}"
             try:
                 wait_ready(url + "/health", proc, 600)
-                load(url, args.clients, 4, chat=False)  # warm: every rank's kernels
+                load(url, args.clients, 4, chat=False, temperature=args.temperature)  # warm: every rank's kernels
                 before, t = link_bytes(), time.perf_counter()
-                rate = load(url, args.clients, args.max_tokens, chat=False)
+                rate = load(url, args.clients, args.max_tokens, chat=False, temperature=args.temperature)
                 tokens = rate * (time.perf_counter() - t)
                 rates[name].append(rate)
                 moved[name].append((link_bytes() - before) / max(tokens, 1))
@@ -81,7 +88,10 @@ def main() -> int:
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait(timeout=120)
     base = statistics.median(rates[next(iter(layouts))])
-    print(f"# {args.model}: {args.ranks} ranks a node each, {args.clients} clients, {args.max_tokens} tokens each")
+    print(
+        f"# {args.model}: {args.ranks} ranks a node each, {args.clients} clients, {args.max_tokens} tokens each, "
+        f"temperature {args.temperature:g}"
+    )
     for name in layouts:
         m = statistics.median(rates[name])
         print(f"{name:<38} {m:7.1f} tok/s ({', '.join(f'{x:.1f}' for x in rates[name])}) {m / base:.2f}x; "

@@ -88,7 +88,9 @@ def test_layout_is_the_real_one(cluster):
     # each node's bucket, as the kernel holds it: 100 us of the link, so a message costs its
     # wire time (a 64 KiB all-reduce ~0.5 ms at 1 Gbit/s) instead of leaving in a burst
     for node in ("mtp-n1", "mtp-n2"):
-        q = subprocess.run(["ip", "netns", "exec", node, "tc", "-j", "qdisc", "show", "dev", "eth0"], capture_output=True)
+        q = subprocess.run(
+            ["ip", "netns", "exec", node, "tc", "-j", "qdisc", "show", "dev", "eth0"], capture_output=True
+        )
         (tbf,) = [d for d in json.loads(q.stdout) if d["kind"] == "tbf"]
         assert tbf["options"]["rate"] == 125_000_000 and 12_000 <= tbf["options"]["burst"] <= 12_500, tbf  # its units
 

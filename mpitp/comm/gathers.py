@@ -213,12 +213,15 @@ class Gathers(CommunicatorBase):
             steps = self._back_to_device(steps, x, None)
         return self._run(steps, label, nonblocking)
 
-    def alltoallv(self, x, counts) -> tuple:
+    def alltoallv(self, x, counts, *, sources=None, nonblocking: bool = False) -> tuple:
         """Rows of ``x`` grouped by destination, ``counts[j]`` of them (in order) to rank j:
         returns ``(rows, sources)``, the rows every rank sent here stacked by source rank and
-        how many came from each. The counts go first, as an all-to-all of one int64 a rank;
-        any count may be 0 (a rank with nothing to send or receive still takes part). The
-        traffic counters record the rows this rank hands MPI for other ranks."""
+        how many came from each. The counts go first, as an all-to-all of one int64 a rank,
+        unless the caller gives ``sources`` (how many rows each rank sends here: known when
+        this answers an earlier all-to-all the other way); any count may be 0 (a rank with
+        nothing to send or receive still takes part). ``nonblocking``: ``rows`` is a
+        :class:`~.handle.Handle` whose ``wait()`` gives them. The traffic counters record the
+        rows this rank hands MPI for other ranks."""
         seq, label = self._begin("alltoallv")
         sig = lambda: self._sig("alltoallv", x, trailing=tuple(getattr(x, "shape", ()))[1:])  # noqa: E731
 
@@ -230,6 +233,10 @@ class Gathers(CommunicatorBase):
                     f"alltoallv: counts {c} must give each of the {self.size} ranks a share of the "
                     f"{a.shape[0] if a.ndim else 0} rows of axis 0"
                 )
+            if sources is not None and (len(sources) != self.size or min(int(v) for v in sources) < 0):
+                raise ValueError(
+                    f"alltoallv: sources {list(sources)} must give a count for each of the {self.size} ranks"
+                )
             return a
 
         a = self._prepare(label, sig, ("collective", "dtype", "trailing"), prep)
@@ -237,8 +244,11 @@ class Gathers(CommunicatorBase):
         src = self._to_host(a) if staged else a
         rows, trailing, row = self._rows(src)
         send = np.asarray(counts, np.int64)
-        recv = np.empty(self.size, np.int64)
-        self.watchdog.wait([self.mpi.Ialltoall(send, recv)], "alltoall of row counts")
+        if sources is None:
+            recv = np.empty(self.size, np.int64)
+            self.watchdog.wait([self.mpi.Ialltoall(send, recv)], "alltoall of row counts")
+        else:
+            recv = np.asarray(sources, np.int64)
         shape = (int(recv.sum()),) + trailing
         dst = np.empty(shape, src.dtype) if staged else backend.empty(shape, src.dtype, a)
         self._record_mpi("alltoallv", int(rows - send[self.rank]) * row * src.itemsize)
@@ -247,4 +257,4 @@ class Gathers(CommunicatorBase):
         )
         if staged:
             steps = self._back_to_device(steps, x, None)
-        return self._run(steps, label, False), recv.tolist()
+        return self._run(steps, label, nonblocking), recv.tolist()

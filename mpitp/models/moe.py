@@ -166,7 +166,9 @@ class SparseMoE:
 
     def _dispatched(self, x, top, w):
         """Data-parallel attention's exchange (see :func:`dispatch_rows`): this rank's rows to
-        the ranks holding their experts, one all-to-all out and one back, summed here."""
+        the ranks holding their experts, one all-to-all out and one back (its counts known:
+        those sent out), summed here. The rows that came here run in one call with this rank's
+        own, so an expert chosen by both reads its weights once."""
         H, k = x.shape[1], self.k
         assert self.owner is not None  # dispatch: experts cut ep
         owner = self.owner[top]  # [N, k] the rank holding each chosen expert
@@ -179,7 +181,7 @@ class SparseMoE:
         got, sources = self.comm.alltoallv(out, counts)
         experts = got[:, H : H + k].astype(np.int64)  # -1 where another rank holds it
         y = self._held_experts(got[:, :H], experts, got[:, H + k :])
-        back, _ = self.comm.alltoallv(y, sources)  # each row's sum to the rank it came from, in its order
+        back, _ = self.comm.alltoallv(y, sources, sources=counts)  # each row's sum to the rank it came from
         total = np.zeros_like(x)
         np.add.at(total, order, back)
         return total

@@ -181,7 +181,8 @@ def test_alltoallv(comm, dtype):
     """Uneven rows to each rank, zero counts included (rank r sends (r + j) % 3 rows to rank
     j, so some pairs send nothing): the rows of every source in rank order, as MPI's own
     Alltoallv gives them and as NumPy assembles them; the counters hold the bytes this
-    rank handed MPI for other ranks; bad counts are a ValueError."""
+    rank handed MPI for other ranks; bad counts are a ValueError. Again with the counts
+    given (``sources``) and nonblocking, as data-parallel attention's combine calls it."""
     r = comm.rank
     counts = [(r + j) % 3 for j in range(N)]
     block = lambda src, dst: np.arange(3 * ((src + dst) % 3)).reshape(-1, 3) + 100 * src + 10 * dst  # noqa: E731
@@ -199,6 +200,11 @@ def test_alltoallv(comm, dtype):
     agree(counted == sent, f"alltoallv counted {counted} bytes, sent {sent}")
     with pytest.raises(ValueError, match="counts"):
         comm.alltoallv(x, counts[:-1] + [counts[-1] + 1])
+    # the counts known (sources given, no exchange of them) and in flight: the same rows
+    h, known = comm.alltoallv(x, counts, sources=sources, nonblocking=True)
+    agree(known == sources and np.array_equal(h.wait(), want), "nonblocking alltoallv with its sources given")
+    with pytest.raises(ValueError, match="sources"):
+        comm.alltoallv(x, counts, sources=sources[:-1])
 
 
 def test_zero_size_everywhere(comm):
