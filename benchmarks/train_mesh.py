@@ -14,7 +14,7 @@ layouts so the machine's slow spells hit all alike. Collectives are mpitp's
 ring (``--algorithm``), whose traffic counters see every byte and where it went: the
 script checks each rank's inter-node bytes per step against the plan (exit 1 if they
 differ) and, on real nodes, reads each node's network device (``/proc/net/dev``) for the
-bytes that left it, TCP/IP headers included. Figures: median step after the first of
+payload that left it (its bytes less each frame's headers), read once the link is idle. Figures: median step after the first of
 each round, median over rounds.
 """
 
@@ -32,17 +32,33 @@ from mpitp.plan.train import layout as plan_layout
 from mpitp.train.presets import preset_config
 from mpitp.train.trainer import Options, Trainer
 
+FRAME_HEADERS = 66  # Ethernet 14 + IPv4 20 + TCP 32 (with timestamps) bytes a frame
+
 
 def tx_bytes(dev: str = "eth0") -> int | None:
-    """Bytes sent so far through ``dev`` in this process's network namespace."""
+    """TCP payload sent so far through ``dev`` in this process's network namespace: its bytes
+    less each frame's headers (an ACK carries none; the minicluster's link is shaped frame by
+    frame, so a 1448-byte segment costs 1514)."""
     try:
         for line in open("/proc/net/dev"):
             name, _, rest = line.partition(":")
             if name.strip() == dev:
-                return int(rest.split()[8])
+                f = rest.split()
+                return int(f[8]) - FRAME_HEADERS * int(f[9])
     except OSError:
         pass
     return None
+
+
+def settled_tx_bytes() -> int | None:
+    """:func:`tx_bytes` once the link is idle: what a rank handed TCP may still wait in the
+    link's queue (the minicluster shapes each frame) after the barrier that ended the steps."""
+    last, same, t = tx_bytes(), 0, time.monotonic()
+    while last is not None and same < 4 and time.monotonic() - t < 2.0:
+        time.sleep(0.005)
+        now = tx_bytes()
+        same, last = (same + 1 if now == last else 0), now
+    return last
 
 
 def main() -> int:
@@ -109,7 +125,7 @@ def main() -> int:
             for c in groups:
                 c.traffic.reset()
             comm.barrier()
-            tx0 = tx_bytes() if real and node_leader else None
+            tx0 = settled_tx_bytes() if real and node_leader else None
             comm.barrier()  # nobody sends before every node has read its counter
             steps = []
             for _ in range(args.steps - 1):
@@ -117,7 +133,8 @@ def main() -> int:
                 tr.train_step()
                 steps.append(time.perf_counter() - t0)
             comm.barrier()
-            tx1 = tx_bytes() if real and node_leader else None
+            tx1 = settled_tx_bytes() if real and node_leader else None
+            comm.barrier()  # nor after, before every node has read it
             times[key].append(float(np.median(steps)))
             mine = sum(c.traffic.by_peer.get("inter", 0) for c in groups) // (args.steps - 1)
             per_node_bytes = comm.allgather_object(mine)

@@ -46,6 +46,16 @@ def on_cluster(n: int, ppn: int, *command, env=None, timeout=300) -> subprocess.
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+# the link is shaped frame by frame: a TCP segment of 1448 bytes travels in a 1514-byte frame
+# (Ethernet 14, IPv4 20, TCP with timestamps 32), and ACKs are frames of headers alone; the
+# payload it carried is its bytes less each frame's headers
+FRAME_HEADERS = 66
+
+
+def payload(c: dict) -> int:
+    return c["tx_bytes"] - FRAME_HEADERS * c["tx_packets"]
+
+
 WHY_NOT = netns_check.why_not()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
 
@@ -77,6 +87,11 @@ def test_refuses_without_root():
             text=True,
         )
     assert res.returncode == 2 and "needs root" in res.stderr and "nothing was changed" in res.stderr
+
+
+def test_a_bucket_under_one_frame_is_refused():
+    res = tool("up", "--burst", "100")  # before anything is made or torn down
+    assert res.returncode == 2 and "--burst '100'" in res.stderr and "1514" in res.stderr, res.stderr
 
 
 def test_layout_is_the_real_one(cluster):
@@ -139,16 +154,16 @@ def test_open_mpi_across_nodes(cluster):
 
 @pytest.mark.parametrize("alg", ["ring", "hierarchical", "hierarchical_leader"])
 def test_bytes_on_the_wire_match_the_counters(cluster, alg):
-    """What each node's link carried (its namespace's eth0 tx bytes: payload plus TCP/IP
-    and MPI headers, and the job's start-up) is within 3% above what mpitp's counters
-    say its ranks sent to the other node."""
+    """The payload each node's link carried (its namespace's eth0 tx bytes less each frame's
+    headers: mpitp's bytes plus MPI's headers and the job's start-up) is within 3% above
+    what mpitp's counters say its ranks sent to the other node."""
     before = json.loads(tool("counters").stdout)
     res = on_cluster(4, 2, sys.executable, "tests/cluster/wire_bytes.py", alg, str(8 << 20), "4")
     assert res.returncode == 0, res.stderr
     after = json.loads(tool("counters").stdout)
     counted = json.loads(res.stdout.strip().splitlines()[-1])
     for node, name in enumerate(("mtp-n1", "mtp-n2")):
-        wire = after[name]["tx_bytes"] - before[name]["tx_bytes"]
+        wire = payload(after[name]) - payload(before[name])
         mine = counted[str(node)]
         assert mine > 0 and mine <= wire <= 1.03 * mine, f"{alg} {name}: wire {wire}, counters {mine}"
 
@@ -156,7 +171,7 @@ def test_bytes_on_the_wire_match_the_counters(cluster, alg):
 def test_training_mesh_across_nodes(cluster, tmp_path):
     """tp 1, 2, 4 x fsdp on 2 nodes x 2 ranks: each layout's inter-node bytes per step,
     as the counters see them, equal mpitp plan train's, and each node's link carried
-    them (eth0, TCP/IP headers included: within 3% above)."""
+    them (eth0's payload, less each frame's headers: within 3% above)."""
     out = tmp_path / "mesh.json"
     res = on_cluster(4, 2, sys.executable, "benchmarks/train_mesh.py", "--rounds", "1", "--steps", "2", "--json", out)
     assert res.returncode == 0 and "counters == plan for every layout" in res.stdout, res.stdout + res.stderr[-3000:]
