@@ -79,7 +79,9 @@ def add_parser(sub) -> None:
         action="store_true",
         help="a mixture-of-experts model: each rank serves its own requests (attention, dense layers and the "
         "head whole on every rank, --max-batch rows a rank), the experts cut ep and reached by all-to-all "
-        "(DeepSeek's and SGLang's layout; fewer bytes between nodes than tensor parallelism's all-reduces); "
+        "(DeepSeek's and SGLang's layout; fewer bytes between nodes than tensor parallelism's all-reduces: "
+        "across nodes the faster layout for sampled requests, whose logits tp gathers, about level for greedy "
+        "ones, docs/moe.md); "
         "log-probabilities and constrained output are refused in this mode",
     )
     p.add_argument("--served-model-name", help="the model id clients see (default: the directory name)")
