@@ -14,8 +14,8 @@ layouts so the machine's slow spells hit all alike. Collectives are mpitp's
 ring (``--algorithm``), whose traffic counters see every byte and where it went: the
 script checks each rank's inter-node bytes per step against the plan (exit 1 if they
 differ) and, on real nodes, reads each node's network device (``/proc/net/dev``) for the
-payload that left it (its bytes less each frame's headers), read once the link is idle. Figures: median step after the first of
-each round, median over rounds.
+payload that left it (its bytes less each frame's headers), read once the link is idle.
+Figures: median step after the first of each round, median over rounds.
 """
 
 import argparse

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend, split
+from ..errors import CollectiveMismatchError
 from .algorithms import mpi_collectives, ring, select
 from .base import CommunicatorBase
 from .handle import Steps
@@ -244,9 +245,11 @@ class Gathers(CommunicatorBase):
         src = self._to_host(a) if staged else a
         rows, trailing, row = self._rows(src)
         send = np.asarray(counts, np.int64)
-        if sources is None:
+        if sources is None or self.validate:  # validating, the counts go anyway, to check sources
             recv = np.empty(self.size, np.int64)
             self.watchdog.wait([self.mpi.Ialltoall(send, recv)], "alltoall of row counts")
+            if sources is not None:
+                self._check_sources(label, recv, np.asarray(sources, np.int64))
         else:
             recv = np.asarray(sources, np.int64)
         shape = (int(recv.sum()),) + trailing
@@ -258,3 +261,16 @@ class Gathers(CommunicatorBase):
         if staged:
             steps = self._back_to_device(steps, x, None)
         return self._run(steps, label, nonblocking), recv.tolist()
+
+    def _check_sources(self, label: str, sent_here, told) -> None:
+        """Validation: every rank's ``sources`` against the rows the ranks send it; a mismatch
+        raises the same CollectiveMismatchError on every rank (MPI would truncate or hang)."""
+        n = self.size
+        every = np.empty((n, 2 * n), np.int64)
+        self.watchdog.wait([self.mpi.Iallgather(np.concatenate([sent_here, told]), every)], f"validation of {label}")
+        for r in range(n):
+            if not np.array_equal(every[r, :n], every[r, n:]):
+                raise CollectiveMismatchError(
+                    f"{label}: rank {r} was told sources {every[r, n:].tolist()}, but the ranks send it "
+                    f"{every[r, :n].tolist()} rows"
+                )

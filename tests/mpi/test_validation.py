@@ -86,3 +86,16 @@ def test_env_switch(monkeypatch):
         agree(c.validate, "MPITP_VALIDATE=1 did not turn validation on")
     finally:
         c.free()
+
+
+def test_alltoallv_sources_that_do_not_match_what_is_sent(vcomm):
+    """alltoallv told how many rows come from each rank (sources=) where rank 0 is told one
+    row too many from rank N-1: the same error on every rank, not MPI's truncation or a hang."""
+    counts = [1] * N
+    told = [1] * N
+    if vcomm.rank == 0:
+        told[N - 1] = 2
+    x = np.ones((N, 3), np.float32)
+    raises_everywhere(lambda: vcomm.alltoallv(x, counts, sources=told), "rank 0 was told sources", f"{told}")
+    got, came = vcomm.alltoallv(x, counts, sources=[1] * N)
+    agree(came == [1] * N and got.shape == (N, 3), "alltoallv with its sources right, after the error")
