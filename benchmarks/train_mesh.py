@@ -50,6 +50,16 @@ def tx_bytes(dev: str = "eth0") -> int | None:
     return None
 
 
+def resent_bytes() -> int:
+    """Payload TCP sent again in this namespace, at most: its RetransSegs (tail-loss probes and
+    retransmissions) times a full segment's 1448 bytes."""
+    try:
+        rows = [line.split() for line in open("/proc/net/snmp") if line.startswith("Tcp:")]
+        return 1448 * int(dict(zip(rows[0], rows[1]))["RetransSegs"])
+    except (OSError, KeyError, IndexError, ValueError):
+        return 0
+
+
 def settled_tx_bytes() -> int | None:
     """:func:`tx_bytes` once the link is idle: what a rank handed TCP may still wait in the
     link's queue (the minicluster shapes each frame) after the barrier that ended the steps."""
@@ -126,6 +136,7 @@ def main() -> int:
                 c.traffic.reset()
             comm.barrier()
             tx0 = settled_tx_bytes() if real and node_leader else None
+            again0 = resent_bytes()
             comm.barrier()  # nobody sends before every node has read its counter
             steps = []
             for _ in range(args.steps - 1):
@@ -141,7 +152,7 @@ def main() -> int:
             node_sum = max(sum(per_node_bytes[r] for r in ranks) for ranks in topo.nodes)
             inter[key] = node_sum
             if tx0 is not None and tx1 is not None:
-                wire[key].append((tx1 - tx0) / (args.steps - 1))
+                wire[key].append(((tx1 - tx0) / (args.steps - 1), (resent_bytes() - again0) / (args.steps - 1)))
     walls = {k: comm.allgather_object(wire[k][-1] if wire[k] else None) for k in trainers}
     prof = profiles.get("nvlink-ib200")  # bytes only: the profile does not change them
     ok = True
@@ -169,7 +180,8 @@ def main() -> int:
             "step_vs_float32": step / fp32 if fp32 else None,
             "inter_bytes_per_node": inter[t, prec],
             "plan_inter_bytes_per_node": want,
-            "wire_bytes_per_node": max(wires) if wires else None,
+            "wire_bytes_per_node": max(w for w, _ in wires) if wires else None,
+            "resent_bytes_per_node": max(a for _, a in wires) if wires else None,  # sent again, at most
         }
         ok &= inter[t, prec] == want
         rows.append(row)

@@ -50,6 +50,7 @@ def on_cluster(n: int, ppn: int, *command, env=None, timeout=300) -> subprocess.
 # (Ethernet 14, IPv4 20, TCP with timestamps 32), and ACKs are frames of headers alone; the
 # payload it carried is its bytes less each frame's headers
 FRAME_HEADERS = 66
+MSS = 1448  # a TCP segment's payload at most; a segment sent again crosses twice
 
 
 def payload(c: dict) -> int:
@@ -156,7 +157,8 @@ def test_open_mpi_across_nodes(cluster):
 def test_bytes_on_the_wire_match_the_counters(cluster, alg):
     """The payload each node's link carried (its namespace's eth0 tx bytes less each frame's
     headers: mpitp's bytes plus MPI's headers and the job's start-up) is within 3% above
-    what mpitp's counters say its ranks sent to the other node."""
+    what mpitp's counters say its ranks sent to the other node, plus the segments TCP sent
+    again (tail-loss probes: a few hundred a run here, more on a loaded machine)."""
     before = json.loads(tool("counters").stdout)
     res = on_cluster(4, 2, sys.executable, "tests/cluster/wire_bytes.py", alg, str(8 << 20), "4")
     assert res.returncode == 0, res.stderr
@@ -164,14 +166,15 @@ def test_bytes_on_the_wire_match_the_counters(cluster, alg):
     counted = json.loads(res.stdout.strip().splitlines()[-1])
     for node, name in enumerate(("mtp-n1", "mtp-n2")):
         wire = payload(after[name]) - payload(before[name])
+        again = MSS * (after[name]["tcp_retrans_segs"] - before[name]["tcp_retrans_segs"])
         mine = counted[str(node)]
-        assert mine > 0 and mine <= wire <= 1.03 * mine, f"{alg} {name}: wire {wire}, counters {mine}"
+        assert mine > 0 and mine <= wire <= 1.03 * mine + again, f"{alg} {name}: wire {wire}, counters {mine}, {again}"
 
 
 def test_training_mesh_across_nodes(cluster, tmp_path):
     """tp 1, 2, 4 x fsdp on 2 nodes x 2 ranks: each layout's inter-node bytes per step,
     as the counters see them, equal mpitp plan train's, and each node's link carried
-    them (eth0's payload, less each frame's headers: within 3% above)."""
+    them (eth0's payload, less each frame's headers: within 3% above, plus what TCP sent again)."""
     out = tmp_path / "mesh.json"
     res = on_cluster(4, 2, sys.executable, "benchmarks/train_mesh.py", "--rounds", "1", "--steps", "2", "--json", out)
     assert res.returncode == 0 and "counters == plan for every layout" in res.stdout, res.stdout + res.stderr[-3000:]
@@ -179,7 +182,11 @@ def test_training_mesh_across_nodes(cluster, tmp_path):
     assert set(rows) == {1, 2, 4}
     for r in rows.values():
         assert r["inter_bytes_per_node"] == r["plan_inter_bytes_per_node"] > 0
-        assert r["inter_bytes_per_node"] <= r["wire_bytes_per_node"] <= 1.03 * r["inter_bytes_per_node"], r
+        assert (
+            r["inter_bytes_per_node"]
+            <= r["wire_bytes_per_node"]
+            <= 1.03 * r["inter_bytes_per_node"] + r["resent_bytes_per_node"]
+        ), r
     assert min(rows.values(), key=lambda r: r["inter_bytes_per_node"])["tp"] == 2  # the plan's fewest
 
 
