@@ -136,7 +136,7 @@ def main() -> int:
                 c.traffic.reset()
             comm.barrier()
             tx0 = settled_tx_bytes() if real and node_leader else None
-            again0 = resent_bytes()
+            again0 = resent_bytes() if tx0 is not None else 0  # read where tx0 is, beside it
             comm.barrier()  # nobody sends before every node has read its counter
             steps = []
             for _ in range(args.steps - 1):
