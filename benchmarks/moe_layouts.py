@@ -3,7 +3,9 @@ run: tp attention with the experts cut as --moe auto cuts them (two all-reduces 
 against data-parallel attention (each rank decodes its own rows; each MoE layer reaches the experts by
 all-to-all). tp is run twice: greedy (each rank's argmax of its shard of the vocabulary,
 as greedy rows take their tokens) and with the logits all-gathered (as sampled rows need
-them: V·4 bytes a row). Prints tokens/s of each (the same rows in all: ``--batch`` in all,
+them: V·4 bytes a row); dp twice too, greedy and sampled at temperature 1 (its head's
+vocabulary cut over the ranks: the rows all-gathered, each rank's candidate and mass back,
+:mod:`mpitp.tp.dp_head`). Prints tokens/s of each (the same rows in all: ``--batch`` in all,
 batch / p a rank under dp), rounds alternated, and the bytes each rank sent a token by the
 traffic counters beside ``mpitp plan infer``'s expectation under uniform routing (which
 counts the logits' all-gather).
@@ -33,16 +35,20 @@ from mpitp.models.llama import LlamaForCausalLM  # noqa: E402
 from mpitp.models.loader import LoadOptions  # noqa: E402
 
 
-def steps(model, rows: int, n: int, comm, seed: int, greedy: bool) -> tuple[float, int]:
+def steps(model, rows: int, n: int, comm, seed: int, how: str) -> tuple[float, int]:
     """Seconds a decode step of ``rows`` rows (the slowest rank's), and the bytes this rank sent
-    (``greedy``: the next tokens, as greedy rows take them; else the logits, as sampled ones)."""
+    (``how``: greedy, the next tokens as greedy rows take them; logits, the whole logits as
+    tensor parallelism samples; sampled, dp's vocabulary-cut head drawing at temperature 1)."""
     cache = model.new_cache(max(rows, 1), 64 + n)
     cache.valid[:] = True
     rng = np.random.default_rng(seed + comm.rank)
     ids = rng.integers(0, 1000, (rows, 1))
 
     def one():
-        model.forward(ids, np.full((rows, 1), cache.length), cache, last_only=True, greedy=greedy)
+        pos = np.full((rows, 1), cache.length)
+        out = model.forward(ids, pos, cache, last_only=True, greedy=how == "greedy", hidden=how == "sampled")
+        if how == "sampled":
+            model.lm_head.pick(out[:, -1], np.ones(rows), rng.random((rows, 2)))
 
     for _ in range(3):
         one()
@@ -66,20 +72,21 @@ def main() -> int:
     p, say = comm.size, (print if comm.rank == 0 else lambda *a, **k: None)
     if args.batch % p:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the {p} ranks")
-    layouts = {  # (dp attention, greedy)
-        "tp attention, experts auto, greedy": (False, True),
-        "tp attention, experts auto, logits": (False, False),
-        "dp attention, experts by all-to-all": (True, True),
+    layouts = {  # (dp attention, how the next tokens are taken)
+        "tp attention, experts auto, greedy": (False, "greedy"),
+        "tp attention, experts auto, logits": (False, "logits"),
+        "dp attention, all-to-all, greedy": (True, "greedy"),
+        "dp attention, all-to-all, sampled": (True, "sampled"),
     }
     times: dict[str, list[float]] = {n: [] for n in layouts}
     sent: dict[str, int] = {}
     config = None
     for r in range(args.rounds):  # alternated; one model loaded at a time (loading peaks at ~3x its weights)
-        for name, (dp, greedy) in layouts.items():
+        for name, (dp, how) in layouts.items():
             moe = "ep" if dp else "auto"  # dp reaches whole experts; tp attention takes --moe's default
             model = LlamaForCausalLM.from_pretrained(args.model, comm, LoadOptions(moe=moe, dp_attention=dp))
             rows = args.batch // p if dp else args.batch
-            t, b = steps(model, rows, args.steps, comm, r, greedy)
+            t, b = steps(model, rows, args.steps, comm, r, how)
             times[name].append(comm.allreduce_object(t, op="max"))
             sent[name] = comm.allreduce_object(b, op="max") // args.steps
             config = model.config

@@ -291,5 +291,8 @@ def test_mixture_of_experts_shapes_in_the_plans():
     res = pinf.moe(m, 2, 2, 8, "q4_k")
     b = res["bytes_per_token"]
     assert res["auto"] == "tp" and b["dp"]["inter"] < b["tp_greedy"]["inter"] < b["tp"]["inter"]
+    H, k, sparse = m.hidden_size, m.num_experts_per_tok, sum(m.sparse(i) for i in range(m.num_hidden_layers))
+    experts = sparse * sum(pinf.ranks_hit(res["experts_per_rank_ep"], k)) * ((H + 2 * k) * 4 + H * 4) / 2
+    assert abs(b["dp"]["inter"] - experts - ((H + 5) * 4 + 2 * 24)) <= 1  # the head's: a row out, 2 ranks' answers
     # a token's, both ranks: each its half of the row's logits (V·4/2 bytes) against a 16-byte pair
     assert abs(b["tp"]["inter"] - b["tp_greedy"]["inter"] - 2 * (m.vocab_size * 4 / 2 - 16)) <= 1

@@ -721,7 +721,8 @@ def test_data_parallel_attention_serves_what_tensor_parallelism_serves(servers):
     """--dp-attention on a mixture of experts (the qwen3_moe GGUF of llama.cpp's converter,
     float32): each of 2 ranks serves its own requests (2 rows a rank), the experts reached by
     all-to-all; 6 concurrent greedy requests get the texts the same model serves with
-    tensor parallelism, streamed too; what needs the logits on rank 0 is a 400 naming why;
+    tensor parallelism, streamed too; sampled and top-p requests give the same texts for the same
+    seeds; what needs the logits on rank 0 is a 400 naming why;
     the servers end cleanly (the module's stop checks their exit codes)."""
     model = str(FIX.parent / "gguf" / "qwen3_moe-f32.gguf")
     dp = servers(2, "--dp-attention", "--max-batch", "2", model=model).client
@@ -729,11 +730,12 @@ def test_data_parallel_attention_serves_what_tensor_parallelism_serves(servers):
     prompts = ["the quick brown fox", "experts are cut", "tokens go to the experts", "the router chooses",
                "over ranks", "the lazy dog jumps"]  # fmt: skip
 
-    def texts(c) -> dict:
+    def texts(c, **sampling) -> dict:
         out: dict = {}
+        sampling = sampling or {"temperature": 0}
 
         def ask(i):
-            out[i] = c.completions.create(model="m", prompt=prompts[i], max_tokens=12, temperature=0).choices[0].text
+            out[i] = c.completions.create(model="m", prompt=prompts[i], max_tokens=12, **sampling).choices[0].text
 
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
         for t in threads:
@@ -756,6 +758,11 @@ def test_data_parallel_attention_serves_what_tensor_parallelism_serves(servers):
     )
     with pytest.raises(openai.BadRequestError, match="not served with --dp-attention"):
         dp.completions.create(model="m", prompt="x", max_tokens=2, logprobs=1)
+    # sampled rows (the vocabulary-cut head's two-stage draw) and top-p rows (their logits
+    # gathered whole): the same seeds give the same texts again, and not the greedy ones
+    for sampling in ({"temperature": 1.0, "seed": 7}, {"temperature": 0.9, "top_p": 0.8, "seed": 3}):
+        once, again = texts(dp, **sampling), texts(dp, **sampling)
+        assert once == again and once != got and sorted(once) == list(range(len(prompts))), sampling
 
 
 def test_parameters_not_served_are_refused_by_name(servers):

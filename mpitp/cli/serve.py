@@ -77,8 +77,9 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--dp-attention",
         action="store_true",
-        help="a mixture-of-experts model: each rank serves its own requests (attention, dense layers and the "
-        "head whole on every rank, --max-batch rows a rank), the experts cut ep and reached by all-to-all "
+        help="a mixture-of-experts model: each rank serves its own requests (attention and dense layers whole "
+        "on every rank, --max-batch rows a rank; the head's vocabulary cut over the ranks, the rows all-gathered, "
+        "sampled rows drawn exactly in two stages), the experts cut ep and reached by all-to-all "
         "(DeepSeek's and SGLang's layout; fewer bytes between nodes than tensor parallelism's all-reduces: "
         "across nodes the faster layout for sampled requests, whose logits tp gathers, about level for greedy "
         "ones, docs/moe.md); "

@@ -23,6 +23,7 @@ from ..tp import (
     VocabParallelEmbedding,
 )
 from ..tp.arena import pack, pack_blocks
+from ..tp.dp_head import DataParallelHead
 from .config import LlamaConfig
 from .kv_cache import KVCache, kv_cache_dtype
 from .layers import DecoderLayer, RMSNorm, Step, TPPlan, decode_kernels
@@ -113,7 +114,12 @@ class LlamaForCausalLM:
             for i in range(self.first_layer, end)
         ]
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, xp)
-        self.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size, comm=comm, dtype=self.dtype, xp=xp)
+        self.lm_head: ParallelLMHead
+        if dp_attention:  # the vocabulary cut over the ranks, their rows all-gathered (a tied table: whole)
+            cut = None if c.tie_word_embeddings else self.expert_comm
+            self.lm_head = DataParallelHead(c.vocab_size, c.hidden_size, comm=cut, dtype=self.dtype, xp=xp)
+        else:
+            self.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size, comm=comm, dtype=self.dtype, xp=xp)
         if c.tie_word_embeddings:
             self.lm_head.tie(self.embed_tokens)
         for _, m in self.named_modules():
@@ -152,12 +158,16 @@ class LlamaForCausalLM:
                 "this model (does the tokenizer belong to it?)"
             )
 
-    def forward(self, ids, positions, cache: KVCache, last_only: bool = False, keep=None, greedy: bool = False):
+    def forward(
+        self, ids, positions, cache: KVCache, last_only: bool = False, keep=None, greedy: bool = False, hidden=False
+    ):
         """Logits [B, T, vocab] for ``ids`` [B, T] appended to ``cache`` at ``cache.length``
         (``last_only``: just the last position's, [B, 1, vocab], as decoding needs; ``keep``:
         the positions listed, [B, len(keep), vocab]; ``greedy``: instead of logits, the last
         position's most likely token [B] on the host, the head's shards never gathered:
-        :meth:`~mpitp.tp.embedding.ParallelLMHead.greedy`). None on a stage before the last."""
+        :meth:`~mpitp.tp.embedding.ParallelLMHead.greedy`; ``hidden``: the normed hidden states
+        the head would take, [B, T', hidden], as ``--dp-attention``'s serving hands them to
+        :meth:`~mpitp.tp.dp_head.DataParallelHead.pick`). None on a stage before the last."""
         if self.is_first:
             h = self.embed_tokens(ids)
         else:  # the previous stage's hidden states
@@ -179,7 +189,7 @@ class LlamaForCausalLM:
             h = h[:, -1:]
         elif keep is not None:
             h = h[:, keep]
-        return self.lm_head(self.norm(h))
+        return self.norm(h) if hidden else self.lm_head(self.norm(h))
 
     def _decode_layers(self) -> DecodeLayers | None:
         """The bound loop of a decode step (:mod:`.decode_step`), built at the first forward

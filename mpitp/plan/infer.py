@@ -153,7 +153,10 @@ def moe(m: LlamaConfig, ranks: int, nodes: int, batch: int, weights: str | None 
         dp attention (--dp-attention)   B/p rows a rank; each MoE layer sends each row once to
                                         every other rank holding one of its experts (H + 2k
                                         floats: x, the experts, their weights) and gets its sum
-                                        back (H floats); no all-reduce, no gather
+                                        back (H floats); the head's vocabulary cut: each row
+                                        all-gathered (H + 5 floats to every other rank) and
+                                        every rank's (max, token, mass) of every row, 24 bytes,
+                                        to every other; no all-reduce
 
     Expected bytes under uniform routing (:func:`ranks_hit`); a run's traffic counters equal
     what its actual routes ask, to the byte (tests/mpi/test_llama.py)."""
@@ -172,10 +175,11 @@ def moe(m: LlamaConfig, ranks: int, nodes: int, batch: int, weights: str | None 
     hit = ranks_hit(ep.experts, k)
     links: dict[str, dict[str, float]] = {k: {"inter": 0.0, "intra": 0.0} for k in ("tp", "tp_greedy", "dp")}
     row = (H + 2 * k) * 4 + H * 4  # out and back
+    picks = (H + 5) * 4 + 24 * p  # the head: the row to q, and q's answers for every row (p a row of r's)
     for r in range(p):  # dp: each rank's rows to the others (per row of its own)
         for q in range(p):
             if q != r:
-                links["dp"]["inter" if q // per_node != r // per_node else "intra"] += sparse * hit[q] * row
+                links["dp"]["inter" if q // per_node != r // per_node else "intra"] += sparse * hit[q] * row + picks
     _, ring = _ring(p, batch * H * 4)
     crossing = nodes if nodes > 1 else 0  # ring hops that leave a node, of p
     for mode, head in (("tp", V * 4 / p), ("tp_greedy", 16)):

@@ -8,7 +8,8 @@ its own :class:`.engine.Engine` (its own rows and KV cache) in lockstep with the
     iteration:  rank 0 broadcasts: each rank's new requests, the cancelled, shutdown
                 prefill   if any rank has prompts: each rank its own, or an idle pass
                           (its part in every MoE layer's all-to-all, with no rows)
-                sample    each rank its own rows (its requests' own generators); rank 0
+                sample    each rank its own rows (its requests' own generators) by the
+                          vocabulary-cut head (:func:`pick`: rows all-gathered); rank 0
                           gathers the tokens, streams them, decides which requests ended
                           and broadcasts that
                 decode    if any rank has a row to feed: one step each (or an idle pass),
@@ -23,7 +24,10 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from ..log import get_logger
+from ..tp.dp_head import DataParallelHead
 from .engine import Engine
 from .requests import Service
 from .scheduler import Stop, emit, finish, take_request
@@ -89,16 +93,33 @@ def _idle(e: Engine) -> dict:
     return {}
 
 
+def pick(e: Engine, results: dict) -> dict[int, int]:
+    """Every rank, in step: the next token of each of its rows in ``results`` (row -> its
+    normed hidden state, the forward's ``hidden``), by the vocabulary-cut head
+    (:meth:`mpitp.tp.dp_head.DataParallelHead.pick`): greedy rows the argmax, rows at a
+    temperature sampled with two uniforms of their own generator; rows with top-k or top-p
+    get their logits whole and are sampled here as before (:meth:`.engine.Engine.pick`)."""
+    m = e.model
+    assert isinstance(m.lm_head, DataParallelHead)
+    rows = [r for r in results if e.slots[r] is not None]
+    h = np.stack([results[r].logits.reshape(-1) for r in rows]) if rows else np.zeros((0, m.config.hidden_size))
+    T, u = np.zeros(len(rows)), np.zeros((len(rows), 2))
+    for i, r in enumerate(rows):
+        s = e.slots[r]
+        j = s.job
+        if (0 < j.top_k < m.config.vocab_size) or j.top_p < 1.0:
+            T[i] = np.nan  # the whole distribution is needed
+        elif j.temperature > 0:
+            T[i], u[i] = j.temperature, s.rng.random(2)
+    tokens, logits = m.lm_head.pick(h, T, u)
+    whole = iter(logits)
+    return {r: int(t) if t >= 0 else e.pick(r, next(whole)) for r, t in zip(rows, tokens)}
+
+
 def _sample(e: Engine, results: dict, service: Service | None, requests: dict, where: dict) -> None:
     """Each rank picks its rows' next tokens; rank 0 gathers them, streams them and says which
     requests ended; every rank records its picks and drops its ended requests."""
-    mine = {}
-    for row, out in results.items():
-        s = e.slots[row]
-        if s is None:
-            continue
-        token = out.token if out.token >= 0 else e.pick(row, out.logits)
-        mine[row] = (s.job.id, token)
+    mine = {row: (e.slots[row].job.id, token) for row, token in pick(e, results).items()}  # type: ignore[union-attr]
     everyone = e.comm.gather_object(list(mine.values()))
     ended = None
     if service is not None:

@@ -157,7 +157,8 @@ class Engine:
                 keep.append(new - D + n - 1)
             at, new = at + d, new + n
         row.length, row.owner = D, xp.asarray(owner)
-        logits = m.forward(xp.asarray(ids[None]), xp.asarray(pos[None]), row, keep=xp.asarray(np.array(keep, np.int64)))
+        at = xp.asarray(np.array(keep, np.int64))
+        logits = m.forward(xp.asarray(ids[None]), xp.asarray(pos[None]), row, keep=at, hidden=m.dp_attention)
         wants = np.zeros(len(keep), bool)
         sample: dict[int, int] = {}  # position -> the row the last stage samples it for
         echoes: list[tuple[Prefill, int, int]] = []  # a prompt's own positions [lo, hi)
@@ -246,9 +247,12 @@ class Engine:
         # every fed row greedy, none wanting its logits: the argmax of each rank's shard of
         # the vocabulary, the logits never gathered (the token rank 0's pick would give)
         greedy = all(s.job.temperature <= 0 for s, f in zip(rows, feed) if f and s)
-        argmax = self.stage is None and greedy and not wants.any()
+        argmax = self.stage is None and greedy and not wants.any() and not m.dp_attention
         with np.errstate(invalid="ignore", divide="ignore"):  # rows with nothing to attend to
-            out = m.forward(m.xp.asarray(toks), m.xp.asarray(pos), view, last_only=True, greedy=argmax)
+            # --dp-attention: the rows' hidden states; the head runs in :func:`.dp.pick`, with every rank
+            out = m.forward(
+                m.xp.asarray(toks), m.xp.asarray(pos), view, last_only=True, greedy=argmax, hidden=m.dp_attention
+            )
             if argmax:
                 nxt = Next(lambda: (out, None), np.zeros(k, bool))
             else:

@@ -117,7 +117,8 @@ def test_data_parallel_attention_with_experts_over_all_to_all(tp, name):
     experts cut ep over the N ranks and reached by all-to-all: every rank's logits equal the
     single-process model's on its prompts within 1e-5 and its greedy tokens are the same; the
     all-to-all counters equal, to the byte, what the routes ask (each row once to every other
-    rank holding one of its experts, H + 2k floats, and its sum back, H floats); a rank with
+    rank holding one of its experts, H + 2k floats, and its sum back, H floats) and what the
+    vocabulary-cut head sends (the rows all-gathered, the logits' blocks to their rows' ranks); a rank with
     no rows in a step still takes part (no hang) while the others get their answers."""
     from mpitp.models.moe import dispatch_rows
 
@@ -138,6 +139,18 @@ def test_data_parallel_attention_with_experts_over_all_to_all(tp, name):
             out = sum(counts) - counts[r]
             back = sum(every[q][r] for q in range(N) if q != r)
             want += out * (H + 2 * c.num_experts_per_tok) * 4 + back * H * 4
+    # the head (:mod:`mpitp.tp.dp_head`): every rank's rows all-gathered (x and 5 more floats), each
+    # rank's (max, token, mass) of every row back, and, as logits are asked here, its block of
+    # each other rank's rows to that rank (padded to the widest block)
+    rows = tp.mpi.allgather(ids.size)
+    head = dp.lm_head
+    want += (sum(rows) - rows[r]) * max(head.sizes) * 4
+    gathered = tp.traffic.by_collective.get("allgather", 0)
+    agree(
+        gathered == (rows[r] * (H + 5) * 4 + sum(rows) * 24 if N > 1 else 0),
+        f"{name}: the head's all-gathers counted {gathered}",
+    )
+    agree(head.per_rank < c.vocab_size or N == 1, f"{name}: the head is not cut ({head.per_rank} rows)")
     agree(got == want, f"{name}: alltoallv counted {got} bytes, the routes ask {want}")
     prompts = [ids[0].tolist(), ids[0][:4].tolist()]
     agree(

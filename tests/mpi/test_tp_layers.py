@@ -170,6 +170,54 @@ def test_greedy_head_is_the_argmax_of_the_gathered_logits(comm, vocab):
     agree(want[2] == 0 and want[3] == 0 and full[1].max() < 0, "the test's ties, NaN and negative row hold")
 
 
+@pytest.mark.parametrize("vocab", [50, 64 * N + 1, 1025])
+def test_data_parallel_head_picks_as_the_whole_vocabulary_would(comm, vocab):
+    """--dp-attention's head (:mod:`mpitp.tp.dp_head`): rows differ by rank (rank 1 has none),
+    the vocabulary is cut. Greedy rows get the whole logits' argmax (ties to the lowest token,
+    NaN first); rows that ask for logits get them whole; sampled rows follow the softmax at
+    their temperature: 4000 rows a rank of its own x (12000 at 1025 tokens: blocks of several
+    of the draw's 256-column chunks), the tokens' counts against the whole
+    logits' softmax (chi-square under 6 standard deviations above its degrees of freedom;
+    a sampler that ignored each block's mass, choosing blocks uniformly, is far above)."""
+    from mpitp.tp.dp_head import DataParallelHead
+
+    E = (np.abs(rng.standard_normal((vocab, 6))) + 0.1).astype(np.float32)
+    E[vocab - 1] = E[0] * 10  # the tie of the first and the last token is the largest
+    E[0] *= 10
+    head = DataParallelHead(vocab, 6, comm=comm)
+    head.weight_loader("weight", ArraySource("head", E))
+    r = comm.rank
+    mine = np.random.default_rng(100 + r)
+    n = 0 if r == 1 else 4
+    h = mine.standard_normal((n, 6)).astype(np.float32)
+    T = np.array([0.0, 0.0, np.nan, 0.0][:n])
+    if n:
+        h[1] = E[0] * 3
+        h[3] = np.nan
+    tokens, logits = head.pick(h, T, np.zeros((n, 2)))
+    full = h @ E.T
+    g = T == 0
+    agree(np.array_equal(tokens[g], full[g].argmax(-1)), f"vocab={vocab}: greedy {tokens[g]} != {full[g].argmax(-1)}")
+    agree(n == 0 or (tokens[1] == 0 and tokens[3] == 0), "the tie and the NaN row take token 0")
+    agree(tokens[~g].tolist() == [-1] * int((~g).sum()) and close(logits, full[np.isnan(T)], 1e-4), "logits rows")
+    E = rng.standard_normal((vocab, 6)).astype(np.float32)  # no tie: the mass spread over every block
+    head = DataParallelHead(vocab, 6, comm=comm)
+    head.weight_loader("weight", ArraySource("head", E))
+    M, t = 4000 if vocab < 1000 else 12000, 0.8 + 0.2 * r
+    x = np.repeat(0.5 * mine.standard_normal((1, 6)).astype(np.float32), M, axis=0) if r != 1 else np.zeros((0, 6))
+    tokens, _ = head.pick(x, np.full(len(x), t), mine.random((len(x), 2)))
+    if len(x):
+        z = (x[0] @ E.T).astype(np.float64) / t
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        seen = np.bincount(tokens, minlength=vocab)
+        chi2 = float(((seen - M * p) ** 2 / (M * p)).sum())
+        bound = (vocab - 1) + 6 * np.sqrt(2 * (vocab - 1))
+        agree(seen.sum() == M and chi2 < bound, f"vocab={vocab} rank {r}: chi-square {chi2:.0f} >= {bound:.0f}")
+    else:
+        agree(tokens.shape == (0,), "a rank without rows gets none")
+
+
 def test_shape_mismatch_names_the_tensor(comm):
     col = ColumnParallelLinear(10, 4 * N, comm=comm)
     with pytest.raises(ShardingError, match=r"w_bad: checkpoint shape \(5, 10\)"):
