@@ -41,7 +41,8 @@ class DataParallelHead(ParallelLMHead):
         """Next tokens of this rank's rows ``h`` [n, hidden]: ``temperature`` [n] (0 greedy, > 0
         sampled, NaN: the logits wanted instead), ``uniforms`` [n, 2] in [0, 1) of each sampled
         row's own generator. Returns (tokens [n] int64, -1 at NaN rows; logits [m, vocab] of the
-        m NaN rows, in order), on the host."""
+        m NaN rows, in order), on the host. A temperature below 0 or infinite on any rank raises
+        the same ValueError on every rank."""
         h = to_host(h).reshape(-1, self.hidden).astype(np.float32, copy=False)
         n = h.shape[0]
         T = np.ascontiguousarray(np.asarray(temperature, np.float64).reshape(n))
@@ -58,6 +59,12 @@ class DataParallelHead(ParallelLMHead):
         lo = int(counts[:rank].sum())
         allT = np.ascontiguousarray(every[:, self.hidden : self.hidden + 2]).view(np.float64)[:, 0]
         u1 = np.ascontiguousarray(every[:, self.hidden + 2 : self.hidden + 4]).view(np.float64)[:, 0]
+        bad = np.flatnonzero(~(np.isnan(allT) | ((allT >= 0) & np.isfinite(allT))))
+        if len(bad):  # seen alike by every rank: the same error on all, no rank left waiting
+            raise ValueError(
+                f"DataParallelHead.pick: rank {owner[bad[0]]} gave a row temperature {allT[bad[0]]}; "
+                "expected 0 (greedy), a finite T > 0, or NaN (the logits)"
+            )
         logits = to_host(self._shard(self.xp.asarray(every[:, : self.hidden]))) if len(every) else None
         stats = self._block_stats(logits, allT, u1)  # [N, 3]
         if p > 1:

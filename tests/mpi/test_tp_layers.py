@@ -178,7 +178,8 @@ def test_data_parallel_head_picks_as_the_whole_vocabulary_would(comm, vocab):
     their temperature: 4000 rows a rank of its own x (12000 at 1025 tokens: blocks of several
     of the draw's 256-column chunks), the tokens' counts against the whole
     logits' softmax (chi-square under 6 standard deviations above its degrees of freedom;
-    a sampler that ignored each block's mass, choosing blocks uniformly, is far above)."""
+    a sampler that ignored each block's mass, choosing blocks uniformly, is far above); a
+    negative temperature on rank 0 raises the same ValueError on every rank."""
     from mpitp.tp.dp_head import DataParallelHead
 
     E = (np.abs(rng.standard_normal((vocab, 6))) + 0.1).astype(np.float32)
@@ -216,6 +217,8 @@ def test_data_parallel_head_picks_as_the_whole_vocabulary_would(comm, vocab):
         agree(seen.sum() == M and chi2 < bound, f"vocab={vocab} rank {r}: chi-square {chi2:.0f} >= {bound:.0f}")
     else:
         agree(tokens.shape == (0,), "a rank without rows gets none")
+    with pytest.raises(ValueError, match="rank 0 gave a row temperature -1.0"):  # on every rank
+        head.pick(np.zeros((1, 6)), np.array([-1.0 if r == 0 else 1.0]), np.zeros((1, 2)))
 
 
 def test_shape_mismatch_names_the_tensor(comm):
