@@ -107,9 +107,11 @@ def pick(e: Engine, results: dict) -> dict[int, int]:
     for i, r in enumerate(rows):
         s = e.slots[r]
         j = s.job
+        if j.temperature <= 0:
+            continue  # greedy (top-k and top-p change no argmax)
         if (0 < j.top_k < m.config.vocab_size) or j.top_p < 1.0:
             T[i] = np.nan  # the whole distribution is needed
-        elif j.temperature > 0:
+        else:
             T[i], u[i] = j.temperature, s.rng.random(2)
     tokens, logits = m.lm_head.pick(h, T, u)
     whole = iter(logits)

@@ -123,7 +123,8 @@ class Engine:
         arrival order); with ``pace`` (a forward's fixed cost in tokens), over the prompts
         :func:`.pacing.take` picks for it. Returns, for each job whose prompt is now complete, its row and its
         next-token logits [V] — or, when it asks for its prompt's log-probabilities, every
-        position's [P, V] (the last row is the next token's)."""
+        position's [P, V] (the last row is the next token's). With ``--dp-attention`` the
+        head's input instead, the normed hidden state [H] (:func:`.dp.pick` runs the head)."""
         if not self.waiting:
             return {}
         m, xp = self.model, self.model.xp
@@ -157,8 +158,8 @@ class Engine:
                 keep.append(new - D + n - 1)
             at, new = at + d, new + n
         row.length, row.owner = D, xp.asarray(owner)
-        at = xp.asarray(np.array(keep, np.int64))
-        logits = m.forward(xp.asarray(ids[None]), xp.asarray(pos[None]), row, keep=at, hidden=m.dp_attention)
+        kept = xp.asarray(np.array(keep, np.int64))
+        logits = m.forward(xp.asarray(ids[None]), xp.asarray(pos[None]), row, keep=kept, hidden=m.dp_attention)
         wants = np.zeros(len(keep), bool)
         sample: dict[int, int] = {}  # position -> the row the last stage samples it for
         echoes: list[tuple[Prefill, int, int]] = []  # a prompt's own positions [lo, hi)
