@@ -28,8 +28,9 @@ import numpy as np
 
 from ..backend import to_host
 from .embedding import ParallelLMHead
+from .partition import PAD
 
-CHUNK = 256  # columns summed in float64 at a time when drawing
+CHUNK = PAD  # columns summed in float64 at a time when drawing (a block's width is a multiple)
 EXTRA = 5  # float32 columns after a row's x: T and u1 (float64, two columns each), the owner rank
 
 
@@ -90,7 +91,7 @@ class DataParallelHead(ParallelLMHead):
         for a block of padding and for rows that want their logits)."""
         st = np.zeros((len(T), 3))
         st[:, 0], st[:, 1] = -np.inf, -1
-        real = max(0, min(self.end, self.vocab_size) - self.start)  # the rest is padding
+        real = self.real  # the rest is padding
         if not real or logits is None:
             return st
         block = logits[:, :real]
@@ -108,16 +109,14 @@ class DataParallelHead(ParallelLMHead):
     def _draw(logits, real: int, T: np.ndarray, u: np.ndarray):
         """(max of z = logits/T, token drawn from the softmax of z by inverse CDF at ``u``, mass
         Σ e^{z - max}) of each row over its first ``real`` columns. exp in float32, sums in
-        float64 by chunks of CHUNK columns (a float32 running sum over 76k columns would be off
-        by up to ~0.5%; float64 throughout cost 7 ms for 8 rows of 76k where this takes ~1)."""
-        k, W = logits.shape
+        float64 by chunks of CHUNK columns, a block being whole chunks (a float32 running sum over
+        76k columns would be off by up to ~0.5%; float64 throughout cost 7 ms for 8 rows of 76k
+        where this takes ~1)."""
+        k = logits.shape[0]
         z = np.asarray(logits, np.float32) * (1 / T).astype(np.float32)[:, None]
         top = z[:, :real].max(axis=-1)
         e = np.exp(z - top[:, None])
         e[:, real:] = 0  # padding rows of the vocabulary
-        W2 = -(-W // CHUNK) * CHUNK
-        if W2 != W:
-            e = np.concatenate([e, np.zeros((k, W2 - W), np.float32)], axis=1)
         sums = np.cumsum(e.reshape(k, -1, CHUNK).sum(axis=-1, dtype=np.float64), axis=-1)  # [k, chunks]
         target = u * sums[:, -1]
         chunk = np.minimum((sums <= target[:, None]).sum(axis=-1), sums.shape[1] - 1)

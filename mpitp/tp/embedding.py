@@ -43,6 +43,7 @@ class VocabParallelEmbedding:
         self._wt = xp.zeros((hidden, self.per_rank), self.dtype)  # [hidden, rows]: the head's GEMV
         self.weight = self._wt.T  # [rows, hidden] view
         self.qweight: formats.BlockWeight | None = None
+        self.real = max(0, min(self.end, vocab_size) - self.start)  # rows of real tokens; the rest padding
 
     def _blocks(self, src: TensorSource, real_end: int) -> formats.BlockWeight | None:
         if self.weights == "float32" or self.xp is not np or self.hidden % formats.BLOCK:
@@ -139,7 +140,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
         Across nodes this replaces V·4 bytes a row (151936 tokens: 608 kB) by 16 a rank."""
         logits = self._shard(h)
-        real = max(0, min(self.end, self.vocab_size) - self.start)  # the rest is padding
+        real = self.real
         pairs = np.zeros((1, *logits.shape[:-1], 2))
         pairs[..., 0] = -np.inf
         if real:

@@ -176,7 +176,7 @@ def test_data_parallel_head_picks_as_the_whole_vocabulary_would(comm, vocab):
     the vocabulary is cut. Greedy rows get the whole logits' argmax (ties to the lowest token,
     NaN first); rows that ask for logits get them whole; sampled rows follow the softmax at
     their temperature: 4000 rows a rank of its own x (12000 at 1025 tokens: blocks of several
-    of the draw's 256-column chunks), the tokens' counts against the whole
+    of the draw's 64-column chunks), the tokens' counts against the whole
     logits' softmax (chi-square under 6 standard deviations above its degrees of freedom;
     a sampler that ignored each block's mass, choosing blocks uniformly, is far above); a
     negative temperature on rank 0 raises the same ValueError on every rank."""
