@@ -84,6 +84,15 @@ def test_impossible_configs(model_dir, change, message):
     assert rc == 2 and message in err and "Traceback" not in err, err[-1500:]
 
 
+def test_olmoe_with_clipped_qkv_is_refused():
+    """OLMoE's clip_qkv (q, k, v clamped; null in the released model) is not served: refused
+    by name, not ignored (a silently wrong model)."""
+    cfg = json.loads((Path(__file__).parent / "fixtures" / "olmoe" / "config.json").read_text())
+    assert LlamaConfig.from_dict(cfg).qk_norm_whole
+    with pytest.raises(ConfigError, match="clip_qkv = 8.0"):
+        LlamaConfig.from_dict({**cfg, "clip_qkv": 8.0})
+
+
 def test_config_that_is_not_json(model_dir):
     (model_dir / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):

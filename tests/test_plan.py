@@ -253,6 +253,16 @@ def test_plan_infer_counts_stage_boundaries_and_all_reduces():
     assert greedy["messages_per_step"] == logits["messages_per_step"]
     x = infer.crossover(m, 2, 1, 2, 1, prof)
     assert x is not None and x >= 0
+    from dataclasses import replace
+    from pathlib import Path
+
+    from mpitp.models.config import LlamaConfig
+
+    o = LlamaConfig.from_path(Path(__file__).parent / "fixtures" / "olmoe")  # q/k normed over the projection
+    with_norms, without = (infer.plan(c, 1, 2, 1, 3, 64, prof) for c in (o, replace(o, qk_norm_whole=False)))
+    L = o.num_hidden_layers  # one more all-reduce a layer, of 3 rows' 2 floats: a ring of 2 sends 24 bytes a rank
+    assert with_norms["stages"][0]["allreduces"] - without["stages"][0]["allreduces"] == L
+    assert with_norms["bytes_per_step"]["intra"] - without["bytes_per_step"]["intra"] == 2 * L * 24
     out = subprocess.run(
         [sys.executable, "-m", "mpitp.cli.main", "plan", "infer", "--pp", "2", "--tp", "1", "--link", "1gbit",
          "--latency", "100us"], capture_output=True, text=True, timeout=60,

@@ -20,6 +20,7 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": False,
     "Qwen3MoeForCausalLM": False,
     "Qwen2MoeForCausalLM": True,
+    "OlmoeForCausalLM": False,
 }
 # (architecture -> whether q, k, v carry a bias whatever attention_bias says)
 MODEL_TYPES = {
@@ -27,7 +28,9 @@ MODEL_TYPES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "OlmoeForCausalLM")
 
 
 class ConfigError(MpitpError, ValueError):
@@ -50,6 +53,7 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False  # Qwen3: an RMSNorm over head_dim of each q and k head, before RoPE
+    qk_norm_whole: bool = False  # OLMoE: q and k each RMS-normed over the whole projection (every head)
     o_bias: bool = False
     mlp_bias: bool = False
     bos_token_id: int | None = None
@@ -64,6 +68,7 @@ class LlamaConfig:
     decoder_sparse_step: int = 1  # every this-many-th layer has experts (its index + 1 a multiple)
     mlp_only_layers: list[int] = field(default_factory=list)  # layers kept dense whatever the step
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one always-on expert, sigmoid-gated
+    # (OLMoE names no moe_intermediate_size: its experts are intermediate_size wide, every layer sparse)
 
     def sparse(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` has experts instead of a dense MLP (transformers' rule)."""
@@ -122,11 +127,15 @@ class LlamaConfig:
         eos = cfg.get("eos_token_id")
         out.eos_token_id = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         out.architecture = arch
-        out.qk_norm = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-        if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+        out.qk_norm = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+        out.qk_norm_whole = arch == "OlmoeForCausalLM"
+        if arch == "OlmoeForCausalLM" and cfg.get("clip_qkv") is not None:
+            raise ConfigError(f"config.json: clip_qkv = {cfg['clip_qkv']} (q, k, v clamped) is not supported")
+        if arch in MOE_ARCHITECTURES:
             out.num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
             out.num_experts_per_tok = int(cfg.get("num_experts_per_tok") or 0)
-            out.moe_intermediate_size = int(cfg.get("moe_intermediate_size") or 0)
+            wide = cfg.get("intermediate_size") if arch == "OlmoeForCausalLM" else cfg.get("moe_intermediate_size")
+            out.moe_intermediate_size = int(wide or 0)
             out.norm_topk_prob = bool(cfg.get("norm_topk_prob", False))
             out.decoder_sparse_step = int(cfg.get("decoder_sparse_step") or 1)
             out.mlp_only_layers = [int(i) for i in cfg.get("mlp_only_layers") or []]

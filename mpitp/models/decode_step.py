@@ -10,7 +10,7 @@ so they are bound once (each linear layer's kernel to its weight,
     h ─ rms_norm ─ qkv (+b) ─ attend: RoPE, K/V into the cache, softmax(q·kᵀ)·v ─ o ─ all-reduce (+b) ─ h +=
       ─ rms_norm ─ gate_up (+b) ─ swiglu ─ down ─ all-reduce (+b) ─ h +=
 
-Qwen3's q/k norms run after qkv (:func:`~mpitp.models.layers.norm_heads`), and a
+Qwen3's and OLMoE's q/k norms run after qkv (:meth:`~mpitp.models.layers.Attention.norm_qk`), and a
 mixture-of-experts block is its own call (:class:`~mpitp.models.moe.SparseMoE`) in place
 of the MLP's four steps. The same kernels on the same arrays in the same order as the generic path, so the
 result is the same: bit for bit with block weights. Where a layer's four matmuls are int8
@@ -26,7 +26,6 @@ import numpy as np
 
 from ..kernels import calls, fused, parallel
 from ..kernels import decode as kernels
-from .layers import norm_heads
 
 
 class DecodeLayers:
@@ -68,7 +67,7 @@ class DecodeLayers:
             a, mlp = layer.self_attn, layer.mlp
             moe = mlp if hasattr(mlp, "experts") else None  # a mixture of experts: its own call
             # Qwen3's q/k norms, a MoE block: the loop's own steps, never the fused halves
-            extra.append(((a.q_norm, a.k_norm) if a.q_norm is not None else None, moe))
+            extra.append((a.norm_qk if a.q_norm is not None else None, moe))
             mods = (
                 (a.qkv_proj, a.o_proj) if moe is not None else (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
             )
@@ -125,9 +124,9 @@ class DecodeLayers:
             qkv(xn, y)
             if bqkv is not None:
                 y += bqkv
-            qk_norms, moe = self.extra[i]
-            if qk_norms is not None:
-                norm_heads(y, self.nh, self.nkv, self.head_dim, *qk_norms)
+            norm_qk, moe = self.extra[i]
+            if norm_qk is not None:
+                norm_qk(y)
             att = np.empty((B, self.q_width), np.float32)
             self.attend(
                 y, step.cos1, step.sin1, cache.k[i], cache.v[i], cache.valid, s, self.nh, self.nkv, self.scale,

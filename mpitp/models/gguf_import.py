@@ -1,4 +1,4 @@
-"""GGUF (llama.cpp) LLaMA, Qwen2, Qwen3 and Qwen2/3-MoE checkpoint -> a model directory
+"""GGUF (llama.cpp) LLaMA, Qwen2, Qwen3, Qwen2/3-MoE and OLMoE checkpoint -> a model directory
 that mpitp loads.
 
 Reads the file's header with the ``gguf`` package (llama.cpp's own reader) and writes
@@ -53,6 +53,7 @@ ARCHS = {
     "qwen3": ("Qwen3ForCausalLM", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", True),  # llama.cpp's qwen3moe.cpp: build_moe_ffn(..., norm_w = true)
     "qwen2moe": ("Qwen2MoeForCausalLM", False),
+    "olmoe": ("OlmoeForCausalLM", False),  # llama.cpp's olmoe.cpp: norm_w = false; q/k rows as Hugging Face's
 }
 PERMUTED = ("llama",)  # architectures whose converter reorders q/k rows per head (LlamaModel.permute)
 
@@ -145,7 +146,8 @@ def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
         config |= {
             "num_experts": int(g("expert_count")),
             "num_experts_per_tok": int(g("expert_used_count")),
-            "moe_intermediate_size": int(g("expert_feed_forward_length")),
+            # OLMoE's converter writes the experts' width as feed_forward_length only
+            "moe_intermediate_size": int(g("expert_feed_forward_length", g("feed_forward_length", 0))),
             "norm_topk_prob": norm_topk,
             "shared_expert_intermediate_size": int(g("expert_shared_feed_forward_length", 0)),
             # llama.cpp's graph: every layer with ffn_gate_inp is sparse, the others dense

@@ -146,6 +146,27 @@ def _parts(allowed, s: int, owner, xp) -> list:
     return [(slice(t0, t1), c, allowed[:, t0:t1][:, :, c][:, None, None]) for t0, t1, c in spans]
 
 
+class ProjectionNorm:
+    """OLMoE's q or k norm: one RMSNorm over the whole projection, every head of it, of which
+    this rank holds the heads' columns [start, start + size) and so that slice of the weight
+    (the mean square over all of them: :meth:`Attention.norm_qk`)::
+
+        q_norm.weight  [ h0 h1 │ h2 h3 ]   heads 0-1 on rank 0, 2-3 on rank 1: its slice each
+    """
+
+    def __init__(self, full: int, start: int, size: int, eps: float, dtype=np.float32, xp=np):
+        self.full, self.start, self.eps, self.xp = full, start, eps, xp
+        self.weight = xp.ones(size, dtype)
+
+    def weight_loader(self, param, src, shard_id=None) -> None:
+        if tuple(src.shape) != (self.full,):
+            from ..tp import ShardingError
+
+            raise ShardingError(f"{src.name}: checkpoint shape {tuple(src.shape)}, model expects ({self.full},)")
+        part = np.asarray(src.read())[self.start : self.start + self.weight.size]
+        self.weight[...] = self.xp.asarray(part, self.weight.dtype)
+
+
 def norm_heads(qkv, nh: int, nkv: int, d: int, q_norm: RMSNorm, k_norm: RMSNorm) -> None:
     """Qwen3's q and k norms, in place on ``qkv`` [rows, (nh + 2 nkv) d] NumPy float32: each
     of the nh query heads and nkv key heads of every row RMS-normed over its d values."""
@@ -182,17 +203,56 @@ class Attention:
         )
         self.nh, self.nkv = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         # Qwen3: each head of q and of k RMS-normed over head_dim (weights whole on every rank)
-        self.q_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, xp) if cfg.qk_norm else None
-        self.k_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, xp) if cfg.qk_norm else None
+        self.q_norm: RMSNorm | ProjectionNorm | None = None
+        self.k_norm: RMSNorm | ProjectionNorm | None = None
+        self.whole = cfg.qk_norm_whole
+        if cfg.qk_norm and not self.whole:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, xp)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, xp)
+        elif self.whole:  # OLMoE: over all heads, this rank's slice of each weight
+            r = comm.rank if comm is not None else 0
+            d, eps, (nq, q0, nk, k0) = cfg.head_dim, cfg.rms_norm_eps, split.rank(r)
+            self.q_norm = ProjectionNorm(cfg.num_attention_heads * d, q0 * d, nq * d, eps, dtype, xp)
+            self.k_norm = ProjectionNorm(cfg.num_key_value_heads * d, k0 * d, nk * d, eps, dtype, xp)
+            # the mean squares' sums over the ranks; a KV head that several ranks hold (more
+            # ranks than KV heads) counts once, on the first of them
+            self.comm = comm if comm is not None and comm.size > 1 else None
+            self.k_counts = r == 0 or split.kv_start[r - 1] != k0
+            self.widths = np.array([cfg.num_attention_heads * d, cfg.num_key_value_heads * d], np.float32)
+
+    def norm_qk(self, flat) -> None:
+        """q's and k's norms, in place on ``flat`` [rows, (nh + 2 nkv) d] (the generic layers
+        and the decode loop both call this: the same bits): Qwen3's per head
+        (:func:`norm_heads`), or OLMoE's over the whole projection, each row's sums of
+        squares (q's, k's) all-reduced over the ranks, [rows, 2] float32."""
+        qn, kn = self.q_norm, self.k_norm
+        if not self.whole:
+            assert isinstance(qn, RMSNorm) and isinstance(kn, RMSNorm)
+            norm_heads(flat, self.nh, self.nkv, self.head_dim, qn, kn)
+            return
+        assert isinstance(qn, ProjectionNorm) and isinstance(kn, ProjectionNorm)
+        xp, nq = self.xp, self.nh * self.head_dim
+        q, k = flat[:, :nq], flat[:, nq : nq + self.nkv * self.head_dim]
+        ss = xp.zeros((flat.shape[0], 2), flat.dtype)
+        ss[:, 0] = (q * q).sum(-1)
+        if self.k_counts:
+            ss[:, 1] = (k * k).sum(-1)
+        if self.comm is not None:
+            ss = self.comm.allreduce(ss)
+        inv = 1 / xp.sqrt(ss / xp.asarray(self.widths, flat.dtype) + qn.eps)
+        q *= inv[:, :1]
+        q *= qn.weight
+        k *= inv[:, 1:]
+        k *= kn.weight
 
     def _normed(self, qkv):
-        """qkv [..., (nh + 2 nkv) d] with its q heads and k heads RMS-normed (Qwen3), a copy."""
+        """qkv [..., (nh + 2 nkv) d] with its q heads and k heads RMS-normed (Qwen3, OLMoE), a copy."""
         d, nh, nkv = self.head_dim, self.nh, self.nkv
-        assert self.q_norm is not None and self.k_norm is not None
-        if fast(qkv):  # as the decode loop norms them (mpitp.models.decode_step): the same bits
-            flat = np.array(qkv).reshape(-1, qkv.shape[-1])
-            norm_heads(flat, nh, nkv, d, self.q_norm, self.k_norm)
+        if fast(qkv) or self.whole:  # as the decode loop norms them (mpitp.models.decode_step): the same bits
+            flat = self.xp.array(qkv).reshape(-1, qkv.shape[-1])
+            self.norm_qk(flat)
             return flat.reshape(qkv.shape)
+        assert isinstance(self.q_norm, RMSNorm) and isinstance(self.k_norm, RMSNorm)
         h = self.xp.array(qkv).reshape(*qkv.shape[:-1], nh + 2 * nkv, d)
         h[..., :nh, :] = self.q_norm(h[..., :nh, :])
         h[..., nh : nh + nkv, :] = self.k_norm(h[..., nh : nh + nkv, :])

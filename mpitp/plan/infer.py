@@ -8,7 +8,8 @@ each; activations float32)::
                                    2(T-1) messages of B·H·4/T each), the first stage's
                                    embedding one more, the last stage's head an all-gather
                                    of its vocabulary rows (B·V·4/T a rank, T-1 messages; with
-                                   ``greedy``, of a (value, token) pair a row: B·16)
+                                   ``greedy``, of a (value, token) pair a row: B·16); OLMoE
+                                   n more of B·8 bytes (its q/k norms' sums of squares)
     each stage boundary            each tp rank sends ⌈B·H/T⌉·4 bytes to its counterpart
     the tokens back                the last stage broadcasts B int64 over the P stages
 
@@ -68,13 +69,16 @@ def plan(
         link = prof.intra if inside else prof.inter  # a ring's pace is its slowest hop
         crossing = sum(node(ranks[j]) != node(ranks[(j + 1) % T]) for j in range(T))  # ring hops between nodes
         ars = 2 * (l1 - l0) + (1 if s == 0 else 0)
+        norms = (l1 - l0) if m.qk_norm_whole else 0  # OLMoE: q's and k's sums of squares, 8 bytes a row
         msgs, sent = _ring(T, batch * H * 4)
+        nmsgs, nsent = _ring(T, batch * 8)
         row = 16 if greedy else V * 4 / T  # what the head sends a row: a pair, or its logits
         gmsgs, gsent = (T - 1, (T - 1) * batch * row) if s == P - 1 and T > 1 else (0, 0.0)
         for cls, senders in (("inter", crossing), ("intra", T - crossing)):  # each rank sends to its successor
-            links[cls][0] += senders * (ars * msgs + gmsgs)
-            links[cls][1] += senders * (ars * sent + gsent)
+            links[cls][0] += senders * (ars * msgs + norms * nmsgs + gmsgs)
+            links[cls][1] += senders * (ars * sent + norms * nsent + gsent)
         t = ars * (2 * (T - 1) * link.time(batch * H * 4 / T) if T > 1 else 0.0)
+        t += norms * (2 * (T - 1) * link.time(batch * 8 / T) if T > 1 else 0.0)
         t += (T - 1) * link.time(batch * row) if gmsgs else 0.0
         time_s += t
         held = (l1 - l0) * per_layer / T * wbytes
@@ -82,7 +86,7 @@ def plan(
         kv = 2 * (l1 - l0) * batch * context * kv_local * d * 4
         memory = max(memory, round(held) + kv)
         rows.append({"stage": s, "layers": [l0, l1], "ranks": ranks, "tp_inside_node": inside,
-                     "allreduces": ars, "weights_per_rank_bytes": round(held), "kv_cache_per_rank_bytes": kv,
+                     "allreduces": ars + norms, "weights_per_rank_bytes": round(held), "kv_cache_per_rank_bytes": kv,
                      "tp_time_s": t})  # fmt: skip
     bb = pp_boundary_bytes_per_rank(m, T, batch)
     crossings = 0
@@ -146,7 +150,8 @@ def moe(m: LlamaConfig, ranks: int, nodes: int, batch: int, weights: str | None 
     step of ``batch`` rows in all (activations float32), per generated token, all ranks::
 
         tp attention (--moe ep or tp)   2 all-reduces a layer (attention's, the experts' sum) of
-                                        B·H·4 bytes (ring: 2(p-1)/p of it sent a rank), the
+                                        B·H·4 bytes (ring: 2(p-1)/p of it sent a rank; OLMoE's
+                                        q/k norms one more of B·8), the
                                         embedding's one more, the head's all-gather (V·4 (p-1)/p
                                         a row; greedy rows, "tp_greedy": a (value, token) pair,
                                         16 bytes, to each other rank)
@@ -181,9 +186,10 @@ def moe(m: LlamaConfig, ranks: int, nodes: int, batch: int, weights: str | None 
             if q != r:
                 links["dp"]["inter" if q // per_node != r // per_node else "intra"] += sparse * hit[q] * row + picks
     _, ring = _ring(p, batch * H * 4)
+    norms = m.num_hidden_layers * _ring(p, batch * 8)[1] if m.qk_norm_whole else 0.0  # OLMoE's q/k norms
     crossing = nodes if nodes > 1 else 0  # ring hops that leave a node, of p
     for mode, head in (("tp", V * 4 / p), ("tp_greedy", 16)):
-        per_step = (2 * m.num_hidden_layers + 1) * ring + ((p - 1) * batch * head if p > 1 else 0)
+        per_step = (2 * m.num_hidden_layers + 1) * ring + norms + ((p - 1) * batch * head if p > 1 else 0)
         links[mode]["inter"] = p * per_step * crossing / p / batch
         links[mode]["intra"] = p * per_step * (p - crossing) / p / batch
     for cls in links["dp"]:

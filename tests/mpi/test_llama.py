@@ -58,10 +58,11 @@ def test_decode_loop_equals_the_generic_layers(tp, name):
     agree(np.array_equal(fast, generic), f"{name}: loop vs generic max diff {float(np.abs(fast - generic).max()):.2e}")
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "qwen2_moe", "olmoe"])
 def test_qwen3_and_experts_in_the_decode_loop(tp, name):
-    """Qwen3's per-head q/k norms and mixture-of-experts blocks run in the bound decode loop
-    (its own steps, not the fused halves): the generic layers' logits bit for bit."""
+    """Qwen3's per-head q/k norms, OLMoE's over the whole projection (all-reduced) and
+    mixture-of-experts blocks run in the bound decode loop (its own steps, not the fused
+    halves): the generic layers' logits bit for bit."""
     if N > 4 and name != "qwen3":
         return  # 4 attention heads: refused at this size (test_mixture_of_experts_parity)
     model = LlamaForCausalLM.from_pretrained(FIX / name, comm=tp)
@@ -71,16 +72,18 @@ def test_qwen3_and_experts_in_the_decode_loop(tp, name):
     agree(ran and np.array_equal(fast, generic), f"{name}: decode loop differs from the generic layers")
 
 
-MOE = ["qwen3_moe", "qwen2_moe"]  # 5 experts top-3 renormalized, one dense layer; 7 top-2 + a shared expert
+MOE = ["qwen3_moe", "qwen2_moe", "olmoe"]  # 5 experts top-3 renormalized; 7 top-2, a shared expert and
+# dense layers; 6 top-2, q/k normed over the whole projection (one more all-reduce a layer)
 
 
 @pytest.mark.parametrize("moe", ["ep", "tp"])
 @pytest.mark.parametrize("name", MOE)
 def test_mixture_of_experts_parity(tp, name, moe):
-    """Qwen3-MoE and Qwen2-MoE made by transformers, experts cut both ways over N ranks (ep:
-    whole experts, 5 or 7 over any N, uneven; tp: every expert's columns): logits within 1e-4
-    of transformers', its greedy tokens, every rank routing alike, one all-reduce per MoE
-    block (as the dense MLP's), and each rank reading only its share of the experts."""
+    """Qwen3-MoE, Qwen2-MoE and OLMoE made by transformers, experts cut both ways over N ranks
+    (ep: whole experts, 5, 7 or 6 over any N, uneven; tp: every expert's columns): logits
+    within 1e-4 of transformers', its greedy tokens, every rank routing alike, one all-reduce
+    per MoE block (as the dense MLP's; OLMoE's q/k norms one more, of 2 floats a row), and
+    each rank reading only its share of the experts."""
     ref = np.load(FIX / name / "reference.npz")
     if N > 4:  # 4 attention heads: refused at load, with the numbers
         with pytest.raises(ShardingError, match="exceeds the number of attention heads = 4"):
@@ -92,11 +95,20 @@ def test_mixture_of_experts_parity(tp, name, moe):
     diff = float(np.abs(logits - ref["logits"]).max())
     agree(diff <= 1e-4, f"{name} --moe {moe}: max |logit - HF| = {diff:.2e} at {N} ranks")
     layers = model.config.num_hidden_layers
-    want = 0 if N == 1 else 2 * layers + 1
+    whole = model.config.qk_norm_whole  # OLMoE: each row's sums of squares of q and k
+    want = 0 if N == 1 else (3 if whole else 2) * layers + 1
     agree(tp.traffic.calls.get("allreduce", 0) == want, f"{dict(tp.traffic.calls)}: want {want} all-reduces")
     moes = [L.mlp for L in model.layers if hasattr(L.mlp, "experts")]
     sparse = [i for i in range(layers) if model.config.sparse(i)]  # qwen2_moe: layer 1 of 4 (step 2, 3 dense)
     agree(len(moes) == len(sparse) == (1 if name == "qwen2_moe" else layers), f"{len(moes)} MoE blocks")
+    if whole:  # each rank its heads' slice of the norms' weights; with 2 KV heads over 3-4 ranks, shared
+        a = model.layers[0].self_attn
+        held = [(n, start) for n, start, own in tp.mpi.allgather((a.nkv, a.k_norm.start, a.k_counts)) if own]
+        kv, d = model.config.num_key_value_heads, model.config.head_dim
+        agree(
+            sorted(s for _, s in held) == [d * i for i in range(kv)][: len(held)] and sum(n for n, _ in held) == kv,
+            f"k's norm counts the KV heads (count, start) {held}, not each of {kv} once",
+        )
     agree(same_on_all_ranks(moes[0].last_routes[0]), "ranks routed tokens differently")
     prompts = [ref["greedy_0"][:9].tolist(), ref["greedy_1"][:6].tolist()]
     out = model.generate(prompts, max_new_tokens=10, stop_tokens=[])

@@ -376,7 +376,7 @@ def imported():
 @pytest.mark.parametrize("moe", ["ep", "tp"])
 @pytest.mark.parametrize("f", LLAMA_CPP_FILES, ids=lambda f: f.stem)
 def test_llama_cpp_files_of_qwen3_and_its_experts(tp, imported, f, moe):
-    """Qwen3 and Qwen3-MoE GGUF files written by llama.cpp's convert_hf_to_gguf.py (F32, F16,
+    """Qwen3, Qwen3-MoE and OLMoE GGUF files written by llama.cpp's convert_hf_to_gguf.py (F32, F16,
     Q8_0) and llama-quantize (Q4_0, Q4_1, Q5_0) from the transformers fixtures, experts
     stacked [n_expert, rows, cols] in one tensor per layer: every expert this rank holds
     equals the gguf package's dequantization of its rows (its own reader, not mpitp's); with
