@@ -23,11 +23,13 @@ docs/measurements.md's Xeon runs do::
 Rows: decode tokens/s (128 tokens after "Once upon a time", greedy, end-of-text ignored;
 the median of ``--rounds`` rounds that alternate llama.cpp and mpitp, and the ratio of
 each round, llama.cpp with as many threads as mpitp has ranks);
-one decode step at batch 1-16 (mpitp: ``forward`` of one token per row, median of 25);
+one decode step at batch 1-16 (mpitp: ``forward`` of one token per row, median of 25;
+the median over the rounds) and a prefill of 512 random tokens, each round's against
+``llama-bench -p 512`` run in the same round;
 a server (llama-server -np 8, mpitp serve --max-batch 8) answering the same 8 chat
 prompts greedily with the same max_tokens, one client at a time and 8 at once (output
-tokens/s = completion tokens over wall time); prefill of a ~500-token prompt against
-``llama-bench -p 512`` and decode steps against ``llama-batched-bench`` at 1-16 sequences
+tokens/s = completion tokens over wall time); prefill of a ~500-token prompt, and decode
+steps against ``llama-batched-bench`` at 1-16 sequences
 (where found); each of mpitp's rows for each --activations mode (int8o, the default;
 int8, ggml's one digit; int8x2, two digits; float32, the exact path); weights in memory
 per rank; and the decode rate's share of two ceilings measured in the same run: the
@@ -292,15 +294,19 @@ def main() -> int:
     rows: list[tuple[str, str]] = []
     lcpp: dict[int, list[float]] = {2: [], 1: []}
     ours: dict[tuple, list[float]] = {r: [] for r in runs}
-    prefill_random: dict[tuple, float] = {}  # seconds of a prefill of 512 random tokens (worker_steps)
+    steps_of: dict[tuple, list[dict]] = {r: [] for r in runs}  # each round's worker_steps
+    pp512: list[float] = []  # llama-bench's pp512 each round
     held_by: dict[tuple, str] = {}
     for _ in range(args.rounds):  # alternated: a shared machine's speed drifts between minutes
-        if bench:
+        if bench:  # (a VM's drifted 30% within 10 minutes: a prefill ratio of two runs minutes
+            # apart read 1.17x where alternated rounds read 1.53-1.57x, docs/moe.md)
             for t in lcpp:
                 lcpp[t].append(llama_bench(bench, gguf, t))
+            pp512.append(llama_prefill(bench, gguf, 2))
         for tp, a, th in runs:
             rate, held_by[tp, a, th], _, _ = mpitp_generate(tp, args.model, a, threads=th)
             ours[tp, a, th].append(rate)
+            steps_of[tp, a, th].append(mpitp_steps(tp, args.model, a, th))
     if bench:
         for t, rates in lcpp.items():
             rows.append((f"llama.cpp {t} thread(s): decode tok/s", f"{median(rates):.1f} {rounds(rates)}"))
@@ -310,8 +316,8 @@ def main() -> int:
     rows.append(("llama.cpp weights in memory", f"{size:.1f} MiB (the file, memory-mapped)"))
     for tp, a, th in runs:
         rate, name, cores = median(ours[tp, a, th]), f"TP={tp}" + (f"x{th}" if th > 1 else ""), tp * th
-        steps = mpitp_steps(tp, args.model, a, th)
-        prefill_random[tp, a, th] = steps["prefill_random"]
+        each = steps_of[tp, a, th]
+        steps = {k: median(st[k] for st in each) for k in each[0]}  # every figure its median over the rounds
         share = steps["streamed"] * rate / (bw * 1e9)
         share_all = steps["streamed"] * rate / (steps["read_all"] * 1e9)
         held = held_by[tp, a, th].partition("; decode at ")[0]
@@ -329,14 +335,16 @@ def main() -> int:
         lb = llama_batched(batched, gguf, 2)
         rows.append(("llama-batched-bench 2 threads: decode tok/s", ", ".join(f"{b}: {r:.1f}" for b, r in lb.items())))
     if bench:
-        pp = llama_prefill(bench, gguf, 2)
-        rows.append(("llama.cpp 2 threads: prefill pp512 tok/s", f"{pp:.1f}"))
+        rows.append(("llama.cpp 2 threads: prefill pp512 tok/s", f"{median(pp512):.1f} {rounds(pp512)}"))
     for tp, a, th in runs:
         _, _, secs, n = mpitp_generate(tp, args.model, a, PREFILL_PROMPT, new=1, threads=th)
         name = f"TP={tp}" + (f"x{th}" if th > 1 else "")
         rows.append((f"mpitp {name} {a}: prefill tok/s", f"{n / secs:.1f} ({n} tokens in {secs * 1e3:.0f} ms)"))
-        r = prefill_random[tp, a, th]
-        rows.append((f"mpitp {name} {a}: prefill of 512 random tokens", f"{512 / r:.1f} tok/s ({r * 1e3:.0f} ms)"))
+        rates = [512 / st["prefill_random"] for st in steps_of[tp, a, th]]
+        rows.append((f"mpitp {name} {a}: prefill of 512 random tokens", f"{median(rates):.1f} tok/s {rounds(rates)}"))
+        if bench and tp * th == 2:  # each round's against the pp512 of the same round
+            per = [x / y for x, y in zip(rates, pp512)]
+            rows.append((f"mpitp {name} {a} prefill / pp512", f"{median(per):.2f}x {rounds(per, 'x')}"))
     clients = [1, 8]
     if args.no_server:
         server, tps = None, []
