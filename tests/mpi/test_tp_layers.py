@@ -145,6 +145,13 @@ def test_vocab_parallel_embedding_and_head(comm, vocab):
     agree(head.weight is emb.weight, "tied head shares the embedding shard")
 
 
+def logits_of(h, E):
+    """h @ Eᵀ in float64, each row of E summed alike: a BLAS product may sum a tail row in
+    another order, and two equal rows of E meant as a tie then differ in the last bit (an
+    Intel Xeon's OpenBLAS put the last of 50 rows ahead of the first)."""
+    return (h[..., None, :].astype(np.float64) * E.astype(np.float64)).sum(-1)
+
+
 @pytest.mark.parametrize("vocab", [50, 64 * N, 64 * N + 1])
 def test_greedy_head_is_the_argmax_of_the_gathered_logits(comm, vocab):
     """Each rank's argmax of its shard, one all-gather of (value, token): the token argmax of
@@ -161,7 +168,7 @@ def test_greedy_head_is_the_argmax_of_the_gathered_logits(comm, vocab):
     h[2, 0] = E[0] * 3  # the tie of tokens 0 and vocab - 1 is the maximum
     h[3, 0] = np.nan
     h[4, 0] = E[vocab // 3] * 3
-    full = h @ E.T
+    full = logits_of(h, E)
     want = full[:, 0].argmax(-1)
     got = head.greedy(h)
     agree(got.shape == (5, 1) and got.dtype == np.int64, f"one token a row: {got.shape} {got.dtype}")
@@ -196,7 +203,7 @@ def test_data_parallel_head_picks_as_the_whole_vocabulary_would(comm, vocab):
         h[1] = E[0] * 3
         h[3] = np.nan
     tokens, logits = head.pick(h, T, np.zeros((n, 2)))
-    full = h @ E.T
+    full = logits_of(h, E)
     g = T == 0
     agree(np.array_equal(tokens[g], full[g].argmax(-1)), f"vocab={vocab}: greedy {tokens[g]} != {full[g].argmax(-1)}")
     agree(n == 0 or (tokens[1] == 0 and tokens[3] == 0), "the tie and the NaN row take token 0")
