@@ -218,7 +218,7 @@ class Attention:
             # ranks than KV heads) counts once, on the first of them
             self.comm = comm if comm is not None and comm.size > 1 else None
             self.k_counts = r == 0 or split.kv_start[r - 1] != k0
-            self.widths = np.array([cfg.num_attention_heads * d, cfg.num_key_value_heads * d], np.float32)
+            self.widths = xp.asarray(np.array([cfg.num_attention_heads, cfg.num_key_value_heads]) * d, dtype)
 
     def norm_qk(self, flat) -> None:
         """q's and k's norms, in place on ``flat`` [rows, (nh + 2 nkv) d] (the generic layers
@@ -239,7 +239,7 @@ class Attention:
             ss[:, 1] = (k * k).sum(-1)
         if self.comm is not None:
             ss = self.comm.allreduce(ss)
-        inv = 1 / xp.sqrt(ss / xp.asarray(self.widths, flat.dtype) + qn.eps)
+        inv = 1 / xp.sqrt(ss / self.widths + qn.eps)
         q *= inv[:, :1]
         q *= qn.weight
         k *= inv[:, 1:]
