@@ -4,6 +4,8 @@ rules, not from their code, in float64 where the rule allows, one block at a tim
 
     Q8_0 digit:  d = amax / 127 (float32),  q = round(x · (1/d)) half away from zero
     int8x2:      digit 1 of x, digit 2 of x - d·q (float32: a multiply, then a subtract)
+    int8x2/256:  int8x2 with each digit's d = amax / 127 over a super-block of 256 values
+                 (ggml's Q8_K grouping; d still listed per 32, the 8 equal)
     int8o:       in each block, |x| > 4 · sqrt((Σx² - amax²) / 31) (and that cut > 0) goes
                  to digit 2, quantized in its own block; the rest to digit 1
 
@@ -15,11 +17,15 @@ import numpy as np
 LIMIT = 4.0  # int8o's rule, as the issue states it; checked equal to the kernels' constant
 
 
-def q8_0(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """ggml's Q8_0 of float32 ``v`` [M, K]: (q int8 [M, K], d float32 [M, K/32])."""
+def q8_0(v: np.ndarray, group: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's Q8_0 of float32 ``v`` [M, K]: (q int8 [M, K], d float32 [M, K/32]); ``group``
+    256: one d for each 256 values (Q8_K's), listed for each of its 8 blocks."""
     M, K = v.shape
     b = v.reshape(M, K // 32, 32).astype(np.float32)
-    d = (np.abs(b).max(-1) / np.float32(127)).astype(np.float32)
+    amax = np.abs(b).max(-1)
+    if group == 256:
+        amax = np.repeat(amax.reshape(M, K // 256, 8).max(-1), 8, axis=1)
+    d = (amax / np.float32(127)).astype(np.float32)
     with np.errstate(divide="ignore"):
         inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
     t = (b * inv[..., None]).astype(np.float32).astype(np.float64)  # the float32 product, exactly
@@ -48,14 +54,16 @@ def interleave(*digits):
 
 
 def quantize(x: np.ndarray, scheme: str) -> tuple[np.ndarray, np.ndarray]:
-    """x [M, K] float32 under ``scheme`` ('int8', 'int8x2', 'int8o') -> (q, d) interleaved."""
+    """x [M, K] float32 under ``scheme`` ('int8', 'int8x2', 'int8x2/256', 'int8o') -> (q, d)
+    interleaved."""
     x = np.ascontiguousarray(x, np.float32)
     if scheme == "int8":
         return q8_0(x)
-    if scheme == "int8x2":
-        q1, d1 = q8_0(x)
+    if scheme in ("int8x2", "int8x2/256"):
+        group = 256 if scheme.endswith("/256") else 32
+        q1, d1 = q8_0(x, group)
         step = (np.repeat(d1, 32, axis=1) * q1.astype(np.float32)).astype(np.float32)
-        q2, d2 = q8_0((x - step).astype(np.float32))
+        q2, d2 = q8_0((x - step).astype(np.float32), group)
         return interleave(q1, q2), interleave(d1, d2)
     if scheme == "int8o":
         big, _ = outlier_mask(x)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("numba")
 
-from int8_reference import k_blocks  # noqa: E402
+from int8_reference import dequantized, k_blocks  # noqa: E402
 
 from mpitp.kernels import cpu, int8, jit  # noqa: E402
 from mpitp.kernels.quantize import LIMIT, quantize, quantize_rows2, quantize_rows_outliers  # noqa: E402
@@ -253,6 +253,53 @@ def test_every_instruction_set_gives_the_same_integers():
         outs = [int8.matmul(x, tw, isa) for isa in RUNNABLE]
         for o in outs[1:]:
             np.testing.assert_allclose(o, outs[0], rtol=1e-6, atol=1e-6 * np.abs(outs[0]).max())
+
+
+@pytest.mark.skipif("avx2" not in RUNNABLE, reason="no AVX2 on this CPU")
+@pytest.mark.parametrize("t", ["Q4_K", "Q6_K"])
+def test_avx2_k_quant_prefill_kernels_sum_a_super_block_in_integers(t):
+    """avx2's K-quant kernels for x two digits a scale per super-block (``whole``: prefill),
+    rows 1-16: against the float64 product of the digits and the gguf package's values, on
+    random blocks and on the worst case for their 16-bit steps (every quant at its largest,
+    15 or 63, every digit at ±127: pair sums of 30480 and 32004, below 2¹⁵); the digits from
+    quantize_rows2's ``whole`` (8 equal scales a super-block). Other instruction sets and
+    int8o's sparse digit have no such kernel."""
+    rng = np.random.default_rng(3)
+    n, k = 21, 512
+    raw = k_blocks(rng, t, n, k)
+    worst = raw.reshape(-1, 144 if t == "Q4_K" else 210).copy()
+    if t == "Q4_K":
+        worst[:, 16:144] = 0xFF  # every nibble 15
+    else:
+        worst[:, 0:192] = 0xFF  # every quant 63
+    for blocks, big in ((raw, False), (worst.reshape(raw.shape), True)):
+        w64 = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[t]).astype(np.float64).reshape(n, k)
+        tw = tiles.repack(formats.from_ggml(blocks, t), 2, True)
+        assert tw.kind == t.lower().replace("_", "")
+        T, nb = tw.qs.shape[0], k // 32
+        for R in int8.KERNEL_ROWS:
+            x = rng.standard_normal((R, k)).astype(np.float32)
+            xq = np.zeros((2 * R, k), np.int8)
+            xd = np.zeros((2 * R, nb), np.float32)
+            xs = np.zeros((2 * R, k // tw.xs_group), np.float32)
+            quantize_rows2(x, xq, xd, xs, "avx2", whole=True)
+            assert np.array_equal(xd, np.repeat(xd[:, ::8], 8, axis=1))  # one scale a super-block
+            if big:  # the largest sums: every digit ±127 (row by row), the sums per group to match
+                xq[:] = np.where(np.arange(2 * R)[:, None] % 3 == 1, -127, 127)
+                g = tw.xs_group
+                per = xq.reshape(2 * R, k // g, g).astype(np.float64).sum(-1) * np.repeat(xd, 32 // g, axis=1)
+                xs[:] = 0
+                xs[0::2] = (per[0::2] + per[1::2]).astype(np.float32)
+            ref = dequantized(xq, xd, 2) @ w64.T
+            y = np.full((R, T * 8), np.nan, np.float32)
+            f = jit.functions([(tw.fmt, "avx2", R, 2, 32, False, True)])[0]
+            f(tw.qs.ctypes.data, tw.d.ctypes.data, tw.m.ctypes.data, xq.ctypes.data, xd.ctypes.data,
+              xs.ctypes.data, y.ctypes.data, T, nb, R, T * 8)  # fmt: skip
+            err = np.abs(y[:, :n] - ref).max() / np.abs(ref).max()
+            assert err <= 1e-5, f"{t} R={R} {'worst case' if big else 'random'}: {err:.2e}"
+    for spec in (("q4k", "avx512", 8, 2, 32, False, True), ("q4k", "avx2", 8, 2, 32, True, True)):
+        with pytest.raises(ValueError, match="no int8 kernel"):
+            jit.functions([spec])
 
 
 @pytest.mark.parametrize(

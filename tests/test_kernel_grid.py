@@ -68,14 +68,18 @@ def _bound_digits(f, D: int, m: int):
     return [(p.xq[: D * m], p.xd[: D * m], p.xs[: D * m], p.w.xs_group) for p in parts]
 
 
-def _prefill_digits(x, tw, D: int):
-    """Prefill's quantizer on x, as int8.matmul calls it for each piece."""
+def _prefill_digits(x, tw, D: int, whole: bool):
+    """Prefill's quantizer on x, as int8.matmul calls it for each piece (``whole``: a scale
+    per 256, avx2's K-quants)."""
     out = []
     for w in tw.parts if getattr(tw, "layout", "") == "pieces" else [tw]:
         M, K = x.shape
         xq, xd = np.zeros((D * M, K), np.int8), np.zeros((D * M, K // 32), np.float32)
         xs = np.zeros((D * M, K // w.xs_group), np.float32)
-        (quantize_rows if D == 1 else quantize_rows2)(x, xq, xd, xs)
+        if D == 1:
+            quantize_rows(x, xq, xd, xs)
+        else:
+            quantize_rows2(x, xq, xd, xs, None, whole)
         out.append((xq, xd, xs, w.xs_group))
     return out
 
@@ -95,6 +99,8 @@ def test_cell(monkeypatch, isa, scheme, m, fmt, threads):
     decode = m <= int8.SMALL
     rule = scheme if decode or scheme == "int8" else "int8x2"  # past 16 rows int8o multiplies two full digits
     k_quant = fmt.startswith(("Q4_K", "Q6_K"))
+    if rule == "int8x2" and not decode and k_quant and cpu.FACTS[isa].whole_k:  # avx2's K-quant prefill
+        rule = "int8x2/256"
 
     @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(
@@ -139,7 +145,7 @@ def test_cell(monkeypatch, isa, scheme, m, fmt, threads):
             if threads > 1:
                 assert all(p.threads == threads for p in (f.parts if isinstance(f, mm.Pieces) else [f]))
         else:
-            got = _prefill_digits(x, tw, D)
+            got = _prefill_digits(x, tw, D, rule == "int8x2/256")
         for xq, xd, xs, group in got:  # each piece's digits: the rule's, bit for bit
             assert np.array_equal(xq, qr), f"{isa} {rule}: q differs in {np.count_nonzero(xq != qr)} values"
             assert np.array_equal(xd, dr), f"{isa} {rule}: d differs in {np.count_nonzero(xd != dr)} blocks"

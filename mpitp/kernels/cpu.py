@@ -34,6 +34,11 @@ class Facts:
     tiles_from: int | None  # rows of x from which AMX's tile kernels take a call (decode too)
     baseline: bool  # compiled for the baseline x86-64 (SSE2), not for the host CPU
     f16c: bool  # float16 widened by vcvtph2ps (else integer moves); a float16 KV cache's core
+    # prefill's two digits against K-quants: x a scale per super-block of 256, each block's
+    # sums scaled by the weights' integer sub-block scales in avx2's vpmaddwd (which multiplies
+    # by 1 otherwise) and added as integers, one conversion a super-block (int8.whole); VNNI's
+    # sums come out in int32 with no free multiply to fold a scale into
+    whole_k: bool = False
 
 
 WIDE_ROWS = 4  # avx512's 16 lanes from this many rows of x (1 row: 25 GB/s with 8 lanes, 20 with 16, Zen 4)
@@ -41,7 +46,7 @@ FACTS = {
     "amx": Facts("avx512", "vnni", 16, 8, False, True),
     "avx512": Facts("avx512", "vnni", 8, None, False, True),
     "vnni": Facts("vnni", "vnni", 16, None, False, True),
-    "avx2": Facts("avx2", "avx2", 8, None, False, True),  # 16 rows' accumulators spill its 16 registers
+    "avx2": Facts("avx2", "avx2", 8, None, False, True, True),  # 16 rows' accumulators spill its 16 registers
     "portable": Facts("portable", "portable", 16, None, True, False),
 }
 # Linux's arch_prctl: ask for the AMX tile data state (XFEATURE_XTILEDATA), which a process

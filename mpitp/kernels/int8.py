@@ -52,12 +52,13 @@ def pointer(a) -> int:
 
 
 def kernels(
-    kind: str, digits: int = 1, isa: str | None = None, group: int = 32, outliers: bool = False
+    kind: str, digits: int = 1, isa: str | None = None, group: int = 32, outliers: bool = False, whole: bool = False
 ) -> dict[int, Any]:
     """The compiled kernels of one weight kind, digits of x and scale group, by row count
-    (``outliers``: the second digit is x's outliers, multiplied only where there are any)."""
+    (``outliers``: the second digit is x's outliers, multiplied only where there are any;
+    ``whole``: x a scale per super-block, :func:`whole`)."""
     isa = isa or cpu.isa()
-    extra = (True,) if outliers else ()
+    extra = (False, True) if whole else (True,) if outliers else ()
     tiles_from = cpu.FACTS[isa].tiles_from  # amx: from 8 rows of x on the tiles (docs/measurements.md)
     vector = [r for r in KERNEL_ROWS if tiles_from is None or r < tiles_from]
     out = dict(zip(vector, jit.functions([(kind, lanes(isa, r), r, digits, group) + extra for r in vector])))
@@ -89,11 +90,22 @@ def chunk(isa: str, digits: int = 1, K: int = 0) -> int:
 AMX_WIDE_K = 1024
 
 
+def whole(fmt: str, digits: int, isa: str) -> bool:
+    """Whether prefill multiplies weights of layout ``fmt`` with x's two digits a scale per
+    super-block of 256 (:func:`.quantize.quantize_rows2`'s ``whole``, ggml's Q8_K grouping)
+    and kernels that add a super-block's sums as integers: K-quants on avx2
+    (:attr:`.cpu.Facts.whole_k`; Q4_K ~8%, Q6_K ~20% fewer cycles on a Xeon, where the
+    conversion and two multiply-adds a block, row and digit were ~15% of the instructions).
+    x keeps ~15 bits a super-block: its error ~1.5e-5 of the super-block's largest value,
+    where a scale per 32 keeps it of each block's."""
+    return digits == 2 and cpu.FACTS[isa].whole_k and fmt.removesuffix("h") in ("q4k", "q6k")
+
+
 def prefill_kernel(kind: str, digits: int, isa: str, group: int, K: int = 0):
     """The kernel prefill calls for :func:`chunk` rows of x: AMX's where ``isa`` is amx."""
     if isa == "amx":
         return jit.functions([(kind, "amx", chunk(isa, digits, K), digits, group)])[0]
-    return kernels(kind, digits, isa, group, False)[chunk(isa)]
+    return kernels(kind, digits, isa, group, False, whole(kind, digits, isa))[chunk(isa)]
 
 
 def prefill_kernels(kind: str, digits: int, isa: str, group: int, K: int = 0) -> np.ndarray:
@@ -113,7 +125,7 @@ def _prefill_kernels(kind: str, digits: int, isa: str, group: int, wide_k: bool)
     rows = chunk(isa, digits, K)
     out = np.full(rows + 1, address(prefill_kernel(kind, digits, isa, group, K)), np.int64)
     if isa != "amx":
-        k = kernels(kind, digits, isa, group, False)
+        k = kernels(kind, digits, isa, group, False, whole(kind, digits, isa))
         for m in range(1, rows):
             out[m] = address(k[rows_for(m)])
         out[0] = 1  # a tail may go in powers of two (parallel._span)
@@ -261,7 +273,7 @@ def matmul(x2: np.ndarray, w: TiledWeight, isa: str | None = None) -> np.ndarray
     if D == 1:
         quantize_rows(x2, xq, xd, xs)
     else:
-        quantize_rows2(x2, xq, xd, xs, isa)
+        quantize_rows2(x2, xq, xd, xs, isa, whole(w.fmt, D, isa))
     Y = np.empty((M, T * ROWS), np.float32)
     n = parallel.threads()
     if n > 1 and T * nb < n * parallel.MIN_WORK:
@@ -300,7 +312,8 @@ def warm(kind: str, digits: int = 1, group: int = 32, outliers: bool = False) ->
     for K in (AMX_WIDE_K, AMX_WIDE_K + 1):  # both of amx's chunks, and the tails' kernels
         prefill_kernels(kind, digits, cpu.isa(), group, K)
     if digits == 2:
-        two_digit_quantizer()
+        two_digit_quantizer()  # decode's (int8x2), and prefill's
+        two_digit_quantizer(None, whole(kind, digits, cpu.isa()))
         return
     x = np.zeros((1, 32), np.float32)
     for sums in (1, 2):  # one digit's numba quantizer, sums per 32 and per 16 (q6k)

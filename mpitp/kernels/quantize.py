@@ -19,7 +19,7 @@ import numpy as np
 from numba import njit
 
 from . import cpu, jit
-from .ir.quantize import LIMIT, OUTLIERS, TWO_DIGITS  # noqa: F401  (LIMIT: int8o's rule, read by tests)
+from .ir.quantize import LIMIT, OUTLIERS, TWO_DIGITS, WHOLE  # noqa: F401  (LIMIT: int8o's rule, read by tests)
 
 # no fastmath: x · (1/d) must round as the reference does, not become x / d
 EXACT = dict(cache=True, nogil=True, boundscheck=False)
@@ -82,9 +82,10 @@ def outlier_quantizer(isa: str | None = None):
     return _binder(OUTLIERS, isa)
 
 
-def two_digit_quantizer(isa: str | None = None):
-    """As :func:`outlier_quantizer`, int8x2's two digits (:func:`quantize_rows2`)."""
-    return _binder(TWO_DIGITS, isa)
+def two_digit_quantizer(isa: str | None = None, whole: bool = False):
+    """As :func:`outlier_quantizer`, int8x2's two digits (:func:`quantize_rows2`; ``whole``:
+    each digit's scale shared by a super-block of 256)."""
+    return _binder(WHOLE if whole else TWO_DIGITS, isa)
 
 
 def _binder(name: str, isa: str | None):
@@ -92,6 +93,8 @@ def _binder(name: str, isa: str | None):
 
     def bind(xq: np.ndarray, xd: np.ndarray, xs: np.ndarray):
         K = xq.shape[1]
+        if name == WHOLE and K % 256:
+            raise ValueError(f"x's scales per 256 need K a multiple of 256, not {K}")
         fixed = (xq.ctypes.data, xd.ctypes.data, xs.ctypes.data)
         halves = int(xs.shape[1] != K // 32)
 
@@ -111,13 +114,16 @@ def _binder(name: str, isa: str | None):
     return bind
 
 
-def quantize_rows2(x, xq, xd, xs, isa: str | None = None) -> None:
+def quantize_rows2(x, xq, xd, xs, isa: str | None = None, whole: bool = False) -> None:
     """Two digits: row i of x -> xq rows 2i (x's blocks as one digit quantizes them) and
     2i+1 (what is left, x - d·q in float32, quantized the same way); xd the two digits'
     scales, xs[2i] the sum over both digits (per 32, or per 16 where xs has K/16 columns).
-    Compiled from IR (:mod:`.ir.quantize`): xq, xd and xs C-contiguous."""
+    ``whole``: each digit's scale that of its super-block of 256 values (the largest of its
+    8 blocks' amax / 127; xd still a scale a block, the 8 equal), as ggml's Q8_K: what the
+    avx2 K-quant prefill kernels multiply. Compiled from IR (:mod:`.ir.quantize`): xq, xd
+    and xs C-contiguous."""
     _check(xq, xd, xs)
-    two_digit_quantizer(isa)(xq, xd, xs)(x)
+    two_digit_quantizer(isa, whole)(xq, xd, xs)(x)
 
 
 def _check(*buffers) -> None:

@@ -50,6 +50,22 @@ def k_scales(e: Body, fmt: str, isa: str, half: bool) -> tuple[list[str], list[t
     return dvs, [(e(f"fmul {F} {dv}, {m32}"), h) for h, dv in enumerate(dvs)]
 
 
+def k_int_scales(e: Body, fmt: str, half: bool) -> tuple[str, list[str]]:
+    """The K-quants' integer scales for avx2's ``vpmaddwd``: (the super-block's d of each
+    row of the step, one <16 x i16> a scale group: lanes 2c and 2c+1 hold row c's scale, as
+    ``vpmaddubsw`` leaves row c's pair sums): q4k one (unsigned, 6 bits), q6k two (signed:
+    k 0-15, 16-31)."""
+    raw = load(e, "<16 x i8>", "%d", e(f"shl i64 {e.tiles[0][0]}, 4", "ko"))
+    twice = idx([c // 2 for c in range(16)])
+    out = []
+    for h in (0, 1) if fmt == "q6k" else (0,):
+        v = e(f"shufflevector <16 x i8> {raw}, <16 x i8> poison, {idx(range(8 * h, 8 * h + 8))}")
+        w = e(f"{'sext' if fmt == 'q6k' else 'zext'} <8 x i8> {v} to <8 x i16>")
+        out.append(e(f"shufflevector <8 x i16> {w}, <8 x i16> poison, {twice}"))
+    dd = scales(e, "avx2", "%m", offset_at(e, 4 if fmt == "q4k" else 3, 0, 1), half)
+    return dd, out
+
+
 def q6_quants(e: Body) -> list[str]:
     """q6k: the 8 vectors of this block's unsigned 6-bit quants (0..63), low 4 bits from
     the nibble vectors 0-3, high 2 bits from vectors 4-5."""

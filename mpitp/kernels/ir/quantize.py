@@ -19,6 +19,12 @@ int8x2 (``TWO_DIGITS``)::
     d2, q2 = Q8_0 of v - d·q             -> xq row 2i+1   (x - d·q: a multiply, then a subtract)
     xs[2i] as above
 
+and ``WHOLE``, int8x2 with each digit's scale shared by a super-block of 256 values (8
+blocks; ggml's Q8_K groups x so for its K-quants), for the avx2 K-quant kernels that add a
+super-block's sums as integers (:func:`.vector.kernel` with ``whole``): d = the 8 blocks'
+largest amax / 127, and the same for what the first digit leaves; xd still holds a scale a
+block (8 equal ones), so every other kernel reads it as it reads int8x2's. K a multiple of 256.
+
 q = round(v / d) as ggml rounds it (half away from zero), bit for bit the one-digit
 quantizer's: trunc(2t) - trunc(t) for t = v·(1/d) (:func:`_round`).
 
@@ -37,7 +43,8 @@ from __future__ import annotations
 from .build import Body, idx, loop_end, loop_top, splat, tree
 
 LIMIT = 4.0  # an outlier: |x| above LIMIT times the root mean square of the rest of its block
-OUTLIERS, TWO_DIGITS = "quantize_rows_outliers", "quantize_rows2"  # the two rules, by function name
+OUTLIERS, TWO_DIGITS = "quantize_rows_outliers", "quantize_rows2"  # the rules, by function name
+WHOLE = "quantize_rows2_whole"
 SIGNATURE = "ptr %x, ptr %xq, ptr %xd, ptr %xs, i64 %M, i64 %K, i64 %halves"
 F32, F64, I32 = "<32 x float>", "<32 x double>", "<32 x i32>"
 
@@ -190,6 +197,9 @@ def _grouped(name: str, G: int = GROUP) -> str:
         absv = [e(f"call {F32} @llvm.fabs.v32f32({F32} {v})") for v in vs]
         amax = _across(e, absv, "float", "max")
         GF = f"<{G} x float>"
+        if name == WHOLE:  # one scale for the G = 8 blocks: their largest amax in every lane
+            top = e(f"insertelement {GF} poison, float {tree(e, amax, G, 'float', 'max')}, i64 0")
+            amax = e(f"shufflevector {GF} {top}, {GF} poison, <{G} x i32> zeroinitializer")
         d = e(f"fdiv {GF} {amax}, {splat('float', G, '127.0')}")
         nz = e(f"fcmp une {GF} {d}, zeroinitializer")
         ones = splat("float", G, "1.0")
@@ -205,12 +215,12 @@ def _grouped(name: str, G: int = GROUP) -> str:
             q8, pq = e(f"trunc {I32} {q} to <32 x i8>"), e(f"getelementptr i8, ptr %xq, i64 {o}")
             e.do(f"store <32 x i8> {q8}, ptr {pq}, align 1")
             qs.append(q)
-            if not which and name == TWO_DIGITS:  # what the digit leaves: x - d·q, a multiply then a subtract (no fma)
+            if not which and name != OUTLIERS:  # what the digit leaves: x - d·q, a multiply then a subtract (no fma)
                 dj = e(f"shufflevector {GF} {d}, {GF} poison, <32 x i32> {splat('i32', 32, j)}")
                 dq = e(f"fmul {F32} {dj}, {e(f'sitofp {I32} {q} to {F32}')}")
                 rest.append(e(f"fsub {F32} {v}, {dq}"))
         digits.append((d, qs))
-        vs = rest if name == TWO_DIGITS else outs
+        vs = outs if name == OUTLIERS else rest
     e.do("%gd1o = mul i64 %gr1, %nb")
     e.do("%gd1o_b = add i64 %gd1o, %gb")
     e.do("%gd2o_b = add i64 %gd1o_b, %nb")
@@ -259,8 +269,10 @@ gnext:
 
 
 def module(name: str = OUTLIERS) -> tuple[str, str]:
-    """(name, IR text) of the quantizer ``name``: OUTLIERS (int8o) or TWO_DIGITS (int8x2)."""
-    if name not in (OUTLIERS, TWO_DIGITS):
+    """(name, IR text) of the quantizer ``name``: OUTLIERS (int8o), TWO_DIGITS (int8x2) or
+    WHOLE (int8x2 a scale per 256; its block-at-a-time tail, for K/32 mod 8 blocks, never
+    runs: :func:`.quantize.quantize_rows2` asks for it only where K is a multiple of 256)."""
+    if name not in (OUTLIERS, TWO_DIGITS, WHOLE):
         raise ValueError(f"no quantizer {name!r}")
     e = Body()
     e.do("%xrow = mul i64 %i, %K")

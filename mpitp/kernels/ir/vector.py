@@ -34,6 +34,9 @@ step of avx2 never saturates and all three give the same integers)::
     portable  (zext w · sext x) as i16, neighbours added twice -> <8 x i32>
 
 q8's weights are signed: the unsigned operand is |w| and x takes w's sign (ggml's trick).
+On avx2, K-quants against x's two digits a scale per super-block (prefill: ``whole``) put
+the integer sub-block scales where the 1 is in ``vpmaddwd`` and sum a super-block in int32
+(:func:`_whole`).
 
 ``avx512`` takes two tiles a step, 16 output rows in the 16 lanes of 512-bit vectors (each
 tile's 256-bit loads joined, so the tiles' layout is the same): one broadcast of x and one
@@ -43,7 +46,7 @@ is paired with itself and its second half stored nowhere.
 
 from __future__ import annotations
 
-from .blocks import k_scales, parse, q6_quants, scales
+from .blocks import k_int_scales, k_scales, parse, q6_quants, scales
 from .build import UNLIKELY, Body, bcast, chain, idx, load, offset_at, per_tile, splat
 from .frame import any_outlier, frame
 
@@ -126,14 +129,21 @@ def prefetch(e: Body, fmt: str, far: bool = True) -> None:
                 e.do(f"call void @llvm.prefetch.p0(ptr {p}, i32 0, i32 {level}, i32 1)")
 
 
-def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = False) -> tuple[str, str]:
+def kernel(
+    fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = False, whole: bool = False
+) -> tuple[str, str]:
     """(name, IR text) of the kernel for R rows of x over whole tiles of 8 output rows,
     each row of x held as D int8 digits (xq rows D·r + j; xs in row D·r), the weights
     with a scale per G = 32 weights (or 16: q8 only, d [T, K/16, 8]). ``sparse``: the
     second digit holds x's outliers (:func:`.quantize.quantize_rows_outliers`), zero in most
     blocks, and is multiplied only in blocks where some row's is not (a branch per block;
-    up to SEGMENT_ROWS rows, after a loop over each run of blocks without one: frame())."""
-    name = f"{fmt}_{isa}_r{R}_d{D}_g{G}" + ("_o" if sparse else "")
+    up to SEGMENT_ROWS rows, after a loop over each run of blocks without one: frame()).
+    ``whole``: avx2's K-quant kernel for x two digits a scale per super-block (:func:`_whole`)."""
+    name = f"{fmt}_{isa}_r{R}_d{D}_g{G}" + ("_o" if sparse else "") + ("_s" if whole else "")
+    if whole:
+        if isa != "avx2" or sparse or G != 32:
+            raise ValueError(f"no int8 kernel for {name}")
+        return name, _whole(name, fmt, R, D)
     fmt, implied, half = parse(fmt)
     known = fmt in ("q4", "q8", "q4k", "q6k") and isa in ("avx512", "vnni", "avx2", "portable") and D in (1, 2)
     if (
@@ -223,6 +233,87 @@ def kernel(fmt: str, isa: str, R: int, D: int = 1, G: int = 32, sparse: bool = F
             e.do(f"%acc{r}_n = phi {F} [%acc{r}_a, %blk], [%acc{r}_s, %sparse]")
         latch = "join"
     return name, frame(name, e, R, D, latch)
+
+
+def _whole(name: str, fmt: str, R: int, D: int) -> str:
+    """avx2's K-quant kernel for x with one scale per super-block and digit (``whole``:
+    :func:`.quantize.quantize_rows2` with ``whole``): each block's sums scaled by the
+    weights' integer sub-block scales in ``vpmaddwd`` (where the others multiply by 1) and
+    added as integers over the super-block; one conversion and multiply-add a row and digit
+    per super-block, where the others take one a block::
+
+        ia[r, j] += vpmaddwd(Σ vpmaddubsw(w, xq[r, j]), sc)        every block (int32)
+        acc[r]   += mins(r)                                        every block (float)
+        acc[r]   += float(ia[r, j]) · (d · xd[r, j]); ia = 0        each super-block's last block
+    """
+    fmt, _, half = parse(fmt)
+    if fmt not in ("q4k", "q6k") or D != 2:
+        raise ValueError(f"no int8 kernel for {name}")
+    e = Body(8)
+    F, I = e.F, e.I
+    for r in range(R):
+        e.do(f"%acc{r} = phi {F} [zeroinitializer, %tile], [%acc{r}_n, %kjoin]")
+        for j in range(D):
+            e.do(f"%ia{r}_{j} = phi {I} [zeroinitializer, %tile], [%ia{r}_{j}_n, %kjoin]")
+    e.do("%xb = shl i64 %b, 5")
+    e.do("%b20 = shl i64 %b, 1")
+    e.do("%b21 = add i64 %b20, 1")
+    e.do("%bs = lshr i64 %b, 3")
+    e.do("%ts = add i64 %tS, %bs")
+    e.do("%tb = add i64 %tnb, %b")
+    for g in range(8):
+        e.do(f"%xo{g} = add i64 %xb, {4 * g}")
+    _, mins = k_scales(e, fmt, "avx2", half)
+    dd, sc16 = k_int_scales(e, fmt, half)
+    u: list[str] = []
+    if fmt == "q4k":
+        hi = []
+        for g in range(4):
+            v = per_tile(e, "<32 x i8>", "%qs", offset_at(e, 7, 32 * g))
+            u.append(e(f"and <32 x i8> {v}, {splat('i8', 32, 15)}"))
+            hi.append(e(f"lshr <32 x i8> {v}, {splat('i8', 32, 4)}"))
+        u += hi
+    else:
+        u = q6_quants(e)
+    for r in range(R):
+        for j in range(D):
+            xs = _xgroups(e, f"%xrow{r}_{j}")
+            isum = None
+            per = 8 if fmt == "q4k" else 2  # groups summed in int16 before vpmaddwd (< 2^15)
+            for g0 in range(0, 8, per):
+                p16 = None
+                for g in range(g0, g0 + per):
+                    p = e(f"call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {u[g]}, <32 x i8> {xs[g]})")
+                    p16 = p if p16 is None else e(f"add <16 x i16> {p16}, {p}")
+                sc = sc16[g0 // 4] if fmt == "q6k" else sc16[0]
+                part = e(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {p16}, <16 x i16> {sc})")
+                isum = part if isum is None else e(f"add <8 x i32> {isum}, {part}")
+            e.do(f"%ia{r}_{j}_a = add {I} %ia{r}_{j}, {isum}")
+        terms = []
+        for mv, h in mins:
+            if h < 0:
+                xsum = load(e, "float", "%xs", e(f"add i64 %xdrow{r}_0, %b", "xb"), "float")
+            else:
+                xsum = load(e, "float", "%xs", e(f"add i64 %xsrow{r}, %b2{h}", "xb"), "float")
+            terms.append((mv, bcast(e, xsum)))
+        chain(e, f"%acc{r}", terms, f"%acc{r}_a")
+    e.do("%b7 = and i64 %b, 7")
+    e.do("%sbend = icmp eq i64 %b7, 7")
+    e.do("br i1 %sbend, label %kflush, label %kjoin")
+    e.lines.append("kflush:")
+    for r in range(R):
+        terms = []
+        for j in range(D):
+            xd = bcast(e, load(e, "float", "%xd", e(f"add i64 %xdrow{r}_{j}, %b", "xb"), "float"))
+            terms.append((e(f"sitofp {I} %ia{r}_{j}_a to {F}"), e(f"fmul {F} {dd}, {xd}")))
+        chain(e, f"%acc{r}_a", terms, f"%acc{r}_f")
+    e.do("br label %kjoin")
+    e.lines.append("kjoin:")
+    for r in range(R):
+        e.do(f"%acc{r}_n = phi {F} [%acc{r}_a, %blk], [%acc{r}_f, %kflush]")
+        for j in range(D):
+            e.do(f"%ia{r}_{j}_n = phi {I} [%ia{r}_{j}_a, %blk], [zeroinitializer, %kflush]")
+    return frame(name, e, R, D, "kjoin")
 
 
 def _block_isum(e: Body, fmt: str, isa: str, u: list[str], w: list[str], xs: list[str], groups=range(8)) -> str:
