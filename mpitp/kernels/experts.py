@@ -135,3 +135,14 @@ def run(x, top, w, y, slot, gptrs, gkern, gfixed, gxe, gout, dptrs, dkern, dfixe
             r, wt = rows[i], w[rows[i], slots[i]]
             for c in range(y.shape[1]):
                 y[r, c] += out[i, c] * wt
+
+
+@njit(**EXACT)
+def combine(y, rows, out, wt) -> None:
+    """``y[rows] += out · wt[:, None]`` (rows distinct) in one pass, NumPy's bits (the product
+    rounded, then the sum): a prefill's experts' outputs, where NumPy's fancy ``+=`` made a
+    product, a gather and a scatter of every row (~12 ms a layer of a 512-token prompt)."""
+    for i in range(rows.shape[0]):
+        r, v = rows[i], wt[i]
+        for c in range(y.shape[1]):
+            y[r, c] += out[i, c] * v

@@ -16,7 +16,8 @@ The result equals the float64 product of the dequantized int8 x and the weights 
 float32 summation order (tests/test_int8.py).
 
 int8o (one digit, the outliers apart) holds in decode, up to 16 rows a call. Past 16 rows
-(prefill) its weights are multiplied with two full digits, as int8x2: on real activations
+(prefill) its weights are multiplied with two full digits, as int8x2 (on avx2 against
+K-quants each digit's scale per super-block of 256: :func:`whole`): on real activations
 the union of a chunk's outliers covers most blocks (the default model: 58% of blocks at
 K = 576, 98% at K = 1536, for some row of 8), so the outlier digit was multiplied nearly
 everywhere already and two digits cost no more (measured: prefill faster, docs/

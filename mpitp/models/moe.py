@@ -152,7 +152,8 @@ class SparseMoE:
     def _held_experts(self, x, top, w):
         """Σ over this rank's experts e and the rows routed to e of w · e(x): [N, H]."""
         y = self.xp.zeros_like(x)
-        if type(x) is np.ndarray and x.dtype == np.float32 and (group := self._grouped()) is not None:
+        host = type(x) is np.ndarray and x.dtype == np.float32
+        if host and (group := self._grouped()) is not None:
             if x.shape[0] <= group.ROWS:  # the loop below in one compiled call (decode steps); it
                 group(x, top, w, y)  # gathers each expert's rows itself, so x may be a view
                 return y
@@ -161,7 +162,13 @@ class SparseMoE:
             if expert is None:  # another rank's (ep)
                 continue
             rows, slot = self.xp.nonzero(top == e)  # the rows routed to e, each once
-            y[rows] += self._expert(e, expert, x[rows]) * w[rows, slot][:, None]
+            out = self._expert(e, expert, x[rows])
+            if host and out.dtype == np.float32:
+                from ..kernels.experts import combine  # numba's: imported where it runs
+
+                combine(y, rows, out, np.ascontiguousarray(w[rows, slot]))
+            else:
+                y[rows] += out * w[rows, slot][:, None]
         return y
 
     def _dispatched(self, x, top, w):
