@@ -66,6 +66,18 @@ def k_int_scales(e: Body, fmt: str, half: bool) -> tuple[str, list[str]]:
     return dd, out
 
 
+def q4_quants(e: Body) -> list[str]:
+    """q4, q4k: the 8 vectors of this block's unsigned 4-bit quants (0..15), the low nibbles
+    of its 4 byte vectors, then their high nibbles."""
+    B, n = e.B, 4 * e.V
+    lo, hi = [], []
+    for g in range(4):
+        v = per_tile(e, "<32 x i8>", "%qs", offset_at(e, 7, 32 * g))
+        lo.append(e(f"and {B} {v}, {splat('i8', n, 15)}"))
+        hi.append(e(f"lshr {B} {v}, {splat('i8', n, 4)}"))
+    return lo + hi
+
+
 def q6_quants(e: Body) -> list[str]:
     """q6k: the 8 vectors of this block's unsigned 6-bit quants (0..63), low 4 bits from
     the nibble vectors 0-3, high 2 bits from vectors 4-5."""

@@ -46,7 +46,7 @@ is paired with itself and its second half stored nowhere.
 
 from __future__ import annotations
 
-from .blocks import k_int_scales, k_scales, parse, q6_quants, scales
+from .blocks import k_int_scales, k_scales, parse, q4_quants, q6_quants, scales
 from .build import UNLIKELY, Body, bcast, chain, idx, load, offset_at, per_tile, splat
 from .frame import any_outlier, frame
 
@@ -186,12 +186,7 @@ def kernel(
     u, w = [], []
     B = e.B
     if fmt in ("q4", "q4k"):
-        hi = []
-        for g in range(4):
-            v = per_tile(e, "<32 x i8>", "%qs", offset_at(e, 7, 32 * g))
-            u.append(e(f"and {B} {v}, {splat('i8', 4 * e.V, 15)}"))
-            hi.append(e(f"lshr {B} {v}, {splat('i8', 4 * e.V, 4)}"))
-        u += hi
+        u = q4_quants(e)
     elif fmt == "q6k":
         u = q6_quants(e)
     else:
@@ -265,16 +260,7 @@ def _whole(name: str, fmt: str, R: int, D: int) -> str:
         e.do(f"%xo{g} = add i64 %xb, {4 * g}")
     _, mins = k_scales(e, fmt, "avx2", half)
     dd, sc16 = k_int_scales(e, fmt, half)
-    u: list[str] = []
-    if fmt == "q4k":
-        hi = []
-        for g in range(4):
-            v = per_tile(e, "<32 x i8>", "%qs", offset_at(e, 7, 32 * g))
-            u.append(e(f"and <32 x i8> {v}, {splat('i8', 32, 15)}"))
-            hi.append(e(f"lshr <32 x i8> {v}, {splat('i8', 32, 4)}"))
-        u += hi
-    else:
-        u = q6_quants(e)
+    u = q4_quants(e) if fmt == "q4k" else q6_quants(e)
     for r in range(R):
         for j in range(D):
             xs = _xgroups(e, f"%xrow{r}_{j}")
