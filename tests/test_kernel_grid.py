@@ -5,7 +5,8 @@ Q6_K layer) × threads (1, 2). Hypothesis varies only the shapes and the data in
 
 Each cell is held to two independent references (tests/int8_reference.py):
 - the digits the kernels multiplied (the bound decode buffers, or prefill's quantizer)
-  equal a NumPy statement of the rule bit for bit (amax, the cut, outliers);
+  equal a NumPy statement of the rule bit for bit (amax, the cut, outliers; avx2's K-quant
+  prefill: two digits a scale per super-block of 256);
 - y within 1e-5 · max|y| of the float64 product of those digits and the ``gguf``
   package's dequantization of the file's blocks.
 int8o's cells put outliers in some blocks and none in others, so its sparse digit's
