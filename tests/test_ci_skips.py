@@ -29,6 +29,7 @@ OWN = {
     "the seed's example has exactly 8 ranks",
     "x86 kernels",
     "no AMX on this CPU",
+    "no AVX2 on this CPU",
     "numba's pool has {} threads",  # a one-core machine (2 threads: the grid's cells; more: test_int8.py)
     "Open MPI's mpiexec SIGKILLs the ranks < 0.5 s after forwarding SIGTERM and exits 1",
 }
