@@ -111,7 +111,7 @@ def run(x, top, w, y, slot, gptrs, gkern, gfixed, gxe, gout, dptrs, dkern, dfixe
             if e >= 0:
                 chosen[e] = True
     rows = np.empty(N, np.int64)
-    slots = np.empty(N, np.int64)
+    wts = np.empty(N, w.dtype)
     H = x.shape[1]
     for e in range(E):
         s = slot[e]
@@ -121,7 +121,7 @@ def run(x, top, w, y, slot, gptrs, gkern, gfixed, gxe, gout, dptrs, dkern, dfixe
         for r in range(N):
             for j in range(k):
                 if top[r, j] == e:
-                    rows[m], slots[m] = r, j
+                    rows[m], wts[m] = r, w[r, j]
                     m += 1
         I2, inter = gfixed[s, 7], dfixed[s, 8]  # its gate_up's outputs, its down's inputs
         xe, gu = gxe[: m * H].reshape(m, H), gout[: m * I2].reshape(m, I2)
@@ -131,10 +131,7 @@ def run(x, top, w, y, slot, gptrs, gkern, gfixed, gxe, gout, dptrs, dkern, dfixe
         _matmul(xe, m, gptrs, s, gkern, gfixed, gu)
         swiglu(gu, act)
         _matmul(act, m, dptrs, s, dkern, dfixed, out)
-        for i in range(m):
-            r, wt = rows[i], w[rows[i], slots[i]]
-            for c in range(y.shape[1]):
-                y[r, c] += out[i, c] * wt
+        combine(y, rows[:m], out, wts[:m])
 
 
 @njit(**EXACT)

@@ -95,8 +95,8 @@ def whole(fmt: str, digits: int, isa: str) -> bool:
     """Whether prefill multiplies weights of layout ``fmt`` with x's two digits a scale per
     super-block of 256 (:func:`.quantize.quantize_rows2`'s ``whole``, ggml's Q8_K grouping)
     and kernels that add a super-block's sums as integers: K-quants on avx2
-    (:attr:`.cpu.Facts.whole_k`; Q4_K ~8%, Q6_K ~20% fewer cycles on a Xeon, where the
-    conversion and two multiply-adds a block, row and digit were ~15% of the instructions).
+    (:attr:`.cpu.Facts.whole_k`; on a Xeon Q4_K 4-8%, Q6_K 15-23% faster, where the
+    conversion, multiply and multiply-add a block, row and digit were ~15% of the work).
     x keeps ~15 bits a super-block: its error ~1.5e-5 of the super-block's largest value,
     where a scale per 32 keeps it of each block's."""
     return digits == 2 and cpu.FACTS[isa].whole_k and fmt.removesuffix("h") in ("q4k", "q6k")

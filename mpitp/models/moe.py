@@ -157,6 +157,8 @@ class SparseMoE:
             if x.shape[0] <= group.ROWS:  # the loop below in one compiled call (decode steps); it
                 group(x, top, w, y)  # gathers each expert's rows itself, so x may be a view
                 return y
+        if host:
+            from ..kernels.experts import combine  # numba's: imported where it runs
         for e in self.xp.unique(top).tolist():  # the experts some row chose, each once
             expert = self.experts.get(e)
             if expert is None:  # another rank's (ep)
@@ -164,9 +166,7 @@ class SparseMoE:
             rows, slot = self.xp.nonzero(top == e)  # the rows routed to e, each once
             out = self._expert(e, expert, x[rows])
             if host and out.dtype == np.float32:
-                from ..kernels.experts import combine  # numba's: imported where it runs
-
-                combine(y, rows, out, np.ascontiguousarray(w[rows, slot]))
+                combine(y, rows, out, w[rows, slot])
             else:
                 y[rows] += out * w[rows, slot][:, None]
         return y

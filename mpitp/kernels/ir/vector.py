@@ -160,16 +160,7 @@ def kernel(
     for r in range(R):  # (a segmented kernel's loop is the frame's: its phis are there)
         if not segments:
             e.do(f"%acc{r} = phi {F} [zeroinitializer, %tile], [%acc{r}_n, %{'join' if sparse else 'blk'}]")
-    e.do("%xb = shl i64 %b, 5")
-    e.do("%b20 = shl i64 %b, 1")  # x's sums per 16 of this block: 2b, 2b + 1
-    e.do("%b21 = add i64 %b20, 1")
-    e.do("%bs = lshr i64 %b, 3")  # its super-block (K-quants)
-    for j, (tb, ts) in enumerate(e.tiles):
-        sfx = f"_{j}" if j else ""
-        e.do(f"{ts} = add i64 %tS{sfx}, %bs")
-        e.do(f"{tb} = add i64 %tnb{sfx}, %b")  # (tile, block) index
-    for g in range(8):
-        e.do(f"%xo{g} = add i64 %xb, {4 * g}" if g else "%xo0 = add i64 %xb, 0")
+    _block_indices(e)
     if R <= PREFETCH_ROWS or sparse:
         prefetch(e, fmt)
     mins: list[tuple[str, int]] = []  # (minimum vector, which per-16 sum of x: 0/1; -1 per 32)
@@ -197,14 +188,7 @@ def kernel(
     main = 1 if sparse else D  # digits every block multiplies; the sparse one only where x has one
     for r in range(R):
         terms = [t for j in range(main) for t in _digit_terms(e, fmt, isa, u, w, dvs, r, j)]
-        for mv, h in mins:
-            if h < 0:  # x's sum per 32: xs [R·D, nb]
-                xsum = load(e, "float", "%xs", e(f"add i64 %xdrow{r}_0, %b", "xb"), "float")
-            else:  # per 16: xs [R·D, 2·nb]
-                at = e(f"add i64 %xsrow{r}, %b2{h}", "xb")
-                xsum = load(e, "float", "%xs", at, "float")
-            terms.append((mv, bcast(e, xsum)))
-        chain(e, f"%acc{r}", terms, f"%acc{r}_a" if sparse else f"%acc{r}_n")
+        chain(e, f"%acc{r}", terms + _min_terms(e, mins, r), f"%acc{r}_a" if sparse else f"%acc{r}_n")
     if segments:  # the outliers' digit, zero (d = +0.0) in the blocks where no row has one:
         # multiplied after the loop over the blocks before it (the frame's segments)
         o = Body(e.V)
@@ -230,6 +214,35 @@ def kernel(
     return name, frame(name, e, R, D, latch)
 
 
+def _block_indices(e: Body) -> None:
+    """This block's offsets: x's (%xb, and its 8 groups of 4 %xo0-7), x's sums per 16 (%b20,
+    %b21), and each tile's (tile, block) and (tile, super-block) index."""
+    e.do("%xb = shl i64 %b, 5")
+    e.do("%b20 = shl i64 %b, 1")  # x's sums per 16 of this block: 2b, 2b + 1
+    e.do("%b21 = add i64 %b20, 1")
+    e.do("%bs = lshr i64 %b, 3")  # its super-block (K-quants)
+    for j, (tb, ts) in enumerate(e.tiles):
+        sfx = f"_{j}" if j else ""
+        e.do(f"{ts} = add i64 %tS{sfx}, %bs")
+        e.do(f"{tb} = add i64 %tnb{sfx}, %b")  # (tile, block) index
+    for g in range(8):
+        e.do(f"%xo{g} = add i64 %xb, {4 * g}" if g else "%xo0 = add i64 %xb, 0")
+
+
+def _min_terms(e: Body, mins: list[tuple[str, int]], r: int) -> list[tuple[str, str]]:
+    """(minimum vector, x's sum for it) of row r this block: per 32 (xs [R·D, nb]) or per 16
+    (xs [R·D, 2·nb])."""
+    terms = []
+    for mv, h in mins:
+        if h < 0:
+            xsum = load(e, "float", "%xs", e(f"add i64 %xdrow{r}_0, %b", "xb"), "float")
+        else:
+            at = e(f"add i64 %xsrow{r}, %b2{h}", "xb")
+            xsum = load(e, "float", "%xs", at, "float")
+        terms.append((mv, bcast(e, xsum)))
+    return terms
+
+
 def _whole(name: str, fmt: str, R: int, D: int) -> str:
     """avx2's K-quant kernel for x with one scale per super-block and digit (``whole``:
     :func:`.quantize.quantize_rows2` with ``whole``): each block's sums scaled by the
@@ -250,14 +263,7 @@ def _whole(name: str, fmt: str, R: int, D: int) -> str:
         e.do(f"%acc{r} = phi {F} [zeroinitializer, %tile], [%acc{r}_n, %kjoin]")
         for j in range(D):
             e.do(f"%ia{r}_{j} = phi {I} [zeroinitializer, %tile], [%ia{r}_{j}_n, %kjoin]")
-    e.do("%xb = shl i64 %b, 5")
-    e.do("%b20 = shl i64 %b, 1")
-    e.do("%b21 = add i64 %b20, 1")
-    e.do("%bs = lshr i64 %b, 3")
-    e.do("%ts = add i64 %tS, %bs")
-    e.do("%tb = add i64 %tnb, %b")
-    for g in range(8):
-        e.do(f"%xo{g} = add i64 %xb, {4 * g}")
+    _block_indices(e)
     _, mins = k_scales(e, fmt, "avx2", half)
     dd, sc16 = k_int_scales(e, fmt, half)
     u = q4_quants(e) if fmt == "q4k" else q6_quants(e)
@@ -275,14 +281,7 @@ def _whole(name: str, fmt: str, R: int, D: int) -> str:
                 part = e(f"call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {p16}, <16 x i16> {sc})")
                 isum = part if isum is None else e(f"add <8 x i32> {isum}, {part}")
             e.do(f"%ia{r}_{j}_a = add {I} %ia{r}_{j}, {isum}")
-        terms = []
-        for mv, h in mins:
-            if h < 0:
-                xsum = load(e, "float", "%xs", e(f"add i64 %xdrow{r}_0, %b", "xb"), "float")
-            else:
-                xsum = load(e, "float", "%xs", e(f"add i64 %xsrow{r}, %b2{h}", "xb"), "float")
-            terms.append((mv, bcast(e, xsum)))
-        chain(e, f"%acc{r}", terms, f"%acc{r}_a")
+        chain(e, f"%acc{r}", _min_terms(e, mins, r), f"%acc{r}_a")
     e.do("%b7 = and i64 %b, 7")
     e.do("%sbend = icmp eq i64 %b7, 7")
     e.do("br i1 %sbend, label %kflush, label %kjoin")
